@@ -1,0 +1,89 @@
+"""Exceptions raised by swarm.
+
+Every error the library raises on purpose derives from :class:`SwarmError`::
+
+    SwarmError
+    ├── ConfigError          a setting or combination of settings is invalid
+    ├── IdentityError        a key file is missing, unreadable or corrupt
+    ├── AuthError            a request, datagram or chunk failed authentication
+    │   └── ReplayError      a nonce was seen before or a timestamp is outside the window
+    ├── TransportError       an HTTP exchange with a peer failed (refused, cut, oversized)
+    ├── DHTError             a DHT operation failed or a record is invalid
+    ├── CompressionError     a payload is malformed or a tensor cannot be encoded
+    ├── AveragingError       an averaging round failed
+    │   ├── RoundTimeout     a round or a member did not finish in time
+    │   └── PeerFailed       a peer misbehaved or vanished mid-round
+    └── TrainingError        state download, checkpoint or training-loop failure
+        └── CheckpointError  a checkpoint is missing, corrupt or does not match the model
+"""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base class of every error raised on purpose by swarm."""
+
+
+class ConfigError(SwarmError, ValueError):
+    """A setting or a combination of settings is invalid."""
+
+
+class IdentityError(SwarmError):
+    """A key file is missing, unreadable or corrupt."""
+
+
+class AuthError(SwarmError):
+    """A request, datagram or body chunk failed authentication."""
+
+
+class ReplayError(AuthError):
+    """A nonce was seen before, or a timestamp is outside the accepted window."""
+
+
+class TransportError(SwarmError):
+    """An HTTP exchange with a peer failed: refused, cut, timed out or oversized."""
+
+    def __init__(self, message: str, *, peer: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+        self.status = status
+
+    def __str__(self) -> str:
+        parts = [super().__str__()]
+        if self.peer:
+            parts.append(f"peer={self.peer}")
+        if self.status is not None:
+            parts.append(f"status={self.status}")
+        return " ".join(parts)
+
+
+class DHTError(SwarmError):
+    """A DHT operation failed, or a record is invalid."""
+
+
+class CompressionError(SwarmError, ValueError):
+    """A payload is malformed or hostile, or a tensor cannot be encoded."""
+
+
+class AveragingError(SwarmError):
+    """An averaging round failed."""
+
+
+class RoundTimeout(AveragingError, TimeoutError):
+    """A round, or one member's transfer, did not finish in time."""
+
+
+class PeerFailed(AveragingError):
+    """A peer misbehaved or vanished in the middle of a round."""
+
+    def __init__(self, message: str, *, peer: str | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+
+class TrainingError(SwarmError):
+    """State download, checkpoint or training-loop failure."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint is missing, corrupt or does not match the model."""
