@@ -6,19 +6,42 @@ Membership modes:
 - ``key``: a shared secret (the swarm key). Every datagram and request carries a MAC under it, so
   peers without the key are refused before anything else is looked at.
 - ``allowlist``: only the listed Ed25519 public keys are admitted.
+
+HTTP requests (see :mod:`swarm.net.transport`) carry a :class:`RequestAuth` header: the sender's
+Ed25519 public key, its X25519 agreement key and the signature binding the two, the target peer,
+a timestamp, a 16-byte nonce, the method, path and stream cipher, all signed by the sender and,
+in a keyed swarm, MAC'd under the swarm key (checked first, so outsiders cost one HMAC). Stream
+bodies are sealed under :func:`derive_stream_key`: HKDF over the X25519 secret of the two peers,
+bound to both identities, the swarm key and the request nonce (one key per stream).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
+import math
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from swarm.errors import AuthError, ConfigError, ReplayError
+import msgpack
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from swarm.errors import AuthError, ConfigError, IdentityError, ReplayError
+from swarm.identity import (
+    PEER_ID_BYTES,
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Identity,
+    agreement_binding_message,
+    verify_signature,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +98,7 @@ class Membership:
             raise AuthError("public key is not on this swarm's allow-list")
 
     def mac(self, *parts: bytes) -> bytes:
-        """HMAC-SHA256 under the swarm key over ``parts`` (empty bytes when the swarm is not keyed)."""
+        """HMAC-SHA256 under the swarm key over ``parts`` (empty bytes in an unkeyed swarm)."""
         if self.swarm_key is None:
             return b""
         mac = hmac.new(self.swarm_key, digestmod=hashlib.sha256)
@@ -171,3 +194,195 @@ class RateLimitedWarning:
         self._last.move_to_end(source)
         while len(self._last) > self._max_sources:
             self._last.popitem(last=False)
+
+
+AUTH_HEADER = "X-Swarm-Auth"
+MAX_AUTH_HEADER_CHARS = 1024
+STREAM_KEY_BYTES = 32
+_REQUEST_CONTEXT = b"swarm/http-request/v1"
+_MAC_CONTEXT = b"swarm/http-mac/v1"
+_SALT_CONTEXT = b"swarm/stream-salt/v1"
+_KEY_CONTEXT = b"swarm/stream-key/v1"
+_MAX_PATH_CHARS = 128
+_MAX_NAME_CHARS = 32
+
+
+@dataclass(frozen=True)
+class RequestAuth:
+    """The signed ``X-Swarm-Auth`` header of one HTTP request.
+
+    ``nonce`` doubles as the stream id: the stream key and every chunk's AAD are bound to it.
+    """
+
+    public_key: bytes  # 32 B Ed25519 of the sender
+    agreement_key: bytes  # 32 B X25519 of the sender's process
+    agreement_signature: bytes  # 64 B: sender's signature binding agreement_key to public_key
+    target: bytes  # 32 B PeerID digest of the receiver, or b"" (only /ping and /info accept it)
+    timestamp: float  # sender's time.time(); refused outside the replay window
+    nonce: bytes  # 16 random bytes, never reused; the stream id
+    method: str  # "GET", "POST"
+    path: str  # "/ping", "/stream/swarm.state", ...
+    cipher: str  # AEAD of the stream body, e.g. "aes-256-gcm"
+    signature: bytes = field(repr=False)  # 64 B Ed25519 over the fields above
+    swarm_mac: bytes = field(default=b"", repr=False)  # HMAC under the swarm key, b"" when open
+
+    @classmethod
+    def create(
+        cls,
+        identity: Identity,
+        membership: Membership,
+        *,
+        target: bytes,
+        method: str,
+        path: str,
+        cipher: str,
+        timestamp: float | None = None,
+        nonce: bytes | None = None,
+    ) -> RequestAuth:
+        fields = dict(
+            public_key=identity.public_key,
+            agreement_key=identity.agreement_key,
+            agreement_signature=identity.agreement_signature,
+            target=target,
+            timestamp=float(time.time() if timestamp is None else timestamp),
+            nonce=os.urandom(NONCE_BYTES) if nonce is None else nonce,
+            method=method,
+            path=path,
+            cipher=cipher,
+        )
+        message = _REQUEST_CONTEXT + _pack_fields(fields)
+        return cls(
+            **fields,
+            signature=identity.sign(message),
+            swarm_mac=membership.mac(_MAC_CONTEXT, message),
+        )
+
+    def _fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SIGNED_FIELDS}
+
+    def encode(self) -> str:
+        """The header value: unpadded URL-safe base64 of a msgpack list."""
+        raw = msgpack.packb(
+            [*self._fields().values(), self.signature, self.swarm_mac], use_bin_type=True
+        )
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+    @classmethod
+    def decode(cls, text: str) -> RequestAuth:
+        """Parse a header value; every type and size is checked.
+
+        Raises:
+            AuthError: missing, too long, not base64, not msgpack, or wrong types/sizes.
+        """
+        if not isinstance(text, str) or not text:
+            raise AuthError(f"missing {AUTH_HEADER} header")
+        if len(text) > MAX_AUTH_HEADER_CHARS:
+            raise AuthError(f"{AUTH_HEADER} header of {len(text)} chars is too long")
+        try:
+            raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
+            values = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        except (ValueError, TypeError, binascii.Error, msgpack.UnpackException) as e:
+            raise AuthError(f"malformed {AUTH_HEADER} header ({type(e).__name__})") from e
+        if not isinstance(values, list) or len(values) != len(_SIGNED_FIELDS) + 2:
+            raise AuthError(f"malformed {AUTH_HEADER} header (wrong shape)")
+        fields = dict(zip(_SIGNED_FIELDS, values, strict=False))
+        signature, swarm_mac = values[-2:]
+        _check_fields(fields)
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            raise AuthError(f"malformed {AUTH_HEADER} header (signature)")
+        if not isinstance(swarm_mac, bytes) or len(swarm_mac) > 64:
+            raise AuthError(f"malformed {AUTH_HEADER} header (swarm MAC)")
+        return cls(**fields, signature=signature, swarm_mac=swarm_mac)
+
+    def verify(self, membership: Membership, *, method: str, path: str) -> None:
+        """Check the swarm-key MAC, the signatures, the method and the path.
+
+        The caller then checks the target, the replay window and admission (403 vs 401).
+
+        Raises:
+            AuthError: any check fails.
+        """
+        message = _REQUEST_CONTEXT + _pack_fields(self._fields())
+        membership.check_mac(self.swarm_mac, _MAC_CONTEXT, message)
+        if not verify_signature(self.public_key, self.signature, message):
+            raise AuthError("bad request signature")
+        binding = agreement_binding_message(self.public_key, self.agreement_key)
+        if not verify_signature(self.public_key, self.agreement_signature, binding):
+            raise AuthError("agreement key not signed by the sender")
+        if self.method != method or self.path != path:
+            raise AuthError(f"request signed for {self.method} {self.path}, not {method} {path}")
+
+
+_SIGNED_FIELDS = (
+    "public_key",
+    "agreement_key",
+    "agreement_signature",
+    "target",
+    "timestamp",
+    "nonce",
+    "method",
+    "path",
+    "cipher",
+)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code}")
+
+
+def _pack_fields(fields: dict[str, Any]) -> bytes:
+    return msgpack.packb(list(fields.values()), use_bin_type=True)
+
+
+def _check_fields(f: dict[str, Any]) -> None:
+    sizes = {
+        "public_key": (PUBLIC_KEY_BYTES,),
+        "agreement_key": (32,),
+        "agreement_signature": (SIGNATURE_BYTES,),
+        "target": (0, PEER_ID_BYTES),
+        "nonce": (NONCE_BYTES,),
+    }
+    for name, allowed in sizes.items():
+        if not isinstance(f[name], bytes) or len(f[name]) not in allowed:
+            raise AuthError(f"malformed {AUTH_HEADER} header ({name})")
+    ts = f["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise AuthError(f"malformed {AUTH_HEADER} header (timestamp)")
+    f["timestamp"] = float(ts)
+    limits = {"method": 8, "path": _MAX_PATH_CHARS, "cipher": _MAX_NAME_CHARS}
+    for name, limit in limits.items():
+        if not isinstance(f[name], str) or not 0 < len(f[name]) <= limit:
+            raise AuthError(f"malformed {AUTH_HEADER} header ({name})")
+
+
+def derive_stream_key(
+    identity: Identity,
+    membership: Membership,
+    *,
+    peer_public_key: bytes,
+    peer_agreement_key: bytes,
+    initiator: bool,
+    stream_id: bytes,
+    cipher: str,
+) -> bytes:
+    """The 32-byte AEAD key of one stream between this peer and another.
+
+    HKDF-SHA256 over the X25519 secret (plus the swarm key when keyed), salted with both peers'
+    Ed25519 and X25519 keys in (initiator, responder) order, with the cipher and the stream id in
+    ``info``: each stream gets a fresh key, and only the two peers (and, when keyed, only members)
+    can derive it. Both directions use this key; chunk nonces carry the direction.
+
+    Raises:
+        AuthError: the peer's agreement key is invalid (e.g. a low-order point).
+    """
+    try:
+        shared = identity.agree(peer_agreement_key)
+    except IdentityError as e:
+        raise AuthError(str(e)) from e
+    mine = identity.public_key + identity.agreement_key
+    theirs = peer_public_key + peer_agreement_key
+    ordered = mine + theirs if initiator else theirs + mine
+    salt = hashlib.sha256(_SALT_CONTEXT + ordered).digest()
+    info = _KEY_CONTEXT + cipher.encode() + b"\0" + stream_id
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=STREAM_KEY_BYTES, salt=salt, info=info)
+    return hkdf.derive(shared + (membership.swarm_key or b""))

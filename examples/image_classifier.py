@@ -1,0 +1,126 @@
+"""Train an image classifier (a small CNN with BatchNorm) with a swarm: a script to adapt.
+
+First machine:   python examples/image_classifier.py --listen 0.0.0.0:7000
+Other machines:  python examples/image_classifier.py --initial-peers FIRST_HOST:7000
+
+With torchvision installed, ``--data cifar10 --data-dir DIR`` trains on CIFAR-10 (already
+downloaded into DIR: nothing is fetched here); without it, a small synthetic image set is made
+locally (``--data synthetic``, the default, also used by the tests). Checkpoints go to
+``--checkpoint`` after every round and are resumed from when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import torch
+from torch import nn
+
+from swarm.api import Swarm
+
+
+def synthetic_images(n: int, size: int = 16, classes: int = 10, seed: int = 0):
+    """Each class is a fixed random pattern; samples are noisy, shifted copies of it."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(classes, 3, size, size, generator=g)
+    labels = torch.randint(classes, (n,), generator=g)
+    images = patterns[labels] + 0.8 * torch.randn(n, 3, size, size, generator=g)
+    shifts = torch.randint(-2, 3, (n,), generator=g)
+    images = torch.stack([im.roll(int(s), dims=2) for im, s in zip(images, shifts, strict=True)])
+    return torch.utils.data.TensorDataset(images, labels)
+
+
+def load_dataset(name: str, data_dir: str) -> torch.utils.data.Dataset:
+    if name == "synthetic":
+        return synthetic_images(4096)
+    try:
+        import torchvision  # optional: only for real datasets
+    except ImportError as e:
+        raise SystemExit("--data cifar10 needs torchvision (pip install torchvision)") from e
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(data_dir, train=True, download=False, transform=transform)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            )
+
+        self.features = nn.Sequential(block(3, 16), block(16, 32))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--run-id", default="image-classifier")
+    p.add_argument("--data", choices=["synthetic", "cifar10"], default="synthetic")
+    p.add_argument("--data-dir", default="data")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    dataset = load_dataset(args.data, args.data_dir)
+    model = SmallCNN().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+    with Swarm(
+        model,
+        optimizer,
+        run_id=args.run_id,
+        initial_peers=args.initial_peers,
+        listen=args.listen,
+        inner_steps=args.inner_steps,
+        codec=args.codec,
+    ) as swarm:
+        print(f"peer listening on {swarm.address}", flush=True)
+        if args.checkpoint and os.path.exists(args.checkpoint):
+            swarm.load(args.checkpoint)
+            print(f"resumed from {args.checkpoint} at round {swarm.round}", flush=True)
+        steps = 0
+        for _epoch in range(args.epochs):
+            # Recomputed each epoch: this peer's disjoint share of the data among live peers.
+            shard = torch.utils.data.Subset(dataset, swarm.shard(len(dataset)))
+            loader = torch.utils.data.DataLoader(
+                shard, batch_size=args.batch, shuffle=True, drop_last=True
+            )
+            for images, labels in loader:
+                images, labels = images.to(device), labels.to(device)
+                loss = nn.functional.cross_entropy(model(images), labels)
+                loss.backward()
+                report = swarm.step(samples=len(labels))  # replaces optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                steps += 1
+                if report.round_due:
+                    print(report.line(loss.item()), flush=True)
+                    if args.checkpoint:
+                        swarm.save(args.checkpoint)
+                if args.max_steps and steps >= args.max_steps:
+                    return
+
+
+if __name__ == "__main__":
+    main()

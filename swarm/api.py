@@ -1,0 +1,431 @@
+"""``Swarm(model, optimizer).step()``: train with the swarm by changing two lines of a script.
+
+Two classes with the same methods: :class:`Swarm` (synchronous; owns one asyncio loop in a daemon
+thread) and :class:`AsyncSwarm` (``await``; runs on the caller's loop)::
+
+    with Swarm(model, optimizer, run_id="my-run", initial_peers=["1.2.3.4:7000"]) as swarm:
+        for batch in data:
+            loss = model(batch).mean()
+            loss.backward()
+            swarm.step(samples=len(batch))   # instead of optimizer.step()
+            optimizer.zero_grad()            # step() does NOT zero gradients, as optimizer.step()
+
+Averaging blocks ``step()`` for the length of a round (no overlap with the next inner steps): with
+``diloco`` that is one round every ``inner_steps`` steps, so compute utilization is
+``1 - round time / (round time + inner_steps x step time)``; every report carries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.config import SPARSE_CODECS, PeerConfig, SwarmConfig
+from swarm.errors import SwarmError, TrainingError
+from swarm.training.checkpoint import read_checkpoint, write_checkpoint
+from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine
+from swarm.training.progress import StepReport
+from swarm.training.sharding import assign_shards, shard_indices
+from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_PEER_FIELDS = ("listen", "announce", "identity_path", "membership", "bandwidth", "heartbeat_s")
+_JOIN_LOOKUPS = 5  # DHT reads while looking for state providers right after joining
+
+
+def build_config(
+    *, run_id: str, initial_peers: Sequence[str], config: SwarmConfig | None, **options: Any
+) -> SwarmConfig:
+    """A SwarmConfig from keyword options (PeerConfig fields go to ``config.peer``)."""
+    if config is not None:
+        if options or initial_peers:
+            raise TypeError("pass either config= or individual options, not both")
+        return config
+    peer_options = {k: options.pop(k) for k in _PEER_FIELDS if k in options}
+    if "device" not in peer_options:
+        peer_options["device"] = options.pop("peer_device", "cpu")
+    peer = PeerConfig(run_id=run_id, initial_peers=tuple(initial_peers), **peer_options)
+    return SwarmConfig(peer=peer, **options)
+
+
+class AsyncSwarm:
+    """The asyncio twin of :class:`Swarm`; same arguments, same methods, awaited.
+
+    Create with ``swarm = await AsyncSwarm.create(model, optimizer, ...)`` or
+    ``async with AsyncSwarm(model, optimizer, ...) as swarm``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run_id: str = "default",
+        initial_peers: Sequence[str] = (),
+        config: SwarmConfig | None = None,
+        **options: Any,
+    ):
+        if isinstance(initial_peers, str):
+            initial_peers = (initial_peers,)
+        options.setdefault("peer_device", _device_label(model))
+        if config is not None:
+            options.pop("peer_device")
+        self.config = build_config(
+            run_id=run_id, initial_peers=initial_peers, config=config, **options
+        )
+        self.model = model
+        self.optimizer = optimizer
+        self.engine = TrainingEngine(model, optimizer, self.config)
+        self.peer: Any = None
+        self.averager: Any = None
+        self._provider = StateProvider(self.engine)
+
+    @classmethod
+    async def create(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+    ) -> AsyncSwarm:
+        swarm = cls(model, optimizer, **kwargs)
+        await swarm.start()
+        return swarm
+
+    async def __aenter__(self) -> AsyncSwarm:
+        if self.peer is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Join the swarm, then (late joiner) download the current state before training."""
+        from swarm.averaging import Averager  # the averaging layer imports the network stack
+        from swarm.peer import Peer
+
+        cfg = self.config
+        self.peer = await Peer.start(cfg.peer)
+        try:
+            self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
+            self.averager = Averager(
+                self.peer,
+                codec=cfg.codec,
+                min_group_size=cfg.min_group_size,
+                target_group_size=cfg.target_group_size,
+                matchmaking_timeout=cfg.matchmaking_timeout_s,
+            )
+            if cfg.sync_on_join and cfg.peer.initial_peers:
+                await self._join()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _join(self) -> None:
+        cfg = self.config
+        for attempt in range(_JOIN_LOOKUPS):
+            records = [
+                r for pid, r in (await self.peer.known_peers()).items() if pid != self.peer.peer_id
+            ]
+            if records:
+                break
+            await asyncio.sleep(0.2 * (attempt + 1))
+        got = (
+            await download_state(
+                self.peer.transport,
+                records,
+                self.engine,
+                parts=cfg.state_parts,
+                max_bytes=cfg.max_state_bytes,
+                timeout=cfg.state_timeout_s,
+            )
+            if records
+            else None
+        )
+        if got is None:
+            logger.info("no peer offers a training state: starting from this peer's weights")
+            return
+        snapshot, steps_in_round = got
+        await asyncio.to_thread(self.engine.load_snapshot, snapshot, steps_in_round)
+        logger.info("joined at round %d", self.engine.round)
+
+    async def average_round(self, plan: RoundPlan) -> RoundOutcome:
+        """Run one averaging round on ``plan.tensors`` (in place); never raises on failure."""
+        try:
+            result = await asyncio.wait_for(
+                self.averager.average(plan.tensors, weight=plan.weight),
+                self.config.round_timeout_s,
+            )
+        except (SwarmError, OSError, asyncio.TimeoutError) as e:
+            return RoundOutcome(False, 0, 0, 0, f"{type(e).__name__}: {e}")
+        return outcome_of(result)
+
+    async def step(self, samples: float | None = None) -> StepReport:
+        """Use instead of ``optimizer.step()``; does not zero gradients.
+
+        Args:
+            samples: samples in this step's batch; rounds weight peers by samples processed,
+                so faster peers count more. Default: 1 per step.
+
+        Returns:
+            A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
+        """
+        e = self.engine
+        due = e.count(samples)
+        if self.config.mode == "gradients":
+            plan = e.begin_round()
+            report = e.finish_round(plan, await self.average_round(plan))
+            e.inner_step()
+            return report
+        e.inner_step()
+        if not due:
+            return e.local_report()
+        plan = e.begin_round()
+        return e.finish_round(plan, await self.average_round(plan))
+
+    async def average_parameters(self) -> RoundOutcome:
+        """Average the parameters and buffers themselves once (e.g. at the end of training).
+
+        After a successful round with codec ``none`` every member holds the same model. Needs a
+        dense codec (``none``/``fp16``/``bf16``/``int8``): raises TrainingError with top-K/1-bit.
+        """
+        return await self._values_round()
+
+    async def _values_round(self) -> RoundOutcome:
+        if self.config.codec.split(":")[0] in SPARSE_CODECS:
+            raise TrainingError(
+                f"average_parameters averages raw values, which {self.config.codec} would ruin; "
+                "run the swarm with a dense codec (none, fp16, int8) to use it"
+            )
+        e = self.engine
+        with e.lock:
+            e.outer.load_values()
+        plan = RoundPlan(e.outer.slots, max(e.samples_in_round, 1.0), 0.0)
+        outcome = await self.average_round(plan)
+        if outcome.averaged:
+            with e.lock:
+                e.outer.apply_values()
+        return outcome
+
+    async def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:
+        """Indices of the items this peer should train on; disjoint across live peers.
+
+        See :mod:`swarm.training.sharding` (rendezvous hashing over the live peer list).
+        Call again each epoch: peers joining or leaving move only their own shards.
+        """
+        peers = await self.peer.known_peers()
+        ids = {pid.digest for pid in peers} | {self.peer.peer_id.digest}
+        num_shards = num_shards or max(64, 4 * len(ids))
+        mine = assign_shards(ids, num_shards, salt=self.config.peer.run_id)
+        return shard_indices(num_items, mine[self.peer.peer_id.digest], num_shards)
+
+    async def known_peers(self) -> dict[Any, Any]:
+        """Live peers of this run (PeerID -> PeerRecord), this one included."""
+        return await self.peer.known_peers()
+
+    async def save(self, path: str | Path) -> None:
+        """Checkpoint model, optimizer, outer state, error-feedback residuals and round."""
+        state = await asyncio.to_thread(self.engine.state_dict, _averager_state(self.averager))
+        await asyncio.to_thread(write_checkpoint, path, state)
+
+    async def load(self, path: str | Path) -> None:
+        """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
+        state = await asyncio.to_thread(read_checkpoint, path)
+        averager_state = await asyncio.to_thread(self.engine.load_state_dict, state)
+        if averager_state and hasattr(self.averager, "load_state_dict"):
+            self.averager.load_state_dict(averager_state)
+
+    @property
+    def round(self) -> int:
+        return self.engine.round
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` other peers pass as ``initial_peers``."""
+        return str(self.peer.address)
+
+    async def close(self) -> None:
+        """Leave the swarm (closes the averager, then the peer)."""
+        averager, self.averager = self.averager, None
+        if averager is not None and hasattr(averager, "close"):
+            await averager.close()
+        peer, self.peer = self.peer, None
+        if peer is not None:
+            await peer.close()
+
+
+class Swarm:
+    """Train ``model`` with the swarm; replaces ``optimizer.step()`` with ``swarm.step()``.
+
+    Args:
+        model: a torch module on one device (CPU or CUDA; fp32, fp16 or bf16).
+        optimizer: the local (inner) optimizer, e.g. AdamW; the swarm calls its ``step()``.
+        run_id: names the training run; peers of other runs are ignored.
+        initial_peers: ``HOST:PORT`` of live peers; empty to start a new swarm. A peer that
+            joins a running swarm downloads the current state before its first step.
+        config: a full :class:`~swarm.config.SwarmConfig` instead of keyword options.
+        **options: any :class:`~swarm.config.SwarmConfig` field (``mode``, ``inner_steps``,
+            ``codec``, ``outer_lr``, ...) or :class:`~swarm.config.PeerConfig` field
+            (``listen``, ``announce``, ``identity_path``, ``membership``, ``bandwidth``).
+
+    Raises:
+        ConfigError: invalid options. TrainingError: the state download failed.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="swarm-loop", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+        try:
+            self._async = self._run(self._create(model, optimizer, kwargs))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.config = self._async.config
+        self.engine = self._async.engine
+
+    async def _create(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]
+    ) -> AsyncSwarm:
+        return await AsyncSwarm.create(model, optimizer, **kwargs)
+
+    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout: float | None = None) -> T:
+        if self._closed:
+            raise TrainingError("the swarm is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def step(self, samples: float | None = None) -> StepReport:
+        """Use instead of ``optimizer.step()``; does not zero gradients.
+
+        Every ``inner_steps`` steps this blocks for an averaging round (at most
+        ``round_timeout_s``). A failed round is reported (``averaged=False``, ``reason``) and
+        logged once at WARNING; training goes on.
+
+        Args:
+            samples: samples in this step's batch (weights rounds); default 1 per step.
+        """
+        e = self.engine
+        due = e.count(samples)
+        if self.config.mode == "gradients":
+            plan = e.begin_round()
+            report = e.finish_round(plan, self._round(plan))
+            e.inner_step()
+            return report
+        e.inner_step()
+        if not due:
+            return e.local_report()
+        plan = e.begin_round()
+        return e.finish_round(plan, self._round(plan))
+
+    def _round(self, plan: RoundPlan) -> RoundOutcome:
+        try:
+            return self._run(self._async.average_round(plan), self.config.round_timeout_s + 10)
+        except concurrent.futures.TimeoutError:
+            return RoundOutcome(False, 0, 0, 0, "round timed out")
+
+    def average_parameters(self) -> RoundOutcome:
+        """Average the parameters and buffers themselves once (e.g. at the end of training)."""
+        return self._run(self._async.average_parameters(), self.config.round_timeout_s + 10)
+
+    def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:
+        """Indices of the items this peer trains on; see :meth:`AsyncSwarm.shard`."""
+        return self._run(self._async.shard(num_items, num_shards), 60)
+
+    def known_peers(self) -> dict[Any, Any]:
+        """Live peers of this run (PeerID -> PeerRecord), this one included."""
+        return self._run(self._async.known_peers(), 60)
+
+    def save(self, path: str | Path) -> None:
+        """Checkpoint model, optimizer, outer state, error-feedback residuals and round."""
+        write_checkpoint(path, self.engine.state_dict(_averager_state(self._async.averager)))
+
+    def load(self, path: str | Path) -> None:
+        """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
+        averager_state = self.engine.load_state_dict(read_checkpoint(path))
+        averager = self._async.averager
+        if averager_state and hasattr(averager, "load_state_dict"):
+            averager.load_state_dict(averager_state)
+
+    @property
+    def round(self) -> int:
+        return self.engine.round
+
+    @property
+    def peer(self) -> Any:
+        return self._async.peer
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` other peers pass as ``initial_peers``."""
+        return self._async.address
+
+    def close(self) -> None:
+        """Leave the swarm and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._run(self._async.close(), 60)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        loop = self._loop
+
+        async def cancel_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(30)
+        loop.close()
+
+
+def outcome_of(result: Any) -> RoundOutcome:
+    """Adapt the averaging layer's RoundResult to what training needs."""
+    averaged = bool(getattr(result, "averaged", False))
+    members = getattr(result, "members", ()) or ()
+    return RoundOutcome(
+        averaged=averaged,
+        group_size=len(members) if averaged else 0,
+        bytes_sent=int(getattr(result, "bytes_sent", 0) or 0),
+        bytes_received=int(getattr(result, "bytes_received", 0) or 0),
+        reason="" if averaged else str(getattr(result, "reason", "") or "not averaged"),
+    )
+
+
+def _averager_state(averager: Any) -> dict[str, Any]:
+    if averager is not None and hasattr(averager, "state_dict"):
+        return averager.state_dict()
+    return {}
+
+
+def _device_label(model: torch.nn.Module) -> str:
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_name(p.device)}"

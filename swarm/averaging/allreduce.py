@@ -1,0 +1,486 @@
+"""Butterfly all-reduce of one group: reduce-scatter, then all-gather, on the same streams.
+
+Member ``i`` opens one stream per part owner ``j`` (route ``{name}.part``) and streams its
+compressed values of part ``j`` in chunks; owner ``j`` adds each chunk into its accumulator as it
+arrives (:class:`~swarm.averaging.reducer.PartReducer`), and once every sender has finished or
+been dropped it divides by the total weight, compresses the averaged part chunk by chunk (with its
+own error feedback) and writes it back as the reply of each stream. All of a member's streams are
+in flight at once; encoding, decoding and reduction run in a thread pool.
+
+Failures:
+
+- a sender that stops sending is dropped after a stall timeout derived from the rate measured on
+  this part (``stall_factor`` times the time a chunk takes at that rate, at least
+  ``stall_timeout_min``); a stream that fails authentication or carries a malformed chunk is
+  dropped at once;
+- a dropped sender whose chunks were already added *taints* the part: the owner resets it and
+  answers ``retry`` to the complete senders, which send the part again (once);
+- a part whose owner fails, times out or answers ``ok: false`` keeps this member's own values;
+  averaged values land in a staging buffer and are applied only for parts received completely.
+
+Stream header (request): ``{"g": group id, "p": part, "a": attempt, "w": weight}``.
+Reply header: ``{"ok": true, "c": [member indices averaged]}``, ``{"retry": true}`` or
+``{"ok": false, "why": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.averaging.feedback import FlatFeedback
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.plan import PartPlan
+from swarm.averaging.reducer import PartReducer, SenderState
+from swarm.averaging.result import Fault
+from swarm.compression import decode_into, read_header
+from swarm.errors import AuthError, AveragingError, CompressionError, TransportError
+from swarm.net.streams import InboundStream, ReplyStream
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_ATTEMPTS = 2  # the first try, and one retry after a tainted part
+_TICK_S = 0.2
+_FAULT_SLEEP_S = 3600.0
+_FAILURES = (AuthError, TransportError, CompressionError, AveragingError)
+
+
+@dataclass(frozen=True)
+class AllReduceSettings:
+    """Knobs of the all-reduce (see :class:`swarm.averaging.Averager` for their meaning)."""
+
+    stream_name: str
+    timeout: float  # upper bound of one all-reduce
+    stall_timeout_min: float  # never drop a sender sooner than this after its last chunk
+    stall_factor: float  # drop after this many chunk-times (at the measured rate) of silence
+    fault: Fault = Fault.NONE
+
+
+class AllReduceRunner:
+    """One member's side of one group's all-reduce.
+
+    Args:
+        transport: the peer's transport.
+        group: the agreed group; ``me`` is this peer's index in it.
+        plan: the part plan derived from the group.
+        flat: this peer's values (float32, CPU, contiguous); read-only during the round.
+        result: staging buffer of the same size; part ``j`` is valid when :meth:`run` says so.
+        weight: this peer's weight.
+        feedback: error-feedback residuals of this averager.
+        pool: thread pool for tensor work.
+        fault_triggered: set when a :class:`Fault` fires (tests wait on it).
+    """
+
+    def __init__(
+        self,
+        transport: Any,
+        group: GroupInfo,
+        me: int,
+        plan: PartPlan,
+        flat: torch.Tensor,
+        result: torch.Tensor,
+        weight: float,
+        feedback: FlatFeedback,
+        pool: concurrent.futures.ThreadPoolExecutor,
+        settings: AllReduceSettings,
+        fault_triggered: asyncio.Event | None = None,
+    ):
+        self.transport = transport
+        self.group = group
+        self.me = me
+        self.plan = plan
+        self.flat = flat
+        self.result = result
+        self.weight = weight
+        self.feedback = feedback
+        self.pool = pool
+        self.settings = settings
+        self.fault_triggered = fault_triggered or asyncio.Event()
+        self.deadline = time.monotonic() + settings.timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        start, end = plan.ranges[me]
+        self._start = start
+        rel = tuple((s - start, e - start) for s, e in plan.chunks(me))
+        senders = [i for i in range(len(group.members)) if i != me]
+        self.reducer = PartReducer(result[start:end], rel, senders) if end > start else None
+        self._locks = [asyncio.Lock() for _ in rel]
+        self._inflight: set[concurrent.futures.Future[Any]] = set()
+        self._begun = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._outcomes: dict[int, asyncio.Future[tuple[str, Any]]] = {}
+        self._averaged: list[asyncio.Future[bytes]] = []
+        self._readers: dict[int, asyncio.Task[None]] = {}
+        self._dropped: set[int] = set()
+        self._activity: dict[int, float] = {}
+        self._replies: set[asyncio.Task[Any]] = set()
+        self._reset_timing()
+
+    # ---- helpers
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        cf = self.pool.submit(fn, *args)
+        self._inflight.add(cf)
+        cf.add_done_callback(self._inflight.discard)
+        return await asyncio.wrap_future(cf)
+
+    async def _drain(self) -> None:
+        """Wait for thread work started by cancelled tasks (it still touches the buffers)."""
+        while self._inflight:
+            pending = [asyncio.wrap_future(cf) for cf in list(self._inflight)]
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def _reset_timing(self) -> None:
+        self._attempt_start = time.monotonic()
+        self._first_byte: float | None = None
+        self._last_byte = 0.0
+        self._part_bytes = 0
+        self._part_chunks = 0
+        self._complete_times: list[float] = []
+
+    def _resolve(self, attempt: int, kind: str, value: Any) -> None:
+        fut = self._outcome(attempt)
+        if not fut.done():
+            fut.set_result((kind, value))
+
+    def _outcome(self, attempt: int) -> asyncio.Future[tuple[str, Any]]:
+        fut = self._outcomes.get(attempt)
+        if fut is None:
+            fut = self._outcomes[attempt] = asyncio.get_running_loop().create_future()
+        return fut
+
+    # ---- the round
+
+    async def run(self) -> tuple[dict[int, tuple[int, ...]], list[str]]:
+        """Run the all-reduce; returns ``{part: member indices averaged}`` and failure notes.
+
+        Never raises for a failed peer; parts missing from the dict keep their own values.
+        """
+        tasks: list[asyncio.Task[tuple[int, tuple[int, ...] | None, str]]] = []
+        if self.reducer is not None:
+            start, end = self.plan.ranges[self.me]
+            await self._in_thread(self.reducer.begin, self.flat[start:end], self.weight)
+            self._reset_timing()
+            self._begun.set()
+            tasks.append(asyncio.create_task(self._own_part(), name="swarm-own-part"))
+        for j in self.plan.owned():
+            if j != self.me:
+                tasks.append(asyncio.create_task(self._send_part(j), name=f"swarm-send-{j}"))
+        done, pending = await asyncio.wait(tasks, timeout=self._remaining() + 1.0)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for fut in self._outcomes.values():
+            if not fut.done():
+                fut.set_result(("failed", "the round ended"))
+        for chunk in self._averaged:
+            if not chunk.done():
+                _fail(chunk, AveragingError("the round ended"))
+        await self._close_replies()
+        await self._drain()
+        parts: dict[int, tuple[int, ...]] = {}
+        notes: list[str] = [f"a part timed out after {self.settings.timeout} s"] if pending else []
+        for task in done:
+            j, contributors, note = task.result()
+            if contributors is not None:
+                parts[j] = contributors
+            if note:
+                notes.append(note)
+        return parts, notes
+
+    async def _close_replies(self) -> None:
+        if self._replies:
+            _, late = await asyncio.wait(self._replies, timeout=self._remaining())
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    # ---- owner side
+
+    async def _own_part(self) -> tuple[int, tuple[int, ...] | None, str]:
+        reducer = self.reducer
+        assert reducer is not None  # run() only starts this task with a part to own
+        while True:
+            attempt = reducer.attempt
+            while not reducer.settled():
+                self._changed.clear()
+                self._watchdog()
+                if reducer.settled():
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):  # a watchdog tick
+                    await asyncio.wait_for(self._changed.wait(), _TICK_S)
+            await self._drain()
+            contributors = reducer.contributors()
+            retry_ok = attempt + 1 < MAX_ATTEMPTS and self._remaining() > 0
+            if reducer.tainted and retry_ok and contributors:
+                logger.debug("part %d tainted by %s: retrying", self.me, reducer.failed())
+                await self._in_thread(reducer.restart)
+                self._reset_timing()
+                self._resolve(attempt, "retry", None)
+                continue
+            if reducer.tainted or not contributors:
+                why = "a sender failed twice" if reducer.tainted else "no sender finished"
+                self._resolve(attempt, "failed", why)
+                return self.me, None, f"own part {self.me}: {why}"
+            await self._in_thread(reducer.finish)
+            averaged = tuple(sorted((self.me, *contributors)))
+            start, end = self.plan.ranges[self.me]
+            self.feedback.prepare_owner(start, end)
+            loop = asyncio.get_running_loop()
+            self._averaged = [loop.create_future() for _ in reducer.chunks]
+            self._resolve(attempt, "ok", averaged)
+            for i, (s, e) in enumerate(reducer.chunks):
+                try:
+                    payload = await self._in_thread(self.feedback.encode_owned, reducer.acc[s:e], s)
+                except CompressionError as exc:
+                    for fut in self._averaged[i:]:
+                        _fail(fut, AveragingError(f"cannot encode the average: {exc}"))
+                    return self.me, None, f"own part {self.me}: {exc}"
+                self._averaged[i].set_result(payload)
+            note = f"part {self.me}: dropped {list(reducer.failed())}" if reducer.failed() else ""
+            return self.me, averaged, note
+
+    def _watchdog(self) -> None:
+        """Drop senders that stalled, judged by the rate this part has been receiving at."""
+        reducer = self.reducer
+        if reducer is None:
+            return
+        now = time.monotonic()
+        floor = self.settings.stall_timeout_min
+        factor = self.settings.stall_factor
+        active = [
+            s
+            for s in reducer.expected
+            if reducer.state(s) in (SenderState.PENDING, SenderState.STREAMING)
+        ]
+        for s in active:
+            if now >= self.deadline:
+                self._drop(s, "all-reduce deadline")
+                continue
+            if reducer.state(s) is SenderState.STREAMING:
+                # the rate while data flowed (it must not decay while everyone waits)
+                elapsed = self._last_byte - (self._first_byte or self._last_byte)
+                rate = self._part_bytes / elapsed if elapsed > 0 else 0.0  # bytes/s, all senders
+                chunk = self._part_bytes / max(1, self._part_chunks)
+                per_sender = rate / max(1, len(active))
+                limit = max(floor, factor * chunk / per_sender) if per_sender > 0 else floor * 4
+                if now - self._activity.get(s, now) > limit:
+                    self._drop(s, f"silent for {now - self._activity[s]:.1f} s (limit {limit:.1f})")
+            else:
+                if self._complete_times:
+                    limit = max(floor, factor * max(self._complete_times))
+                elif self._first_byte is not None:
+                    limit = max(floor, factor * (self._first_byte - self._attempt_start))
+                else:
+                    continue  # nobody sent anything yet: only the deadline applies
+                if now - self._attempt_start > limit:
+                    self._drop(s, f"never started (limit {limit:.1f} s)")
+
+    def _drop(self, sender: int, why: str) -> None:
+        assert self.reducer is not None
+        logger.info(
+            "all-reduce %s: dropping %s from part %d: %s",
+            self.group.group_id.hex()[:8],
+            self.group.members[sender].peer_id.short,
+            self.me,
+            why,
+        )
+        self.reducer.fail(sender)
+        self._dropped.add(sender)
+        reader = self._readers.get(sender)
+        if reader is not None:
+            reader.cancel()
+        self._changed.set()
+
+    async def handle_part(
+        self, request: InboundStream, reply: ReplyStream, sender: int, header: dict[str, Any]
+    ) -> None:
+        """Serve one sender's stream for this member's part (called by the averager's route).
+
+        Raises:
+            TransportError / AuthError: the stream is refused or failed (the sender is dropped).
+        """
+        reducer = self.reducer
+        attempt, weight = header.get("a"), header.get("w")
+        if reducer is None:
+            raise TransportError("this member owns no part", status=409)
+        if header.get("p") != self.me or type(attempt) is not int or attempt != reducer.attempt:
+            raise TransportError(f"wrong part or attempt {attempt}", status=409)
+        await self._begun.wait()
+        try:
+            reducer.accept(sender, weight)  # type: ignore[arg-type]
+        except AveragingError as e:
+            raise TransportError(str(e), status=409) from e
+        self._activity[sender] = time.monotonic()
+        reader = asyncio.create_task(self._consume(request, sender))
+        self._readers[sender] = reader
+        try:
+            await reader
+            reducer.complete(sender)
+        except asyncio.CancelledError:
+            if sender in self._dropped and reader.cancelled():
+                raise TransportError("dropped: stopped sending", status=408) from None
+            reducer.fail(sender)
+            self._changed.set()
+            raise
+        except _FAILURES as e:
+            logger.info("part %d: stream from member %d failed: %s", self.me, sender, e)
+            reducer.fail(sender)
+            self._changed.set()
+            if isinstance(e, (AuthError, TransportError)):
+                raise
+            raise TransportError(f"refused: {e}", status=400) from e
+        finally:
+            self._readers.pop(sender, None)
+        self._complete_times.append(time.monotonic() - self._attempt_start)
+        self._changed.set()
+        task = asyncio.current_task()
+        if task is not None:
+            self._replies.add(task)
+        try:
+            await self._reply(reply, attempt)  # type: ignore[arg-type]
+        finally:
+            if task is not None:
+                self._replies.discard(task)
+
+    async def _consume(self, request: InboundStream, sender: int) -> None:
+        reducer = self.reducer
+        assert reducer is not None
+        async for payload in request:
+            index = reducer.next_index(sender)
+            now = time.monotonic()
+            if self._first_byte is None:
+                self._first_byte = now
+            self.bytes_received += len(payload)
+            self._part_bytes += len(payload)
+            self._part_chunks += 1
+            async with self._locks[index]:
+                await self._in_thread(reducer.add_chunk, sender, index, payload)
+            reducer.chunk_added(sender)
+            self._activity[sender] = self._last_byte = time.monotonic()
+
+    async def _reply(self, reply: ReplyStream, attempt: int) -> None:
+        kind, value = await self._outcome(attempt)
+        if self.settings.fault is Fault.SKIP_REPLY:
+            self.fault_triggered.set()
+            await asyncio.sleep(_FAULT_SLEEP_S)
+        if kind == "retry":
+            await reply.prepare({"retry": True})
+            return
+        if kind != "ok":
+            await reply.prepare({"ok": False, "why": str(value)})
+            return
+        await reply.prepare({"ok": True, "c": list(value)})
+        for fut in self._averaged:
+            payload = await fut
+            await reply.write(payload)
+            self.bytes_sent += len(payload)
+
+    # ---- sender side
+
+    async def _send_part(self, j: int) -> tuple[int, tuple[int, ...] | None, str]:
+        owner = self.group.members[j]
+        chunks = self.plan.chunks(j)
+        stored: list[bytes] | None = [] if self.feedback.enabled else None
+        attempt = 0
+        try:
+            while True:
+                header = {"g": self.group.group_id, "p": j, "a": attempt, "w": self.weight}
+                body = self._body(chunks, stored, attempt)
+                outcome = await asyncio.wait_for(
+                    self._exchange(owner, header, body, j, chunks), self._remaining()
+                )
+                if outcome is not None:
+                    return j, outcome, ""
+                attempt += 1
+                if attempt >= MAX_ATTEMPTS:
+                    raise AveragingError("owner asked for too many retries")
+        except (*_FAILURES, asyncio.TimeoutError) as e:
+            reason = str(e) or type(e).__name__
+            logger.info("part %d (owner %s) not averaged: %s", j, owner.peer_id.short, reason)
+            return j, None, f"part {j}: {reason}"
+
+    async def _body(
+        self, chunks: tuple[tuple[int, int], ...], stored: list[bytes] | None, attempt: int
+    ) -> AsyncIterator[bytes]:
+        for i, (s, e) in enumerate(chunks):
+            if self.settings.fault is Fault.STALL_MID_STREAM and i >= len(chunks) // 2:
+                self.fault_triggered.set()
+                await asyncio.sleep(_FAULT_SLEEP_S)
+            if attempt > 0 and stored is not None:
+                payload = stored[i]
+            else:
+                payload = await self._in_thread(self.feedback.encode, self.flat[s:e], s)
+                if stored is not None:
+                    stored.append(payload)
+            self.bytes_sent += len(payload)
+            yield payload
+
+    async def _exchange(
+        self,
+        owner: Any,
+        header: dict[str, Any],
+        body: AsyncIterator[bytes],
+        j: int,
+        chunks: tuple[tuple[int, int], ...],
+    ) -> tuple[int, ...] | None:
+        """One stream to owner ``j``; returns the contributors, or None when asked to retry."""
+        name = self.settings.stream_name
+        timeout = max(1.0, self._remaining())
+        async with self.transport.stream(owner, name, header, body, timeout=timeout) as s:
+            reply = s.header
+            if reply.get("retry") is True:
+                return None
+            if reply.get("ok") is not True:
+                raise AveragingError(f"owner gave up: {reply.get('why')!s:.200}")
+            contributors = self._check_contributors(reply.get("c"), j)
+            received = 0
+            async for payload in s:
+                if received >= len(chunks):
+                    raise AveragingError("owner sent more chunks than the part has")
+                cs, ce = chunks[received]
+                await self._in_thread(self._apply_chunk, payload, cs, ce)
+                self.bytes_received += len(payload)
+                received += 1
+            if received != len(chunks):
+                raise AveragingError(f"owner sent {received} of {len(chunks)} chunks")
+            return contributors
+
+    def _check_contributors(self, value: Any, j: int) -> tuple[int, ...]:
+        n = len(self.group.members)
+        if (
+            not isinstance(value, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+            or len(set(value)) != len(value)
+            or not all(0 <= i < n for i in value)
+            or j not in value
+            or self.me not in value
+        ):
+            raise AveragingError("owner sent an invalid contributor list")
+        return tuple(sorted(value))
+
+    def _apply_chunk(self, payload: bytes, start: int, end: int) -> None:
+        header = read_header(payload, max_numel=end - start)
+        if header.numel != end - start:
+            raise CompressionError(f"averaged chunk holds {header.numel}, expected {end - start}")
+        out = self.result[start:end]
+        out.zero_()
+        decode_into(payload, out, 1.0)
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail a future that nobody may be waiting for, without a 'never retrieved' warning."""
+    fut.set_exception(exc)
+    fut.exception()  # marks it retrieved; waiters still get the exception

@@ -1,0 +1,101 @@
+"""Error feedback of one averager, over slices of the flat vector.
+
+:class:`swarm.compression.ErrorFeedback` keeps one residual per fixed-size tensor; an all-reduce
+encodes chunks whose boundaries move with the group (sizes follow bandwidth), so the residuals are
+kept over the flat vector instead and indexed by absolute position:
+
+- the *sender* residual covers the whole vector (each chunk a peer sends to an owner);
+- the *owner* residual covers the part this peer owned last (the averaged part it sends back);
+  it is reset when the owned range changes, since it belongs to a range, not to a peer.
+
+Lossless codecs (``none``) keep no residual. The owner applies to its own part exactly what it
+sends (``D(C(avg + r))``), so every member ends the round with the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from swarm.compression import Codec, decode_into
+from swarm.errors import CompressionError
+
+LOSSLESS = ("none",)
+
+
+class FlatFeedback:
+    """Residuals for encoding slices of one flat float32 vector of ``numel`` elements."""
+
+    def __init__(self, codec: Codec, numel: int):
+        self.codec = codec
+        self.numel = numel
+        self.enabled = codec.name not in LOSSLESS
+        self._sender: torch.Tensor | None = None
+        self._owner: torch.Tensor | None = None
+        self._owner_range: tuple[int, int] = (0, 0)
+
+    def encode(self, values: torch.Tensor, start: int) -> bytes:
+        """Encode a sender chunk ``values`` (= flat[start:start+n]) with its residual."""
+        if not self.enabled:
+            return self.codec.encode(values)
+        if self._sender is None:
+            self._sender = torch.zeros(self.numel, dtype=torch.float32)
+        r = self._sender[start : start + values.numel()]
+        return _encode_with(self.codec, values, r)
+
+    def prepare_owner(self, start: int, end: int) -> None:
+        """Select the owner residual of the range about to be owned (reset if it moved)."""
+        if not self.enabled:
+            return
+        if (start, end) != self._owner_range or self._owner is None:
+            self._owner = torch.zeros(end - start, dtype=torch.float32)
+            self._owner_range = (start, end)
+
+    def encode_owned(self, values: torch.Tensor, offset: int) -> bytes:
+        """Encode an averaged chunk and overwrite ``values`` with what receivers will decode.
+
+        ``offset`` is relative to the range given to :meth:`prepare_owner`.
+        """
+        if not self.enabled:
+            return self.codec.encode(values)
+        if self._owner is None:
+            raise CompressionError("prepare_owner() must come before encode_owned()")
+        r = self._owner[offset : offset + values.numel()]
+        r.add_(values)  # r = e = x + r
+        try:
+            payload = self.codec.encode(r)
+        except CompressionError:
+            r.zero_()
+            raise
+        values.zero_()
+        decode_into(payload, values, 1.0)  # values = D(c), what every receiver applies
+        r.sub_(values)  # r = e - D(c)
+        return payload
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.spec, "sender": self._sender}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sender residual (ignored when the codec or size differs)."""
+        saved = state.get("sender") if isinstance(state, dict) else None
+        if state.get("codec") != self.codec.spec or not isinstance(saved, torch.Tensor):
+            return
+        if saved.numel() == self.numel and saved.is_floating_point():
+            self._sender = saved.detach().reshape(-1).to(torch.float32, copy=True)
+
+    def reset(self) -> None:
+        self._sender = None
+        self._owner = None
+
+
+def _encode_with(codec: Codec, values: torch.Tensor, r: torch.Tensor) -> bytes:
+    """``e = values + r; c = C(e); r <- e - D(c)``; on a codec error r is cleared."""
+    r.add_(values)
+    try:
+        payload = codec.encode(r)
+    except CompressionError:
+        r.zero_()
+        raise
+    decode_into(payload, r, -1.0)
+    return payload

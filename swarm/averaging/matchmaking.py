@@ -1,0 +1,286 @@
+"""Matchmaking: find partners in the DHT and agree on one group (leader-based).
+
+One round (see :mod:`swarm.averaging.group` for why stale views cannot split a group):
+
+1. declare ``Declaration(record, deadline)`` under the matchmaking key, expiring at the deadline;
+2. after a short gather window, read the key; join the leader (:func:`choose_leader`) with the
+   ``join`` RPC, which the leader answers when it closes the group; or, when this peer is the
+   leader, wait for followers;
+3. a leader closes at the target size, when every looking candidate it sees has joined (and the
+   group has the minimum size), or at the earliest deadline of its members;
+4. members re-declare themselves busy, so late peers do not wait for them.
+
+A refused or unreachable leader is skipped; a leader that times out (it may have counted us) ends
+the round for this peer. Nobody waits past its deadline plus one RPC slack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.averaging.group import Declaration, GroupInfo, choose_leader
+from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
+from swarm.identity import PeerID
+from swarm.net.record import PeerRecord
+from swarm.net.streams import RemotePeer
+
+logger = logging.getLogger(__name__)
+
+_JOIN_SLACK_S = 3.0  # a follower waits this much past the leader's deadline for its answer
+_CLOSE_MARGIN_S = 0.3  # a leader closes this long before the earliest member deadline
+
+
+@dataclass
+class _Round:
+    key: str
+    deadline: float  # wall clock
+    role: str = "candidate"  # candidate | leader | joining | closed
+    followers: dict[PeerID, tuple[PeerRecord, float]] = field(default_factory=dict)
+    closed: asyncio.Future[GroupInfo | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def close_by(self) -> float:
+        return min([self.deadline] + [d for _, d in self.followers.values()]) - _CLOSE_MARGIN_S
+
+
+class Matchmaker:
+    """Forms groups for one averager; serves the ``{name}.join`` RPC on the peer's transport.
+
+    Args:
+        peer: a started :class:`swarm.peer.Peer` (its transport, DHT and identity are used).
+        rpc_name: route of the join RPC.
+        min_group_size / target_group_size: group size bounds, this peer included.
+        gather_window: seconds to wait after declaring before choosing a leader, so that peers
+            that start a round at about the same time see each other.
+        poll_interval: seconds between DHT reads while waiting.
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        *,
+        rpc_name: str,
+        min_group_size: int,
+        target_group_size: int,
+        gather_window: float,
+        poll_interval: float = 0.25,
+    ):
+        self.peer = peer
+        self.rpc_name = rpc_name
+        self.min_group_size = min_group_size
+        self.target_group_size = target_group_size
+        self.gather_window = gather_window
+        self.poll_interval = poll_interval
+        self._round: _Round | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        peer.transport.add_rpc(rpc_name, self.rpc_join)
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.peer.peer_id
+
+    async def form_group(self, key: str, timeout: float) -> GroupInfo | str:
+        """Look for a group under ``key`` for at most ``timeout`` seconds.
+
+        Returns:
+            The agreed group, or a short reason why none formed (never raises for that).
+        """
+        rnd = _Round(key, time.time() + timeout)
+        self._round = rnd
+        group: GroupInfo | str = "matchmaking did not finish"
+        try:
+            self._declare(rnd)
+            group = await self._match(rnd)
+            return group
+        finally:
+            self._round = None
+            if not rnd.closed.done():
+                rnd.closed.set_result(None)  # followers still waiting hear "no group"
+            if isinstance(group, GroupInfo):
+                self._declare(rnd, busy=True)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- the round
+
+    async def _match(self, rnd: _Round) -> GroupInfo | str:
+        refused: set[PeerID] = set()
+        await self._wait(rnd, min(self.gather_window, max(0.0, rnd.deadline - time.time())))
+        seen = 0
+        while True:
+            now = time.time()
+            if rnd.role == "leader":
+                size = len(rnd.followers) + 1
+                if size >= self.target_group_size:
+                    return self._close(rnd)
+                if now >= rnd.close_by():
+                    if size >= self.min_group_size:
+                        return self._close(rnd)
+                    return f"only {size} of the {self.min_group_size} peers needed joined"
+                view = await self._candidates(rnd)
+                waiting_for = [
+                    p for p, d in view.items() if not d.leading and p not in rnd.followers
+                ]
+                if size >= self.min_group_size and not waiting_for and rnd.role == "leader":
+                    return self._close(rnd)
+                await self._wait(rnd, self.poll_interval)
+                continue
+            if now >= rnd.deadline:
+                return f"no group formed (saw {seen} other candidates)"
+            view = await self._candidates(rnd)
+            seen = max(seen, len(view))
+            if rnd.role != "candidate":  # a follower joined while we read the DHT
+                continue
+            leading = [p for p, d in view.items() if d.leading]
+            leader = choose_leader([*view, self.peer_id], leading, refused)
+            if leader is None or leader == self.peer_id:
+                await self._wait(rnd, self.poll_interval)
+                continue
+            rnd.role = "joining"
+            outcome = await self._join(rnd, view[leader])
+            if isinstance(outcome, GroupInfo):
+                rnd.role = "closed"
+                return outcome
+            if outcome is None:
+                refused.add(leader)
+                rnd.role = "candidate"
+                continue
+            rnd.role = "closed"
+            return outcome
+
+    def _close(self, rnd: _Round) -> GroupInfo:
+        rnd.role = "closed"
+        members = [self.peer.transport.record()] + [r for r, _ in rnd.followers.values()]
+        group = GroupInfo.create(members)
+        rnd.closed.set_result(group)
+        logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
+        return group
+
+    async def _wait(self, rnd: _Round, seconds: float) -> None:
+        rnd.changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):  # a poll tick, not an error
+            await asyncio.wait_for(rnd.changed.wait(), max(0.0, seconds))
+
+    async def _candidates(self, rnd: _Round) -> dict[PeerID, Declaration]:
+        """Unexpired, non-busy declarations of other peers under the round's key."""
+        try:
+            entries = await self.peer.dht.get(rnd.key)
+        except DHTError as e:
+            logger.debug("matchmaking lookup failed: %s", e)
+            return {}
+        now = time.time()
+        view: dict[PeerID, Declaration] = {}
+        for (owner, _subkey), entry in entries.items():
+            if owner == self.peer_id:
+                continue
+            try:
+                decl = Declaration.parse(entry.value, owner)
+            except AveragingError as e:
+                logger.debug("ignoring a declaration of %s: %s", owner.short, e)
+                continue
+            if decl.busy or decl.deadline <= now or decl.record.run_id != self.peer.run_id:
+                continue
+            view[owner] = decl
+        return view
+
+    async def _join(self, rnd: _Round, leader: Declaration) -> GroupInfo | str | None:
+        """Ask ``leader`` to take us. Returns the group, None (refused: try another), or the
+        reason to give up (the leader timed out: it may have counted us)."""
+        payload = {
+            "k": rnd.key,
+            "d": rnd.deadline,
+            "r": self.peer.transport.record().serialize(),
+        }
+        timeout = max(1.0, min(leader.deadline, rnd.deadline) - time.time() + _JOIN_SLACK_S)
+        started = time.monotonic()
+        try:
+            reply = await self.peer.transport.call(
+                leader.record, self.rpc_name, payload, timeout=timeout
+            )
+        except (TransportError, AuthError) as e:
+            if time.monotonic() - started >= timeout - 0.5:
+                return f"leader {leader.record.peer_id.short} did not answer: {e}"
+            logger.debug("leader %s unreachable: %s", leader.record.peer_id.short, e)
+            return None
+        if reply.get("ok") is not True:
+            logger.debug("leader %s refused: %s", leader.record.peer_id.short, reply.get("why"))
+            return None
+        try:
+            return GroupInfo.from_wire(
+                reply.get("group"), me=self.peer_id, leader=leader.record.peer_id
+            )
+        except AveragingError as e:
+            return f"leader {leader.record.peer_id.short} sent an invalid group: {e}"
+
+    # ---- serving joins
+
+    async def rpc_join(self, sender: RemotePeer, payload: dict[str, Any]) -> dict[str, Any]:
+        """A follower asks to join; answered when this peer's group closes (or cannot form)."""
+        rnd = self._round
+        if rnd is None or payload.get("k") != rnd.key:
+            return {"ok": False, "why": "not looking for this key"}
+        if rnd.role in ("joining", "closed"):
+            return {"ok": False, "why": "busy"}
+        if len(rnd.followers) + 1 >= self.target_group_size:
+            return {"ok": False, "why": "full"}
+        deadline, raw = payload.get("d"), payload.get("r")
+        if not isinstance(deadline, float) or not math.isfinite(deadline):
+            return {"ok": False, "why": "bad deadline"}
+        if not isinstance(raw, bytes):
+            return {"ok": False, "why": "bad record"}
+        try:
+            record = PeerRecord.parse(raw)
+        except SwarmError as e:
+            return {"ok": False, "why": f"bad record: {e}"}
+        if record.peer_id != sender.peer_id or record.run_id != self.peer.run_id:
+            return {"ok": False, "why": "record does not match the sender"}
+        if deadline <= time.time():
+            return {"ok": False, "why": "deadline passed"}
+        first = not rnd.followers
+        rnd.followers[sender.peer_id] = (record, deadline)
+        rnd.role = "leader"
+        rnd.changed.set()
+        if first:
+            self._declare(rnd, leading=True)
+        try:
+            group = await asyncio.shield(rnd.closed)
+        except asyncio.CancelledError:
+            if not rnd.closed.done():  # the follower hung up before we closed: forget it
+                rnd.followers.pop(sender.peer_id, None)
+                rnd.changed.set()
+            raise
+        if group is None or sender.peer_id not in group.peer_ids:
+            return {"ok": False, "why": "no group formed"}
+        return {"ok": True, "group": group.to_wire()}
+
+    def _declare(self, rnd: _Round, *, busy: bool = False, leading: bool = False) -> None:
+        """Store our declaration in the background (tracked, cancelled on close)."""
+        decl = Declaration(self.peer.transport.record(), rnd.deadline, busy, leading)
+        # a later expiration wins per subkey, so each update outlives the previous one
+        bump = 2e-3 if busy else (1e-3 if leading else 0.0)
+
+        async def store() -> None:
+            try:
+                stored = await self.peer.dht.store(
+                    rnd.key, decl.serialize(), rnd.deadline + bump, subkey=""
+                )
+            except DHTError as e:
+                logger.warning("matchmaking declaration failed: %s", e)
+                return
+            if stored == 0:
+                logger.debug("no DHT node stored our matchmaking declaration")
+
+        task = asyncio.create_task(store(), name="swarm-mm-declare")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,124 @@
+"""The part plan of a butterfly all-reduce (sans-I/O): who owns which slice of the flat vector.
+
+The flat vector of ``numel`` elements is cut into one contiguous part per group member, in member
+order, sized in proportion to the bandwidth each member announced; a member with bandwidth 0 (a
+client behind NAT) owns an empty part but still sends and receives. Each part travels in chunks of
+at most :func:`chunk_elems_for` elements, so one compressed chunk fits one transport frame.
+
+Every member derives the same plan from the ordered member list, the bandwidths and the codec, so
+no plan crosses the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from swarm.compression import Codec
+from swarm.errors import AveragingError
+
+MAX_CHUNK_BYTES = 1 << 20  # one compressed chunk per transport frame
+MAX_CHUNK_ELEMS = 4 << 20  # sparse codecs would otherwise make single huge chunks
+CHUNK_ALIGN = 4096  # a multiple of every codec's block size, so chunks quantize like the whole
+
+
+def split_parts(numel: int, bandwidths: Sequence[float]) -> tuple[tuple[int, int], ...]:
+    """Contiguous ``(start, end)`` ranges, one per member, proportional to ``bandwidths``.
+
+    Largest-remainder rounding, so the sizes sum to ``numel`` exactly and each differs from its
+    ideal share by less than one element. When every bandwidth is 0 the split is equal (somebody
+    has to own the vector).
+
+    Raises:
+        AveragingError: no members, a negative or non-finite bandwidth, or a negative numel.
+    """
+    if numel < 0:
+        raise AveragingError(f"numel must be >= 0, got {numel}")
+    if not bandwidths:
+        raise AveragingError("a part plan needs at least one member")
+    bws = [float(b) for b in bandwidths]
+    if any(not math.isfinite(b) or b < 0 for b in bws):
+        raise AveragingError(f"bandwidths must be finite and >= 0, got {bws}")
+    if sum(bws) <= 0:
+        bws = [1.0] * len(bws)
+    # exact rational shares: float rounding must never hand out more than numel elements
+    shares = [Fraction(b) for b in bws]
+    total = sum(shares)
+    ideal = [numel * b / total for b in shares]
+    sizes = [math.floor(x) for x in ideal]
+    short = numel - sum(sizes)
+    # hand the leftover elements to the largest remainders among members that own something
+    order = sorted(
+        (i for i in range(len(bws)) if bws[i] > 0), key=lambda i: (sizes[i] - ideal[i], i)
+    )
+    for i in order[:short]:
+        sizes[i] += 1
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return tuple(ranges)
+
+
+def chunk_elems_for(codec: Codec, max_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Largest multiple of :data:`CHUNK_ALIGN` elements whose payload fits in ``max_bytes``."""
+    per_elem_bound = codec.estimate_size(1 << 20) / float(1 << 20)
+    guess = int(max_bytes / max(per_elem_bound, 1e-9)) // CHUNK_ALIGN * CHUNK_ALIGN
+    n = max(CHUNK_ALIGN, min(guess, MAX_CHUNK_ELEMS))
+    while n > CHUNK_ALIGN and codec.estimate_size(n) > max_bytes:
+        n -= CHUNK_ALIGN
+    return n
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Which member owns which range, and how ranges are chunked."""
+
+    numel: int  # elements of the flat vector
+    ranges: tuple[tuple[int, int], ...]  # (start, end) per member, in member order
+    chunk_elems: int  # elements per chunk (the last chunk of a part may be shorter)
+
+    @classmethod
+    def create(cls, numel: int, bandwidths: Sequence[float], chunk_elems: int) -> PartPlan:
+        if chunk_elems < 1:
+            raise AveragingError("chunk_elems must be >= 1")
+        return cls(numel, split_parts(numel, bandwidths), chunk_elems)
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def size(self, part: int) -> int:
+        start, end = self.ranges[part]
+        return end - start
+
+    def chunks(self, part: int) -> tuple[tuple[int, int], ...]:
+        """Absolute ``(start, end)`` of every chunk of ``part`` (empty for an empty part)."""
+        start, end = self.ranges[part]
+        return tuple(
+            (s, min(s + self.chunk_elems, end)) for s in range(start, end, self.chunk_elems)
+        )
+
+    def num_chunks(self, part: int) -> int:
+        return -(-self.size(part) // self.chunk_elems)
+
+    def owned(self) -> tuple[int, ...]:
+        """Indices of the members that own a non-empty part."""
+        return tuple(i for i in range(len(self.ranges)) if self.size(i) > 0)
+
+
+def schema_hash(tensors: Sequence[torch.Tensor], codec_spec: str) -> str:
+    """Short hex digest of the tensors' shapes and dtypes and of the codec.
+
+    Peers whose hashes differ use different matchmaking keys, so they never group: their flat
+    vectors (or their payloads) would not line up.
+    """
+    h = hashlib.sha256(b"swarm/averaging/schema/v1")
+    h.update(codec_spec.encode())
+    for t in tensors:
+        h.update(f"|{tuple(t.shape)}:{t.dtype}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,192 @@
+"""Reduction of one part (sans-I/O): weighted contributions accumulated chunk by chunk.
+
+The owner of a part starts from its own weighted values, adds every sender's decoded chunks as
+they arrive (``acc += w * D(chunk)``, no temporary), and divides by the sum of the weights of the
+senders whose whole stream arrived. A sender whose stream breaks after some of its chunks were
+added *taints* the part: its partial contribution cannot be taken back, so the owner resets the
+part and asks the complete senders for their values again (:meth:`PartReducer.restart`). Nothing
+half-received reaches the result.
+
+The tensor work (:meth:`PartReducer.begin`, :meth:`add_chunk`, :meth:`finish`) is meant for a
+worker thread; the bookkeeping methods are cheap and belong to the event loop. Two threads may
+add into different chunks at once; callers serialize additions into the same chunk.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.compression import decode_into, read_header
+from swarm.errors import AveragingError, CompressionError
+
+MAX_WEIGHT = 1e30
+
+
+def check_weight(weight: object) -> float:
+    """A contribution weight: finite, >= 0 and not absurd.
+
+    Raises:
+        AveragingError: anything else.
+    """
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise AveragingError(f"a weight is a number, not {type(weight).__name__}")
+    w = float(weight)
+    if not math.isfinite(w) or not 0 <= w <= MAX_WEIGHT:
+        raise AveragingError(f"a weight must be finite and within [0, {MAX_WEIGHT:g}], got {w}")
+    return w
+
+
+class SenderState(enum.Enum):
+    PENDING = "pending"  # nothing (complete) received yet
+    STREAMING = "streaming"  # some chunks added
+    COMPLETE = "complete"  # every chunk added, counted in the average
+    FAILED = "failed"  # dropped: stopped, timed out, tampered, or malformed
+
+
+@dataclass
+class _Sender:
+    weight: float
+    state: SenderState = SenderState.PENDING
+    next_chunk: int = 0
+
+
+class PartReducer:
+    """Accumulates one part's weighted mean.
+
+    Args:
+        acc: the part's accumulator (a contiguous float32 view; it receives the result).
+        chunks: ``(start, end)`` of every chunk, relative to ``acc``.
+        senders: the members expected to contribute (not the owner itself).
+    """
+
+    def __init__(
+        self, acc: torch.Tensor, chunks: tuple[tuple[int, int], ...], senders: Iterable[int]
+    ):
+        self.acc = acc
+        self.chunks = chunks
+        self.expected = tuple(senders)
+        self.own_weight = 0.0
+        self._own: torch.Tensor | None = None
+        self._senders: dict[int, _Sender] = {}
+        self.attempt = 0
+        self.tainted = False
+
+    # ---- tensor work (worker thread)
+
+    def begin(self, own: torch.Tensor, own_weight: float) -> None:
+        """Start from the owner's own values: ``acc = own_weight * own``."""
+        self._own, self.own_weight = own, check_weight(own_weight)
+        torch.mul(own, self.own_weight, out=self.acc)
+
+    def add_chunk(self, sender: int, index: int, payload: bytes | memoryview) -> None:
+        """Add ``weight * D(payload)`` into chunk ``index`` (call :meth:`accept` first).
+
+        Raises:
+            CompressionError: malformed payload, or its size does not match the chunk.
+        """
+        start, end = self.chunks[index]
+        header = read_header(payload, max_numel=end - start)
+        if header.numel != end - start:
+            raise CompressionError(f"chunk {index} holds {header.numel}, expected {end - start}")
+        decode_into(payload, self.acc[start:end], self._senders[sender].weight)
+
+    def finish(self) -> tuple[int, ...]:
+        """Divide by the total weight of the complete contributions; returns the contributors.
+
+        When the weights sum to 0 the owner's own values are restored (nothing to average).
+        """
+        contributors = self.contributors()
+        total = self.own_weight + sum(self._senders[s].weight for s in contributors)
+        if total > 0:
+            self.acc.div_(total)
+        elif self._own is not None:
+            self.acc.copy_(self._own)
+        return contributors
+
+    def restart(self) -> tuple[int, ...]:
+        """Reset to the owner's values for a new attempt with the complete senders only.
+
+        Returns the senders expected in the new attempt.
+        """
+        if self._own is None:
+            raise AveragingError("restart() before begin()")
+        torch.mul(self._own, self.own_weight, out=self.acc)
+        self.expected = self.contributors()
+        self._senders = {}
+        self.attempt += 1
+        self.tainted = False
+        return self.expected
+
+    # ---- bookkeeping (event loop)
+
+    def accept(self, sender: int, weight: float) -> None:
+        """Register a sender's stream before its chunks.
+
+        Raises:
+            AveragingError: not expected in this attempt, or a second stream from it.
+        """
+        if sender not in self.expected:
+            raise AveragingError(f"member {sender} is not expected to send this part")
+        if sender in self._senders:
+            raise AveragingError(f"member {sender} already sent this part (attempt {self.attempt})")
+        self._senders[sender] = _Sender(check_weight(weight))
+
+    def next_index(self, sender: int) -> int:
+        """Index the next chunk from ``sender`` must have (chunks arrive in order).
+
+        Raises:
+            AveragingError: the sender is not streaming, or already sent every chunk.
+        """
+        s = self._senders.get(sender)
+        if s is None or s.state in (SenderState.FAILED, SenderState.COMPLETE):
+            raise AveragingError(f"member {sender} is not streaming this part")
+        if s.next_chunk >= len(self.chunks):
+            raise AveragingError(f"member {sender} sent more than {len(self.chunks)} chunks")
+        return s.next_chunk
+
+    def chunk_added(self, sender: int) -> None:
+        s = self._senders[sender]
+        s.state = SenderState.STREAMING
+        s.next_chunk += 1
+
+    def complete(self, sender: int) -> None:
+        """The sender's stream ended cleanly.
+
+        Raises:
+            AveragingError: it ended before its last chunk.
+        """
+        s = self._senders[sender]
+        if s.next_chunk != len(self.chunks):
+            raise AveragingError(
+                f"member {sender} ended after {s.next_chunk} of {len(self.chunks)} chunks"
+            )
+        s.state = SenderState.COMPLETE
+
+    def fail(self, sender: int) -> None:
+        """Drop a sender; if some of its chunks were added, the part is tainted."""
+        s = self._senders.setdefault(sender, _Sender(0.0))
+        if s.state is SenderState.COMPLETE:
+            return
+        if s.next_chunk > 0:
+            self.tainted = True
+        s.state = SenderState.FAILED
+
+    def state(self, sender: int) -> SenderState:
+        s = self._senders.get(sender)
+        return SenderState.PENDING if s is None else s.state
+
+    def settled(self) -> bool:
+        """Every expected sender is complete or failed."""
+        done = (SenderState.COMPLETE, SenderState.FAILED)
+        return all(self.state(s) in done for s in self.expected)
+
+    def contributors(self) -> tuple[int, ...]:
+        return tuple(s for s in self.expected if self.state(s) is SenderState.COMPLETE)
+
+    def failed(self) -> tuple[int, ...]:
+        return tuple(s for s in self.expected if self.state(s) is SenderState.FAILED)

@@ -1,0 +1,50 @@
+"""What one averaging round reports, and the faults tests inject through the real code."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from swarm.identity import PeerID
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Outcome of :meth:`Averager.average`. A failed round is a result, never an exception.
+
+    ``parts`` tells exactly what was applied: part ``j`` (a range of the flat vector, owned by
+    ``members[j]``) was replaced by the weighted mean over the listed peers. A part missing from
+    ``parts`` kept this peer's own values (its owner failed, or too few contributions survived).
+    """
+
+    averaged: bool  # at least one part was averaged with another peer
+    reason: str = ""  # why not averaged, or what went wrong in part ("" when all went well)
+    group_id: bytes = b""  # the group's id (empty when no group formed)
+    members: tuple[PeerID, ...] = ()  # the agreed, ordered member list (this peer included)
+    parts: dict[int, tuple[PeerID, ...]] = field(default_factory=dict)  # part -> averaged over
+    bytes_sent: int = 0  # payload bytes this peer streamed (both phases)
+    bytes_received: int = 0  # payload bytes this peer received (both phases)
+    matchmaking_s: float = 0.0  # time to form (or fail to form) the group
+    allreduce_s: float = 0.0  # time of the all-reduce itself
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
+
+    def __str__(self) -> str:
+        if not self.averaged:
+            return f"not averaged ({self.reason}) after {self.matchmaking_s:.2f} s"
+        ok = sum(1 for p in self.parts.values() if len(p) > 1)
+        return (
+            f"averaged {ok} parts in a group of {len(self.members)}, "
+            f"matchmaking {self.matchmaking_s:.2f} s, all-reduce {self.allreduce_s:.2f} s"
+            + (f" ({self.reason})" if self.reason else "")
+        )
+
+
+class Fault(enum.Enum):
+    """Misbehaviour a test can switch on in one averager (real code paths, no mocks)."""
+
+    NONE = "none"
+    STALL_MID_STREAM = "stall"  # stop sending halfway through every part stream, stay connected
+    SKIP_REPLY = "skip-reply"  # as an owner, never answer (hold every stream open)

@@ -1,0 +1,167 @@
+"""The codec interface and the machinery every codec shares: input checks, scratch buffers, packing.
+
+A codec is pure tensor math split in two halves, both working on the tensor's own device:
+
+- ``_encode(x)`` turns a flat contiguous tensor into a :class:`~swarm.compression.wire.Header`
+  and a list of section tensors;
+- ``_decode(header, sections, out, accumulate, weight)`` writes the reconstruction into ``out``
+  (or adds ``weight`` times it).
+
+:class:`Codec` wraps them into ``encode(tensor) -> bytes`` / ``decode(bytes) -> tensor``; error
+feedback calls the halves directly so that it never round-trips through bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+
+from swarm.compression.wire import DTYPE_CODES, Header, header_size
+from swarm.errors import CompressionError
+
+Sections = list[torch.Tensor]
+
+
+class Codec(ABC):
+    """Base class of the codecs. Instances are immutable settings plus per-thread scratch buffers.
+
+    A codec instance may be shared by several threads: scratch buffers are thread-local, so each
+    worker thread reuses its own (fresh buffers cost page faults at about the speed of the codec).
+    """
+
+    #: codec name, written in the payload header
+    name: str = ""
+    #: number of sections of every payload of this codec
+    nsections: int = 1
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def spec(self) -> str:
+        """The string form accepted by :func:`swarm.compression.get_codec`."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+    # ------------------------------------------------------------------ public API
+
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        """Compress a tensor into a self-describing payload.
+
+        Args:
+            tensor: float32, float16 or bfloat16 tensor of any shape, on any device. The work
+                happens on that device; only the final bytes are copied to the CPU.
+
+        Returns:
+            The payload (header + sections).
+
+        Raises:
+            CompressionError: the dtype is not supported, or the tensor holds inf/NaN (their
+                count is in the message): a diverged peer must not poison the others.
+        """
+        flat = self._prepare(tensor)
+        header, sections = self._encode(flat, tuple(tensor.shape))
+        return pack(header, sections)
+
+    def estimate_size(self, numel: int, ndim: int = 1) -> int:
+        """Upper bound of the payload size in bytes for a tensor of ``numel`` elements."""
+        return header_size(ndim, self.nsections) + self._body_bound(numel)
+
+    # ------------------------------------------------------------------ for subclasses
+
+    @abstractmethod
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Header, Sections]:
+        """Encode a flat contiguous finite-checked tensor; sections live on its device."""
+
+    @abstractmethod
+    def _decode(
+        self, header: Header, sections: Sections, out: torch.Tensor, accumulate: bool, weight: float
+    ) -> None:
+        """Write D(payload) into the flat ``out`` (``out += weight * D`` when ``accumulate``).
+
+        The header has passed :meth:`_validate`; sections are uint8 tensors on ``out``'s device.
+        """
+
+    @abstractmethod
+    def _validate(self, header: Header) -> None:
+        """Raise CompressionError unless the header's fields and section lengths are consistent."""
+
+    @abstractmethod
+    def _body_bound(self, numel: int) -> int:
+        """Upper bound of the section bytes for ``numel`` elements."""
+
+    @classmethod
+    @abstractmethod
+    def from_header(cls, header: Header) -> Codec:
+        """A codec instance able to decode payloads like this one."""
+
+    def _prepare(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise CompressionError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in DTYPE_CODES:
+            raise CompressionError(
+                f"dtype {tensor.dtype} is not supported (float32, float16, bfloat16)"
+            )
+        return tensor.detach().contiguous().view(-1)
+
+    def _scratch(
+        self, key: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A reusable buffer of at least ``numel`` elements, private to this thread."""
+        store = getattr(self._local, "buffers", None)
+        if store is None:
+            store = self._local.buffers = {}
+        full = (key, dtype, device)
+        buf = store.get(full)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            store[full] = buf
+        return buf[:numel]
+
+    def clear_scratch(self) -> None:
+        """Drop this thread's scratch buffers (they are re-created on the next call)."""
+        self._local.buffers = {}
+
+
+def check_finite(flat: torch.Tensor, *stats: torch.Tensor) -> None:
+    """Raise CompressionError if any of ``stats`` (reductions of ``flat``) is not finite.
+
+    Reductions propagate inf/NaN, so checking them is nearly free; only when one is non-finite
+    is the exact count computed for the message. A reduction can also overflow to inf from finite
+    fp16/bf16 inputs, so the count is taken before raising.
+    """
+    for stat in stats:
+        if stat.numel() and not bool(torch.isfinite(stat).all()):
+            count = int((~torch.isfinite(flat)).sum())
+            if count:
+                raise CompressionError(
+                    f"tensor holds {count} non-finite value(s) (inf/NaN) out of {flat.numel()}; "
+                    "refusing to encode a diverged tensor"
+                )
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU byte view of a contiguous tensor (copied from the device if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().view(-1)
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def pack(header: Header, sections: Sections) -> bytes:
+    """Header bytes followed by the sections, in one allocation and one copy per section."""
+    return b"".join([header.serialize(), *(as_bytes(s) for s in sections)])
+
+
+def section_as(section: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a uint8 section as ``dtype`` (its length was validated beforehand)."""
+    if section.numel() == 0:
+        return torch.empty(0, dtype=dtype, device=section.device)
+    return section.view(dtype)

@@ -1,0 +1,449 @@
+"""A peer's authenticated HTTP server and client: ``/ping``, ``/info``, RPCs and sealed streams.
+
+Routes (every one needs a valid ``X-Swarm-Auth`` header, see :class:`swarm.auth.RequestAuth`):
+
+- ``GET /ping``: RTT probe, answers ``pong``.
+- ``GET /info``: this peer's signed :class:`~swarm.net.record.PeerRecord`.
+- ``POST /stream/{name}``: a sealed stream (:mod:`swarm.net.frames`) to a handler registered with
+  :meth:`Transport.add_stream`; RPCs (:meth:`Transport.add_rpc`) are streams with a header only.
+
+Refusals: 401 (missing, malformed or bad signature, wrong swarm key, replay, addressed to another
+peer, tampered or truncated body before the reply started), 403 (authenticated but not on the
+allow-list), 413 (stream or frame too large), 400 (malformed stream), 404 (unknown stream), 500
+(the handler failed before replying). Each is logged at WARNING, rate-limited per source address.
+``/ping`` and ``/info`` accept an empty target because the caller may only know an address;
+streams must name this peer as their target.
+
+Errors towards the caller: :class:`~swarm.errors.TransportError` (with ``status`` and ``peer``) for
+refusals, timeouts and lost connections; :class:`~swarm.errors.AuthError` when what a peer sent
+fails authentication here (tampered or truncated reply, forged record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import time
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+import swarm
+from swarm.auth import (
+    AUTH_HEADER,
+    Membership,
+    RateLimitedWarning,
+    ReplayGuard,
+    RequestAuth,
+    derive_stream_key,
+)
+from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
+from swarm.identity import Identity, PeerID
+from swarm.net.address import PeerAddress
+from swarm.net.client import Client, empty_body
+from swarm.net.frames import DEFAULT_CIPHER, TO_CLIENT, TO_SERVER, Opener, Sealer, make_aead
+from swarm.net.record import MAX_RECORD_BYTES, PeerRecord
+from swarm.net.streams import (
+    FrameReader,
+    FrameWriter,
+    InboundStream,
+    OutboundStream,
+    RemotePeer,
+    ReplyStream,
+)
+
+logger = logging.getLogger(__name__)
+
+StreamHandler = Callable[[InboundStream, ReplyStream], Awaitable[None]]
+RpcHandler = Callable[[RemotePeer, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_PUBLIC_PATHS = ("/ping", "/info")
+_RECORD_FIELDS = ("address", "run_id", "device", "bandwidth", "version", "extra")
+_SHUTDOWN_TIMEOUT_S = 2.0
+_AUTH_KEY = web.RequestKey("swarm_auth", RequestAuth)
+
+
+class Transport:
+    """One peer's HTTP endpoint and client, on the peer's own event loop.
+
+    Args:
+        identity: this peer's keys.
+        membership: who may talk to us (and whose swarm key we present).
+        run_id: written into our record.
+        listen: address to bind (port 0 picks one; see :attr:`bound_address`). When the host is a
+            specific address, outgoing connections leave from it too.
+        announce: what others dial; defaults to the bound address.
+        device, bandwidth, extra: initial record fields (see :class:`PeerRecord`).
+        cipher: stream AEAD we send with (``aes-256-gcm`` or ``chacha20-poly1305``; see
+            :mod:`swarm.net.frames`). We accept both.
+        max_chunk_bytes: largest plaintext per frame; bigger writes are split. Frames above it
+            (+ the 16-byte tag) are refused before they are read.
+        max_stream_bytes: largest body of one stream, per direction. Raise it for big state
+            transfers.
+        request_timeout: default for :meth:`ping` and :meth:`fetch_info`, and the connect timeout.
+        replay_window_s: accepted clock difference; requests outside it are refused as replays.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        membership: Membership,
+        *,
+        run_id: str,
+        listen: PeerAddress | str,
+        announce: PeerAddress | str | None = None,
+        device: str = "cpu",
+        bandwidth: float = 0.0,
+        extra: dict[str, Any] | None = None,
+        cipher: str = DEFAULT_CIPHER,
+        max_chunk_bytes: int = 1 << 20,
+        max_stream_bytes: int = 1 << 31,
+        request_timeout: float = 10.0,
+        replay_window_s: float = 60.0,
+    ):
+        make_aead(cipher, bytes(32))  # ConfigError on an unknown cipher, now rather than later
+        if not 1 <= max_chunk_bytes <= 1 << 26:
+            raise ConfigError("max_chunk_bytes must be within 1 B .. 64 MiB")
+        if max_stream_bytes < 0 or request_timeout <= 0:
+            raise ConfigError("max_stream_bytes must be >= 0 and request_timeout > 0")
+        self.identity = identity
+        self.membership = membership
+        self.listen = _address(listen)
+        self._announce = _address(announce) if announce is not None else None
+        self.cipher = cipher
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_stream_bytes = max_stream_bytes
+        self.request_timeout = request_timeout
+        self._record_fields: dict[str, Any] = dict(
+            run_id=run_id,
+            device=device,
+            bandwidth=bandwidth,
+            version=swarm.__version__,
+            extra=dict(extra or {}),
+        )
+        self._record: PeerRecord | None = None
+        self._replay = ReplayGuard(replay_window_s)
+        self._refusals = RateLimitedWarning(logger)
+        self._streams: dict[str, StreamHandler] = {}
+        self._runner: web.AppRunner | None = None
+        self._outgoing: Client | None = None
+        self.bound_address: PeerAddress | None = None
+
+    # ---- lifetime
+
+    async def start(self) -> None:
+        """Bind the server and open the client session.
+
+        Raises:
+            TransportError: the address cannot be bound.
+        """
+        if self._runner is not None:
+            raise TransportError("transport already started")
+        app = web.Application(middlewares=[self._authenticate], client_max_size=64 * 1024)
+        app.router.add_get("/ping", self._handle_ping)
+        app.router.add_get("/info", self._handle_info)
+        app.router.add_post("/stream/{name}", self._handle_stream)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,  # a caller that hangs up cancels its handler
+            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+        )
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.listen.host, self.listen.port).start()
+        except OSError as e:
+            await runner.cleanup()
+            raise TransportError(f"cannot listen on {self.listen}: {e}") from e
+        self._runner = runner
+        port = runner.addresses[0][1]
+        self.bound_address = PeerAddress(self.listen.host, port)
+        local_addr = (self.listen.host, 0) if _is_specific_ip(self.listen.host) else None
+        connector = aiohttp.TCPConnector(limit=0, local_addr=local_addr)
+        session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.request_timeout),
+        )
+        self._outgoing = Client(
+            session,
+            self.identity,
+            self.membership,
+            cipher=self.cipher,
+            max_chunk_bytes=self.max_chunk_bytes,
+            max_stream_bytes=self.max_stream_bytes,
+        )
+        self.update_record(address=self._announce or self.bound_address)
+        logger.info(
+            "transport of %s listening on %s", self.identity.peer_id.short, self.bound_address
+        )
+
+    async def close(self) -> None:
+        """Close the client session, then the server (handlers get a short grace period)."""
+        if self._outgoing is not None:
+            await self._outgoing.close()
+            self._outgoing = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> Transport:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def port(self) -> int:
+        """The bound port number (the DHT binds the same number over UDP)."""
+        if self.bound_address is None:
+            raise TransportError("transport not started")
+        return self.bound_address.port
+
+    # ---- record
+
+    def record(self) -> PeerRecord:
+        """This peer's current signed record (available after :meth:`start`)."""
+        if self._record is None:
+            raise TransportError("transport not started")
+        return self._record
+
+    def update_record(self, **fields: Any) -> PeerRecord:
+        """Change record fields (address, run_id, device, bandwidth, version, extra), re-sign.
+
+        With no fields, just refreshes the timestamp and signature.
+
+        Raises:
+            ConfigError: unknown field or invalid value.
+        """
+        unknown = set(fields) - set(_RECORD_FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown record fields {sorted(unknown)}")
+        merged = {**self._record_fields, **fields}
+        if "address" not in merged:
+            raise TransportError("start the transport (or pass address=) before signing a record")
+        record = PeerRecord.create(self.identity, **merged)
+        self._record_fields = merged
+        self._record = record
+        return record
+
+    # ---- handlers
+
+    def add_stream(self, name: str, handler: StreamHandler) -> None:
+        """Serve ``POST /stream/{name}`` with ``handler(request, reply)``.
+
+        The handler iterates ``request`` for verified chunks and answers with
+        ``await reply.prepare(header)`` and ``await reply.write(chunk)``; the reply ends when it
+        returns. If it raises before preparing, the caller gets an HTTP error; after, an ERROR
+        frame. It may hold the reply as long as it likes: only the caller times out.
+        """
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"stream name {name!r}: 1-64 letters, digits, '.', '_', '-'")
+        if name in self._streams:
+            raise ConfigError(f"stream {name!r} already has a handler")
+        self._streams[name] = handler
+
+    def add_rpc(self, name: str, handler: RpcHandler) -> None:
+        """Serve :meth:`call` requests: ``handler(sender, payload) -> reply dict``."""
+
+        async def as_stream(request: InboundStream, reply: ReplyStream) -> None:
+            async for _ in request:
+                raise TransportError("an RPC carries no body", status=400)
+            await reply.prepare(await handler(request.sender, request.header))
+
+        self.add_stream(name, as_stream)
+
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        source = request.remote or "?"
+        try:
+            auth = RequestAuth.decode(request.headers.get(AUTH_HEADER, ""))
+            auth.verify(self.membership, method=request.method, path=request.path)
+            if auth.target != self.identity.peer_id.digest and not (
+                auth.target == b"" and request.path in _PUBLIC_PATHS
+            ):
+                raise AuthError("request addressed to another peer")
+            self._replay.check(auth.timestamp, auth.nonce)
+        except AuthError as e:
+            return self._refuse(request, 401, e)
+        if not self.membership.admits(auth.public_key):
+            return self._refuse(request, 403, AuthError("public key not on the allow-list"))
+        request[_AUTH_KEY] = auth
+        logger.debug("%s %s from %s (%s)", request.method, request.path, source, auth.cipher)
+        return await handler(request)
+
+    def _refuse(self, request: web.Request, status: int, error: SwarmError) -> web.Response:
+        source = request.remote or "?"
+        self._refusals.warn(
+            source,
+            "refused %s %s from %s: %s %s",
+            request.method,
+            request.path,
+            source,
+            status,
+            error,
+        )
+        return web.Response(status=status, text=str(error))
+
+    async def _handle_ping(self, request: web.Request) -> web.Response:
+        return web.Response(text="pong")
+
+    async def _handle_info(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.record().serialize(), content_type="application/msgpack")
+
+    async def _handle_stream(self, request: web.Request) -> web.StreamResponse:
+        auth = request[_AUTH_KEY]
+        name = request.match_info["name"]
+        handler = self._streams.get(name)
+        if handler is None:
+            return web.Response(status=404, text=f"no stream {name!r}")
+        sender = RemotePeer(
+            PeerID.from_public_key(auth.public_key),
+            auth.public_key,
+            auth.agreement_key,
+            request.remote or "",
+        )
+        try:
+            aead = make_aead(
+                auth.cipher,
+                derive_stream_key(
+                    self.identity,
+                    self.membership,
+                    peer_public_key=auth.public_key,
+                    peer_agreement_key=auth.agreement_key,
+                    initiator=False,
+                    stream_id=auth.nonce,
+                    cipher=auth.cipher,
+                ),
+            )
+        except ConfigError as e:
+            return self._refuse(request, 400, e)
+        except AuthError as e:
+            return self._refuse(request, 401, e)
+        label = f"{sender.peer_id.short}@{sender.host}"
+        reader = FrameReader(
+            request.content,
+            Opener(aead, auth.nonce, TO_SERVER, max_frame_bytes=self.max_chunk_bytes),
+            max_stream_bytes=self.max_stream_bytes,
+            peer=label,
+        )
+        reply = ReplyStream(
+            request, FrameWriter(Sealer(aead, auth.nonce, TO_CLIENT), self.max_chunk_bytes)
+        )
+        try:
+            inbound = InboundStream(name, sender, await reader.read_header(), reader)
+            await handler(inbound, reply)
+        except (AuthError, TransportError) as e:
+            status = 401 if isinstance(e, AuthError) else (e.status or 400)
+            if not reply.prepared:
+                return self._refuse(request, status, e)
+            self._refusals.warn(
+                request.remote or "?", "stream %s from %s failed: %s", name, label, e
+            )
+            await reply.abort(e)
+            return reply.response  # type: ignore[return-value]
+        except Exception as e:  # the handler's own bug or failure: report it, never a short reply
+            logger.warning("stream handler %r failed for %s: %r", name, label, e, exc_info=True)
+            if not reply.prepared:
+                return web.Response(status=500, text=f"handler failed: {type(e).__name__}")
+            await reply.abort(e)
+            return reply.response  # type: ignore[return-value]
+        await reply.finish()
+        return reply.response  # type: ignore[return-value]
+
+    # ---- client
+
+    def _client(self) -> Client:
+        if self._outgoing is None:
+            raise TransportError("transport not started")
+        return self._outgoing
+
+    async def ping(self, address: PeerAddress, *, timeout: float | None = None) -> float:
+        """Round-trip time in seconds of one authenticated ``/ping`` (connection reuse included).
+
+        Raises:
+            TransportError: refused, unreachable or timed out.
+        """
+        start = time.perf_counter()
+        await self._client().get(address, "/ping", 64, timeout or self.request_timeout)
+        return time.perf_counter() - start
+
+    async def fetch_info(self, address: PeerAddress, *, timeout: float | None = None) -> PeerRecord:
+        """The signed record of the peer at ``address``, verified.
+
+        Raises:
+            TransportError: refused, unreachable, timed out, or a malformed record.
+            AuthError: the record's signature does not verify.
+        """
+        data = await self._client().get(
+            address, "/info", MAX_RECORD_BYTES, timeout or self.request_timeout
+        )
+        return PeerRecord.parse(data)
+
+    def stream(
+        self,
+        peer: PeerRecord,
+        name: str,
+        header: dict[str, Any],
+        chunks: AsyncIterable[bytes],
+        *,
+        timeout: float,
+    ) -> OutboundStream:
+        """Open a sealed stream to ``peer``'s handler ``name``; use as ``async with``.
+
+        Args:
+            peer: the receiver's record (its address and keys).
+            header: small msgpack-able dict, authenticated and encrypted.
+            chunks: the request body; sent concurrently with reading the reply.
+            timeout: longest wait for any one step: connecting, the reply header, or the next
+                reply bytes. Wrap the block in ``asyncio.timeout`` for a total deadline.
+
+        Raises (on entering, or while iterating):
+            TransportError: refused (``status``), unreachable, timed out, aborted by the peer.
+            AuthError: the reply fails authentication or is truncated.
+        """
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(f"stream name {name!r}: 1-64 letters, digits, '.', '_', '-'")
+        return self._client().stream(peer, name, header, chunks, timeout=timeout)
+
+    async def call(
+        self, peer: PeerRecord, name: str, payload: dict[str, Any], *, timeout: float
+    ) -> dict[str, Any]:
+        """Call ``peer``'s RPC ``name`` (see :meth:`add_rpc`) within ``timeout`` seconds in total.
+
+        Raises:
+            TransportError: refused, unreachable, timed out, or the handler failed.
+            AuthError: the reply fails authentication.
+        """
+
+        async def go() -> dict[str, Any]:
+            async with self.stream(peer, name, payload, empty_body(), timeout=timeout) as s:
+                async for _ in s:
+                    raise TransportError(f"RPC {name} replied with a body", peer=str(peer.address))
+                return s.header
+
+        try:
+            return await asyncio.wait_for(go(), timeout)
+        except TimeoutError as e:
+            raise TransportError(
+                f"RPC {name} timed out after {timeout} s", peer=str(peer.address)
+            ) from e
+
+
+def _address(value: PeerAddress | str) -> PeerAddress:
+    return value if isinstance(value, PeerAddress) else PeerAddress.parse(value)
+
+
+def _is_specific_ip(host: str) -> bool:
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False

@@ -1,0 +1,225 @@
+"""A peer: identity + HTTP transport + DHT node on one port number, and its heartbeat.
+
+The HTTP server (TCP) binds first; the DHT (UDP) then binds the same port number, so a user behind
+a router forwards one port and others join with one ``HOST:PORT``. The peer announces its signed
+:class:`~swarm.net.record.PeerRecord` under ``{run_id}/peers`` every ``heartbeat_s``; the entry
+expires after ``record_ttl_s``, so a peer that dies vanishes from every listing at expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+from swarm.config import PeerConfig
+from swarm.dht import DHTNode
+from swarm.errors import DHTError, SwarmError
+from swarm.identity import Identity, PeerID
+from swarm.net.address import PeerAddress
+from swarm.net.record import PeerRecord
+from swarm.net.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+_BIND_ATTEMPTS = 16
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def peers_key(run_id: str) -> str:
+    """The DHT key under which every peer of a run announces its record."""
+    return f"{run_id}/peers"
+
+
+def guess_announce_host(listen_host: str) -> str:
+    """The address others should dial when we listen on every interface.
+
+    Best effort without sending anything: the address this host's name resolves to. Users behind
+    a router pass ``--announce`` with their public address instead.
+    """
+    if listen_host not in _WILDCARD_HOSTS:
+        return listen_host
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host = "127.0.0.1"
+    if host.startswith("127."):
+        logger.warning(
+            "listening on all interfaces but this host's name resolves to %s: others on the "
+            "network cannot dial that; pass --announce HOST:PORT",
+            host,
+        )
+    return host
+
+
+class Peer:
+    """A running peer. Create with ``await Peer.start(config)`` or ``async with Peer(config)``."""
+
+    def __init__(self, config: PeerConfig, identity: Identity | None = None):
+        self.config = config
+        if identity is None:
+            identity = (
+                Identity.load_or_create(config.identity_path)
+                if config.identity_path is not None
+                else Identity.generate()
+            )
+        self.identity = identity
+        self.transport: Transport | None = None
+        self.dht: DHTNode | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.identity.peer_id
+
+    @property
+    def run_id(self) -> str:
+        return self.config.run_id
+
+    @property
+    def address(self) -> PeerAddress:
+        """What others dial: HTTP over TCP and the DHT over UDP share this port number."""
+        return self._transport.record().address
+
+    @property
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise SwarmError("the peer is not started")
+        return self.transport
+
+    @property
+    def _dht(self) -> DHTNode:
+        if self.dht is None:
+            raise SwarmError("the peer is not started")
+        return self.dht
+
+    @classmethod
+    async def start(cls, config: PeerConfig, identity: Identity | None = None) -> Peer:
+        peer = cls(config, identity)
+        await peer._start()
+        return peer
+
+    async def __aenter__(self) -> Peer:
+        if self.transport is None:
+            await self._start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _start(self) -> None:
+        try:
+            await self._bind()
+            if self.config.initial_peers:
+                await self._bootstrap()
+            await self.announce()
+        except BaseException:
+            await self.close()
+            raise
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="swarm-heartbeat")
+        logger.info(
+            "peer %s up at %s (run %s, %d initial peers)",
+            self.peer_id.short,
+            self.address,
+            self.run_id,
+            len(self.config.initial_peers),
+        )
+
+    async def _bind(self) -> None:
+        listen = self.config.listen
+        for attempt in range(_BIND_ATTEMPTS):
+            transport = Transport(
+                self.identity,
+                self.config.membership,
+                run_id=self.run_id,
+                listen=listen,
+                announce=self.config.announce,
+                device=self.config.device,
+                bandwidth=self.config.bandwidth,
+            )
+            await transport.start()
+            port = transport.bound_address.port
+            try:
+                dht = await DHTNode.create(
+                    self.identity,
+                    self.config.membership,
+                    host=listen.host or "0.0.0.0",
+                    port=port,
+                    request_timeout=self.config.dht_request_timeout_s,
+                )
+            except DHTError:
+                await transport.close()
+                if listen.port != 0 or attempt == _BIND_ATTEMPTS - 1:
+                    raise
+                logger.debug("UDP port %d is taken; trying another port number", port)
+                continue
+            self.transport, self.dht = transport, dht
+            if self.config.announce is None and listen.host in _WILDCARD_HOSTS:
+                host = guess_announce_host(listen.host)
+                transport.update_record(address=PeerAddress(host, port))
+            return
+
+    async def _bootstrap(self) -> None:
+        contacts = await self._dht.bootstrap(self.config.initial_peers)
+        if contacts == 0:
+            raise DHTError(
+                "no initial peer answered: "
+                + ", ".join(self.config.initial_peers)
+                + " (check the address, the port forwarding and the swarm key)"
+            )
+
+    async def announce(self) -> int:
+        """Publish (and re-sign) this peer's record; returns how many DHT nodes stored it."""
+        record = self._transport.update_record()
+        expiration = time.time() + float(self.config.record_ttl_s or 0)
+        return await self._dht.store(peers_key(self.run_id), record.serialize(), expiration)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                stored = await self.announce()
+            except SwarmError as e:
+                logger.warning("heartbeat failed: %s", e)
+                continue
+            if stored == 0:
+                logger.warning("heartbeat: no DHT node stored our record (alone in the swarm?)")
+
+    async def known_peers(self) -> dict[PeerID, PeerRecord]:
+        """Records of the live peers of this run (signature-checked), this peer included."""
+        return await fetch_peer_records(self._dht, self.run_id)
+
+    async def close(self) -> None:
+        """Stop announcing, then close the DHT socket and the HTTP server and client."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+            self._heartbeat = None
+        if self.dht is not None:
+            await self.dht.close()
+            self.dht = None
+        if self.transport is not None:
+            await self.transport.close()
+            self.transport = None
+        self._closed.set()
+
+
+async def fetch_peer_records(dht: DHTNode, run_id: str) -> dict[PeerID, PeerRecord]:
+    """Read ``{run_id}/peers`` and keep the records that parse, verify and match their owner."""
+    entries = await dht.get(peers_key(run_id))
+    records: dict[PeerID, PeerRecord] = {}
+    for (owner, _subkey), entry in entries.items():
+        value: Any = entry.value
+        try:
+            record = PeerRecord.parse(bytes(value))
+        except (SwarmError, TypeError, ValueError) as e:
+            logger.debug("ignoring an invalid peer record from %s: %s", owner.short, e)
+            continue
+        if record.peer_id != owner or record.run_id != run_id:
+            logger.debug("ignoring a peer record whose owner or run does not match")
+            continue
+        records[owner] = record
+    return records

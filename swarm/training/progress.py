@@ -1,0 +1,68 @@
+"""What ``swarm.step()`` returns, and the one-line-per-round progress text."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Outcome of one ``swarm.step()``.
+
+    Most steps are plain local steps (``round_due`` False). On a step that ends an averaging
+    round, ``averaged`` says whether the swarm average was applied; when it was not, ``reason``
+    says why and the peer went on alone (a DiLoCo peer then applies its own pseudo-gradient).
+    """
+
+    step: int  # local optimizer steps taken by this peer so far (this one included)
+    round: int  # completed averaging rounds of the model this peer holds
+    round_due: bool  # this step ended an averaging round (attempted)
+    averaged: bool  # the round averaged with at least one other peer
+    group_size: int  # peers in the group, this one included (0 when not averaged)
+    bytes_sent: int  # bytes this peer sent in the round
+    bytes_received: int  # bytes this peer received in the round
+    wait_s: float  # seconds step() blocked on the swarm (matchmaking + all-reduce)
+    utilization: float  # share of wall time spent computing (not waiting) since the start
+    reason: str = ""  # why not averaged ("" when averaged or no round was due)
+
+    def line(self, loss: float | None = None) -> str:
+        """One progress line, e.g. for a log or a script's stdout."""
+        text = f"round {self.round:4d} step {self.step:6d}"
+        if loss is not None:
+            text += f" loss {loss:.4f}"
+        if self.averaged:
+            text += f" averaged with {self.group_size - 1} peers, sent {_size(self.bytes_sent)}"
+        elif self.round_due:
+            text += f" not averaged ({self.reason})"
+        return text + f", waited {self.wait_s:.2f}s, utilization {self.utilization:.0%}"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class Utilization:
+    """Share of wall time not spent blocked on the swarm since the first step."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self.waited = 0.0
+
+    def started(self) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def add_wait(self, seconds: float) -> None:
+        self.waited += seconds
+
+    @property
+    def value(self) -> float:
+        if self._start is None:
+            return 1.0
+        wall = time.perf_counter() - self._start
+        return 1.0 if wall <= 0 else max(0.0, 1.0 - self.waited / wall)

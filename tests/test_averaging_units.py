@@ -1,0 +1,349 @@
+"""Sans-I/O parts of averaging: part plan, leader rule, group records, reducer, error feedback."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.averaging.feedback import FlatFeedback
+from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
+from swarm.averaging.plan import CHUNK_ALIGN, PartPlan, chunk_elems_for, schema_hash, split_parts
+from swarm.averaging.reducer import PartReducer, SenderState, check_weight
+from swarm.averaging.result import RoundResult
+from swarm.compression import decode, get_codec
+from swarm.errors import AveragingError, CompressionError
+from swarm.identity import Identity, PeerID
+from swarm.net.address import PeerAddress
+from swarm.net.record import PeerRecord
+
+bandwidths = st.lists(
+    st.one_of(st.just(0.0), st.floats(min_value=1e-3, max_value=1e12)), min_size=1, max_size=12
+)
+
+
+@given(numel=st.integers(0, 10**9), bws=bandwidths)
+@settings(deadline=None)
+def test_split_parts_covers_exactly_in_proportion(numel, bws):
+    ranges = split_parts(numel, bws)
+    assert len(ranges) == len(bws)
+    assert ranges[0][0] == 0 and ranges[-1][1] == numel
+    for (s0, e0), (s1, _) in itertools.pairwise(ranges):
+        assert s0 <= e0 == s1
+    total = sum(bws)
+    for (s, e), b in zip(ranges, bws, strict=True):
+        if total > 0:
+            assert abs((e - s) - numel * b / total) < 1 + 1e-6 * numel
+            if b == 0:
+                assert e == s  # bandwidth 0 owns nothing
+        else:
+            assert abs((e - s) - numel / len(bws)) < 1
+
+
+def test_split_parts_rejects_junk():
+    for bad in ([], [-1.0], [float("nan")], [float("inf")]):
+        with pytest.raises(AveragingError):
+            split_parts(10, bad)
+    with pytest.raises(AveragingError):
+        split_parts(-1, [1.0])
+
+
+@given(numel=st.integers(0, 10**6), bws=bandwidths, chunk=st.integers(100, 10**6))
+@settings(deadline=None)
+def test_part_plan_chunks_tile_each_part(numel, bws, chunk):
+    plan = PartPlan.create(numel, bws, chunk)
+    for j in range(len(plan)):
+        chunks = plan.chunks(j)
+        assert len(chunks) == plan.num_chunks(j)
+        start, end = plan.ranges[j]
+        if chunks:
+            assert chunks[0][0] == start and chunks[-1][1] == end
+            assert all(0 < e - s <= chunk for s, e in chunks)
+        else:
+            assert start == end
+    assert set(plan.owned()) == {j for j in range(len(plan)) if plan.size(j) > 0}
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "topk:0.01", "1bit"])
+def test_chunks_fit_one_frame(spec):
+    codec = get_codec(spec)
+    n = chunk_elems_for(codec)
+    assert n % CHUNK_ALIGN == 0
+    assert codec.estimate_size(n) <= 1 << 20
+    assert len(codec.encode(torch.randn(n))) <= 1 << 20
+
+
+def test_schema_hash_separates_shapes_dtypes_and_codecs():
+    a = [torch.zeros(3, 4), torch.zeros(5)]
+    assert schema_hash(a, "none") == schema_hash([torch.ones(3, 4), torch.ones(5)], "none")
+    assert schema_hash(a, "none") != schema_hash([torch.zeros(4, 3), torch.zeros(5)], "none")
+    assert schema_hash(a, "none") != schema_hash([torch.zeros(3, 4).half(), torch.zeros(5)], "none")
+    assert schema_hash(a, "none") != schema_hash(a, "int8")
+    assert matchmaking_key("run", "g", "abc") == "run/mm/g/abc"
+
+
+def _pid(i: int) -> PeerID:
+    return PeerID(i.to_bytes(32, "big"))
+
+
+@given(
+    ids=st.sets(st.integers(0, 1000), min_size=1, max_size=20),
+    data=st.data(),
+)
+@settings(deadline=None)
+def test_choose_leader_rule(ids, data):
+    peers = [_pid(i) for i in ids]
+    leading = data.draw(st.lists(st.sampled_from(peers), max_size=3))
+    exclude = data.draw(st.lists(st.sampled_from(peers), max_size=3))
+    got = choose_leader(peers, leading, exclude)
+    left = [p for p in leading if p not in exclude] or [p for p in peers if p not in exclude]
+    if not left:
+        assert got is None
+    else:
+        assert got == min(left, key=lambda p: p.digest)
+
+
+def test_two_stale_views_agree_on_one_leader():
+    # both see the same smallest candidate even when each misses some others
+    a, b, c, d = (_pid(i) for i in (1, 2, 3, 4))
+    assert choose_leader([b, c, a]) == choose_leader([a, d, c]) == a
+    # a leader with followers attracts even smaller candidates
+    assert choose_leader([a, c, d], leading=[c]) == c
+
+
+@pytest.fixture(scope="module")
+def records():
+    out = []
+    for i in range(4):
+        ident = Identity.generate()
+        out.append(
+            PeerRecord.create(
+                ident,
+                address=PeerAddress("127.0.0.1", 4000 + i),
+                run_id="run",
+                bandwidth=float(i),
+            )
+        )
+    return out
+
+
+def test_declaration_round_trip_and_owner_check(records):
+    decl = Declaration(records[0], time.time() + 5, busy=False, leading=True)
+    back = Declaration.parse(decl.serialize(), records[0].peer_id)
+    assert back == decl
+    with pytest.raises(AveragingError):
+        Declaration.parse(decl.serialize(), records[1].peer_id)
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"",
+        b"\xff" * 40,
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"r": b"x", "d": 1.0}),
+        msgpack.packb({"r": 5, "d": 1.0}),
+        msgpack.packb({"d": float("nan")}),
+        b"\x00" * 5000,
+        12,
+        None,
+    ],
+)
+def test_declaration_rejects_hostile_values(junk, records):
+    with pytest.raises(AveragingError):
+        Declaration.parse(junk, records[0].peer_id)
+
+
+@given(data=st.binary(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_declaration_fuzz_never_crashes(data):
+    with pytest.raises(AveragingError):
+        Declaration.parse(data, _pid(1))
+
+
+def test_group_info_round_trip_and_validation(records):
+    group = GroupInfo.create(records)
+    assert [r.peer_id.digest for r in group.members] == sorted(r.peer_id.digest for r in records)
+    me, leader = records[2].peer_id, records[0].peer_id
+    back = GroupInfo.from_wire(
+        msgpack.unpackb(msgpack.packb(group.to_wire())), me=me, leader=leader
+    )
+    assert back == group
+    assert back.index_of(me) == list(back.peer_ids).index(me)
+    wire = group.to_wire()
+    bad = [
+        None,
+        {"g": b"short", "m": wire["m"]},
+        {"g": wire["g"], "m": wire["m"][:1]},
+        {"g": wire["g"], "m": [*wire["m"], wire["m"][0]]},
+        {"g": wire["g"], "m": [*wire["m"][:3], b"junk"]},
+        {"g": wire["g"], "m": [*wire["m"][:3], 7]},
+    ]
+    for obj in bad:
+        with pytest.raises(AveragingError):
+            GroupInfo.from_wire(obj, me=me, leader=leader)
+    other = Identity.generate().peer_id
+    with pytest.raises(AveragingError):
+        GroupInfo.from_wire(wire, me=other, leader=leader)
+    with pytest.raises(AveragingError):
+        group.index_of(other)
+
+
+def test_check_weight():
+    assert check_weight(3) == 3.0
+    for bad in (-1, float("nan"), float("inf"), "1", True, None, 1e40):
+        with pytest.raises(AveragingError):
+            check_weight(bad)
+
+
+def _chunks(n: int, size: int) -> tuple[tuple[int, int], ...]:
+    return tuple((s, min(s + size, n)) for s in range(0, n, size))
+
+
+@given(
+    n=st.integers(1, 3000),
+    chunk=st.integers(1, 700),
+    weights=st.lists(st.floats(0.1, 10), min_size=2, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
+    rng = random.Random(seed)
+    codec = get_codec("none")
+    values = [
+        torch.randn(n, generator=torch.Generator().manual_seed(seed + i))
+        for i in range(len(weights))
+    ]
+    acc = torch.empty(n)
+    chunks = _chunks(n, chunk)
+    senders = list(range(1, len(weights)))
+    r = PartReducer(acc, chunks, senders)
+    r.begin(values[0], weights[0])
+    for s in senders:
+        r.accept(s, weights[s])
+    queue = [(s, i) for s in senders for i in range(len(chunks))]
+    # interleave senders at random but keep each sender's chunks in order
+    order: list[tuple[int, int]] = []
+    progress = dict.fromkeys(senders, 0)
+    while len(order) < len(queue):
+        s = rng.choice([x for x in senders if progress[x] < len(chunks)])
+        order.append((s, progress[s]))
+        progress[s] += 1
+    for s, i in order:
+        assert r.next_index(s) == i
+        a, b = chunks[i]
+        r.add_chunk(s, i, codec.encode(values[s][a:b]))
+        r.chunk_added(s)
+    for s in senders:
+        r.complete(s)
+    assert r.settled()
+    assert r.finish() == tuple(senders)
+    expected = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+    torch.testing.assert_close(acc, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reducer_taint_and_restart_excludes_partial_sender():
+    codec = get_codec("none")
+    n, chunks = 100, _chunks(100, 30)
+    own, a, b = torch.full((n,), 1.0), torch.full((n,), 3.0), torch.full((n,), 100.0)
+    acc = torch.empty(n)
+    r = PartReducer(acc, chunks, [1, 2])
+    r.begin(own, 1.0)
+    r.accept(1, 1.0)
+    r.accept(2, 1.0)
+    for i, (s, e) in enumerate(chunks):
+        r.add_chunk(1, i, codec.encode(a[s:e]))
+        r.chunk_added(1)
+    r.complete(1)
+    r.add_chunk(2, 0, codec.encode(b[0:30]))  # sender 2 dies after one chunk
+    r.chunk_added(2)
+    r.fail(2)
+    assert r.settled() and r.tainted
+    assert r.restart() == (1,)
+    assert r.attempt == 1 and not r.settled()
+    r.accept(1, 1.0)
+    for i, (s, e) in enumerate(chunks):
+        r.add_chunk(1, i, codec.encode(a[s:e]))
+        r.chunk_added(1)
+    r.complete(1)
+    assert r.finish() == (1,)
+    torch.testing.assert_close(acc, torch.full((n,), 2.0))
+
+
+def test_reducer_refuses_protocol_violations():
+    codec = get_codec("none")
+    acc = torch.empty(10)
+    r = PartReducer(acc, _chunks(10, 5), [1, 2])
+    r.begin(torch.zeros(10), 1.0)
+    with pytest.raises(AveragingError):
+        r.accept(3, 1.0)  # not expected
+    r.accept(1, 1.0)
+    with pytest.raises(AveragingError):
+        r.accept(1, 1.0)  # second stream
+    with pytest.raises(CompressionError):
+        r.add_chunk(1, 0, codec.encode(torch.zeros(4)))  # wrong size
+    with pytest.raises(CompressionError):
+        r.add_chunk(1, 0, b"\x00junk")
+    r.add_chunk(1, 0, codec.encode(torch.zeros(5)))
+    r.chunk_added(1)
+    with pytest.raises(AveragingError):
+        r.complete(1)  # ended early
+    r.fail(1)
+    assert r.state(1) is SenderState.FAILED and r.tainted
+    with pytest.raises(AveragingError):
+        r.next_index(1)
+    r.fail(2)  # never started: does not taint more
+    assert r.settled() and r.contributors() == ()
+
+
+def test_reducer_zero_total_weight_keeps_own_values():
+    acc = torch.empty(4)
+    own = torch.arange(4.0)
+    r = PartReducer(acc, _chunks(4, 4), [1])
+    r.begin(own, 0.0)
+    r.accept(1, 0.0)
+    r.add_chunk(1, 0, get_codec("none").encode(torch.ones(4)))
+    r.chunk_added(1)
+    r.complete(1)
+    r.finish()
+    torch.testing.assert_close(acc, own)
+
+
+@pytest.mark.parametrize("spec", ["int8", "topk:0.1", "1bit", "fp16"])
+def test_flat_feedback_conserves_mass(spec):
+    # sum of what was sent == sum of inputs - final residual, chunk by chunk
+    codec = get_codec(spec)
+    fb = FlatFeedback(codec, 8192)
+    gen = torch.Generator().manual_seed(0)
+    sent, total = torch.zeros(4096), torch.zeros(4096)
+    for _ in range(5):
+        x = torch.randn(4096, generator=gen)
+        total += x
+        payload = fb.encode(x, 4096)
+        sent += decode(payload)
+    residual = fb.state_dict()["sender"][4096:]
+    torch.testing.assert_close(sent + residual, total, rtol=1e-4, atol=1e-4)
+    assert fb.state_dict()["sender"][:4096].abs().max() == 0  # other slices untouched
+
+
+@pytest.mark.parametrize("spec", ["none", "int8", "topk:0.1"])
+def test_flat_feedback_owner_applies_what_it_sends(spec):
+    fb = FlatFeedback(get_codec(spec), 1000)
+    fb.prepare_owner(100, 600)
+    avg = torch.randn(500)
+    values = avg[200:400].clone()
+    payload = fb.encode_owned(values, 200)
+    torch.testing.assert_close(values, decode(payload))
+
+
+def test_round_result_text():
+    r = RoundResult(False, "alone", matchmaking_s=1.0)
+    assert "alone" in str(r) and r.group_size == 0
+    ok = RoundResult(True, members=(_pid(1), _pid(2)), parts={0: (_pid(1), _pid(2))})
+    assert "group of 2" in str(ok)

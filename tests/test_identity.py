@@ -1,0 +1,75 @@
+import os
+import stat
+import sys
+
+import pytest
+
+from swarm.errors import IdentityError
+from swarm.identity import Identity, PeerID, verify_signature
+
+
+def test_key_file_created_private_and_reused(tmp_path):
+    path = tmp_path / "keys" / "peer.key"
+    first = Identity.load_or_create(path)
+    if sys.platform != "win32":
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = Identity.load_or_create(path)
+    assert again.peer_id == first.peer_id
+    assert again.public_key == first.public_key
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"]
+)
+def test_corrupt_key_file_is_an_error_and_is_kept(tmp_path, content):
+    path = tmp_path / "peer.key"
+    path.write_bytes(content)
+    with pytest.raises(IdentityError, match="corrupt"):
+        Identity.load_or_create(path)
+    assert path.read_bytes() == content
+
+
+def test_key_of_another_type_is_refused(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    path = tmp_path / "peer.key"
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    with pytest.raises(IdentityError, match="not Ed25519"):
+        Identity.load(path)
+
+
+def test_save_never_overwrites(tmp_path):
+    path = tmp_path / "peer.key"
+    Identity.generate().save(path)
+    with pytest.raises(IdentityError, match="exists"):
+        Identity.generate().save(path)
+
+
+def test_peer_id_text_round_trip_and_short_form():
+    identity = Identity.generate()
+    text = str(identity.peer_id)
+    assert len(text) == 52 and text == text.lower()
+    assert PeerID.from_string(text) == identity.peer_id
+    assert identity.peer_id.short == text[:10]
+    with pytest.raises(IdentityError):
+        PeerID.from_string("not a peer id!")
+    with pytest.raises(IdentityError):
+        PeerID(b"short")
+
+
+def test_signatures_and_agreement():
+    a, b = Identity.generate(), Identity.generate()
+    sig = a.sign(b"hello")
+    assert verify_signature(a.public_key, sig, b"hello")
+    assert not verify_signature(b.public_key, sig, b"hello")
+    assert not verify_signature(a.public_key, sig, b"hellO")
+    assert not verify_signature(a.public_key, sig[:10], b"hello")
+    assert a.agree(b.agreement_key) == b.agree(a.agreement_key)

@@ -1,0 +1,217 @@
+"""Training peers as real processes on loopback: convergence, churn, late joiners, resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+# The network stack (swarm.net, swarm.dht, swarm.averaging) is written by other workers; skip
+# cleanly until it is importable rather than failing collection.
+pytest.importorskip("swarm.peer")
+if not hasattr(pytest.importorskip("swarm.averaging"), "Averager"):
+    pytest.skip("swarm.averaging.Averager is not available yet", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = [sys.executable, str(HERE / "training_worker.py")]
+
+
+def _load_worker_module():
+    spec = importlib.util.spec_from_file_location("training_worker", HERE / "training_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_worker = _load_worker_module()
+full_loss, make_model, task = _worker.full_loss, _worker.make_model, _worker.task
+
+
+class Worker:
+    """A training_worker process whose stdout lines are collected by a thread."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [*WORKER, *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            },
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := regex.search(line):
+                    return m
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not seen; output:\n" + "\n".join(self.lines))
+
+    def rounds(self) -> list[dict]:
+        return [json.loads(line[6:]) for line in list(self.lines) if line.startswith("ROUND ")]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+
+    def start(*args: str) -> Worker:
+        w = Worker(*args)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+def single_process_samples(target: float, batch: int, lr: float, check_every: int) -> int:
+    """Samples one process needs on all the data (same model, optimizer and global batch)."""
+    x, y = task()
+    model = make_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(7)
+    for step in range(1, 5000):
+        idx = torch.randint(len(x), (batch,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+        if step % check_every == 0 and full_loss(model, x, y) < target:
+            return step * batch
+    raise AssertionError("the single-process baseline never reached the target")
+
+
+def test_four_peers_reach_single_process_loss_and_agree(workers, tmp_path) -> None:
+    peers, inner, batch, lr, target = 4, 10, 16, 0.1, 0.002
+    common = [
+        "--shards",
+        str(peers),
+        "--inner-steps",
+        str(inner),
+        "--batch",
+        str(batch),
+        "--lr",
+        str(lr),
+        "--rounds",
+        "24",
+        "--final-average",
+        "--wait-peers",
+        str(peers),
+    ]
+    first = workers("--rank", "0", "--out", str(tmp_path / "p0.pt"), *common)
+    address = first.wait_for(r"ADDRESS (\S+)", 60)[1]
+    others = [
+        workers(
+            "--rank",
+            str(r),
+            "--initial-peers",
+            address,
+            "--out",
+            str(tmp_path / f"p{r}.pt"),
+            *common,
+        )
+        for r in range(1, peers)
+    ]
+    baseline = single_process_samples(target, peers * batch, lr, inner)
+    for w in [first, *others]:
+        w.wait_for("^DONE", 200)
+    rounds = first.rounds()
+    assert sum(r["averaged"] for r in rounds) >= len(rounds) - 2, rounds
+    reached = next(r["round"] for r in rounds if r["loss"] < target)
+    swarm_samples = reached * inner * batch * peers
+    assert swarm_samples <= 1.1 * baseline, (swarm_samples, baseline, rounds)
+    final = [json.loads(w.wait_for(r"^FINAL (.*)")[1]) for w in [first, *others]]
+    assert all(f["averaged"] and f["group"] == peers for f in final), final
+    states = [torch.load(tmp_path / f"p{r}.pt") for r in range(peers)]
+    for state in states[1:]:
+        for key, value in state.items():
+            torch.testing.assert_close(value, states[0][key], rtol=0, atol=1e-5, msg=key)
+
+
+def test_killed_peer_is_survived_and_late_joiner_catches_up(workers, tmp_path) -> None:
+    common = [
+        "--shards",
+        "3",
+        "--inner-steps",
+        "10",
+        "--matchmaking-timeout",
+        "3",
+        "--step-delay",
+        "0.01",
+    ]
+    first = workers("--rank", "0", "--rounds", "16", "--wait-peers", "3", *common)
+    address = first.wait_for(r"ADDRESS (\S+)", 60)[1]
+    second = workers(
+        "--rank", "1", "--rounds", "16", "--wait-peers", "3", "--initial-peers", address, *common
+    )
+    doomed = workers(
+        "--rank", "2", "--rounds", "16", "--wait-peers", "3", "--initial-peers", address, *common
+    )
+    doomed.wait_for(r'ROUND \{"round": 3,', 120)
+    doomed.kill()
+    killed_at = max(r["round"] for r in first.rounds())
+    late = workers("--rank", "2", "--rounds", "2", "--initial-peers", address, *common)
+    joined_round = int(late.wait_for(r"^START (\d+)", 120)[1])
+    assert joined_round >= killed_at  # downloaded the live state, not round 0
+    late.wait_for("^DONE", 120)
+    for w in (first, second):
+        w.wait_for("^DONE", 120)
+    # The survivors went on averaging with each other after losing a member.
+    after = [r for r in first.rounds() if r["round"] > killed_at + 1]
+    assert after and sum(r["averaged"] for r in after) >= len(after) - 1, first.rounds()
+    late_first = late.rounds()[0]
+    assert late_first["averaged"], late.rounds()
+    same_round = next(r for r in first.rounds() if r["round"] == late_first["round"])
+    assert abs(late_first["loss"] - same_round["loss"]) <= 0.05 * same_round["loss"]
+
+
+def test_save_sigkill_load_resumes_the_saved_round(workers, tmp_path) -> None:
+    ckpt, out = tmp_path / "peer.ckpt", tmp_path / "params.pt"
+    solo = ["--min-group", "2", "--matchmaking-timeout", "0.3", "--inner-steps", "5"]
+    first = workers(
+        "--rounds", "1000", "--save", str(ckpt), "--save-at-round", "3", "--out", str(out), *solo
+    )
+    first.wait_for("^SAVED 3", 120)
+    first.wait_for(r'ROUND \{"round": 4,', 60)  # trained past the checkpoint, then dies
+    first.kill()
+    resumed = workers("--rounds", "1", "--load", str(ckpt), "--out", str(out), *solo)
+    assert resumed.wait_for(r"^LOADED (\d+)", 120)[1] == "3"
+    resumed.wait_for("^DONE", 120)
+    saved = torch.load(str(out) + ".saved")
+    loaded = torch.load(str(out) + ".loaded")
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert resumed.rounds()[0]["round"] == 4

@@ -1,0 +1,330 @@
+"""Training layer without the network: outer step, engine modes, snapshots, checkpoints, shards."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.config import PeerConfig, SwarmConfig
+from swarm.errors import CheckpointError, ConfigError, TrainingError
+from swarm.training.checkpoint import MAGIC, read_checkpoint, write_checkpoint
+from swarm.training.engine import RoundOutcome, TrainingEngine
+from swarm.training.outer import outer_step
+from swarm.training.sharding import assign_shards, shard_indices
+from swarm.training.snapshot import snapshot_size, unpack_snapshot
+from swarm.training.transfer import split_parts
+
+
+def bn_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+
+
+def engine(
+    mode: str = "diloco", seed: int = 0, codec_override: str = "none", **kw: object
+) -> TrainingEngine:
+    model = bn_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = SwarmConfig(mode=mode, inner_steps=3, codec=codec_override, **kw)
+    return TrainingEngine(model, opt, config)
+
+
+def local_average(engines: list[TrainingEngine], weights: list[float]) -> RoundOutcome:
+    """Weighted mean of the engines' round buffers, in place (what a group all-reduce does)."""
+    total = sum(weights)
+    for parts in zip(*(e.outer.slots for e in engines), strict=True):
+        mean = sum(w * t for w, t in zip(weights, parts, strict=True)) / total
+        for t in parts:
+            t.copy_(mean)
+    return RoundOutcome(True, len(engines), 0, 0)
+
+
+def train_steps(e: TrainingEngine, x: torch.Tensor, y: torch.Tensor) -> bool:
+    e.optimizer.zero_grad()
+    torch.nn.functional.mse_loss(e.model(x), y).backward()
+    due = e.count(len(x))
+    e.inner_step()
+    return due
+
+
+def test_outer_step_is_torch_nesterov_sgd() -> None:
+    torch.manual_seed(1)
+    anchor, momentum = [torch.randn(7, 3)], [torch.zeros(7, 3)]
+    p = torch.nn.Parameter(anchor[0].clone())
+    reference = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        g = torch.randn(7, 3)
+        p.grad = g.clone()
+        reference.step()
+        outer_step(anchor, [g.clone()], momentum, lr=0.7, beta=0.9)
+    torch.testing.assert_close(anchor[0], p.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "local_sgd", "gradients"])
+def test_two_engines_agree_after_a_round_including_batchnorm(mode: str) -> None:
+    engines = [engine(mode, seed=s) for s in (0, 1)]
+    # Start from one model, as a joiner would after downloading the state.
+    engines[1].model.load_state_dict(engines[0].model.state_dict())
+    for e in engines:
+        e.outer.reset_anchor()
+    torch.manual_seed(5)
+    data = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in engines]
+    reports = []
+    for _ in range(3):
+        for e, (x, y) in zip(engines, data, strict=True):
+            if mode == "gradients":
+                e.optimizer.zero_grad()
+                torch.nn.functional.mse_loss(e.model(x), y).backward()
+                e.count(len(x))
+            else:
+                train_steps(e, x, y)
+    plans = [e.begin_round() for e in engines]
+    outcome = local_average(engines, [p.weight for p in plans])
+    for e, plan in zip(engines, plans, strict=True):
+        reports.append(e.finish_round(plan, outcome))
+        if mode == "gradients":
+            e.inner_step()
+    a, b = (dict(e.model.state_dict()) for e in engines)
+    for key in a:
+        if a[key].is_floating_point():
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+    assert all(r.averaged and r.round == 1 and r.group_size == 2 for r in reports)
+
+
+def test_failed_diloco_round_applies_own_pseudo_gradient() -> None:
+    e = engine("diloco")
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    while not train_steps(e, x, y):
+        pass
+    before = [p.detach().clone() for p in e.model.parameters()]
+    anchor = [a.clone() for a in e.outer.anchor]
+    plan = e.begin_round()
+    plan.tensors[0].fill_(float("nan"))  # a cut round left garbage behind
+    report = e.finish_round(plan, RoundOutcome(False, 0, 0, 0, "no partners"))
+    assert not report.averaged and report.reason == "no partners" and report.round == 1
+    for p, q, a in zip(e.model.parameters(), before, anchor, strict=True):
+        # One solo outer step from zero momentum: θ = a - lr(1 + β)(a - q).
+        torch.testing.assert_close(p.detach(), a - 0.7 * 1.9 * (a - q), rtol=0, atol=1e-6)
+
+
+def test_snapshot_round_trip_and_load() -> None:
+    src, dst = engine("diloco", seed=0), engine("diloco", seed=1)
+    src.outer.momentum[0].fill_(0.5)
+    src.round = 7
+    round_, blob = src.snapshot()
+    snap = unpack_snapshot(bytearray(blob), schema=dst.schema, expected=dst.snapshot_layout())
+    dst.load_snapshot(snap, steps_in_round=2)
+    assert round_ == dst.round == 7 and dst.steps_in_round == 2
+    for p, q in zip(src.outer.anchor, dst.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q.detach())
+    assert torch.equal(dst.outer.momentum[0], src.outer.momentum[0])
+    assert len(blob) <= snapshot_size(dst.snapshot_layout(), schema=dst.schema, mode="diloco")
+
+
+def _blob() -> tuple[TrainingEngine, bytes]:
+    e = engine("diloco")
+    return e, e.snapshot()[1]
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b[:5],
+        lambda b: b[:-4],
+        lambda b: b + b"\0" * 4,
+        lambda b: b"XXSNAP" + b[6:],
+        lambda b: b[:6] + struct.pack("<H", 9) + b[8:],
+        lambda b: b[:8] + struct.pack("<I", 2**31) + b[12:],
+        lambda b: b[:12] + b"\xc1" + b[13:],
+    ],
+    ids=["short", "truncated", "extended", "magic", "version", "header-len", "junk-msgpack"],
+)
+def test_hostile_snapshots_are_refused(mutate) -> None:
+    e, blob = _blob()
+    with pytest.raises(TrainingError):
+        unpack_snapshot(bytearray(mutate(blob)), schema=e.schema, expected=e.snapshot_layout())
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"round": -1, "schema": "S", "mode": "diloco", "tensors": []},
+        {"round": "1", "schema": "S", "mode": "diloco", "tensors": []},
+        {"round": 1, "schema": "other", "mode": "diloco", "tensors": []},
+        {"round": 1, "schema": "S", "mode": "diloco", "tensors": [["model.0.weight", 2**40]]},
+        [1, 2, 3],
+    ],
+)
+def test_hostile_snapshot_headers_are_refused(header) -> None:
+    e = engine("diloco")
+    if isinstance(header, dict) and header.get("schema") == "S":
+        header["schema"] = e.schema
+    raw = msgpack.packb(header)
+    data = b"SWSNAP" + struct.pack("<HI", 1, len(raw)) + raw + b"\0" * 64
+    with pytest.raises(TrainingError):
+        unpack_snapshot(bytearray(data), schema=e.schema, expected=e.snapshot_layout())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_parse_as_a_snapshot(data: bytes) -> None:
+    e = engine("local_sgd")
+    with pytest.raises(TrainingError):
+        unpack_snapshot(data, schema=e.schema, expected=e.snapshot_layout())
+
+
+def test_checkpoint_round_trip_and_corruption(tmp_path) -> None:
+    e = engine("diloco")
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    for _ in range(4):
+        train_steps(e, x, y)
+    path = tmp_path / "ckpt.swarm"
+    write_checkpoint(path, e.state_dict({"residual": torch.ones(3)}))
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    other = engine("diloco", seed=3)
+    averager_state = other.load_state_dict(read_checkpoint(path))
+    assert torch.equal(averager_state["residual"], torch.ones(3))
+    assert (other.step_count, other.round, other.steps_in_round) == (4, 0, 4)
+    for p, q in zip(e.model.state_dict().values(), other.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        read_checkpoint(path)
+    path.write_bytes(MAGIC[:4])
+    with pytest.raises(CheckpointError):
+        read_checkpoint(path)
+    with pytest.raises(CheckpointError):
+        read_checkpoint(tmp_path / "missing")
+
+
+def test_checkpoint_of_another_model_or_mode_is_refused(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    write_checkpoint(path, engine("diloco").state_dict(None))
+    with pytest.raises(CheckpointError, match="mode"):
+        engine("local_sgd").load_state_dict(read_checkpoint(path))
+    model = torch.nn.Linear(3, 3)
+    other = TrainingEngine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig(codec="none")
+    )
+    with pytest.raises(CheckpointError, match="another model"):
+        other.load_state_dict(read_checkpoint(path))
+
+
+def test_shards_are_disjoint_cover_everything_and_move_little() -> None:
+    peers = [bytes([i]) * 32 for i in range(5)]
+    owners = assign_shards(peers, 64, salt="run")
+    all_shards = sorted(s for shards in owners.values() for s in shards)
+    assert all_shards == list(range(64))
+    fewer = assign_shards(peers[:4], 64, salt="run")
+    moved = sum(1 for p in peers[:4] for s in owners[p] if s not in fewer[p])
+    assert moved == 0  # survivors keep their shards; only the leaver's are redistributed
+    idx = [shard_indices(1000, owners[p], 64) for p in peers]
+    assert sorted(i for part in idx for i in part) == list(range(1000))
+
+
+def test_split_parts_covers_the_range() -> None:
+    for size in (0, 1, 5 << 20, (64 << 20) + 3):
+        parts = split_parts(size, 3)
+        assert sum(n for _, n in parts) == size
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(parts))
+
+
+def test_config_validation() -> None:
+    assert SwarmConfig(mode="gradients", inner_steps=50).inner_steps == 1
+    for bad in (
+        {"mode": "ddp"},
+        {"inner_steps": 0},
+        {"outer_momentum": 1.0},
+        {"min_group_size": 1},
+        {"round_timeout_s": 1.0, "matchmaking_timeout_s": 2.0},
+    ):
+        with pytest.raises(ConfigError):
+            SwarmConfig(**bad)
+    with pytest.raises(ConfigError):
+        SwarmConfig(peer="x")  # type: ignore[arg-type]
+    assert SwarmConfig(peer=PeerConfig(run_id="r")).peer.run_id == "r"
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_half_precision_models_keep_fp32_master_state(dtype: torch.dtype, device: str) -> None:
+    engines = []
+    for _ in range(2):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        model.load_state_dict(bn_free_state(0))  # one start, as after joining
+        model = model.to(device=device, dtype=dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        engines.append(TrainingEngine(model, opt, SwarmConfig(inner_steps=2, codec="none")))
+    for e in engines:
+        assert all(a.dtype == torch.float32 and a.device.type == device for a in e.outer.anchor)
+        for _ in range(2):
+            x = torch.randn(8, 4, device=device, dtype=dtype)
+            e.model(x).float().pow(2).mean().backward()
+            e.count(8)
+            e.inner_step()
+            e.optimizer.zero_grad()
+    plans = [e.begin_round() for e in engines]
+    assert all(t.dtype == torch.float32 and t.device.type == device for t in plans[0].tensors)
+    outcome = local_average(engines, [p.weight for p in plans])
+    for e, plan in zip(engines, plans, strict=True):
+        e.finish_round(plan, outcome)
+    for p, q in zip(engines[0].model.parameters(), engines[1].model.parameters(), strict=True):
+        assert p.dtype == dtype and p.device.type == device
+        assert torch.equal(p, q)
+    torch.testing.assert_close(engines[0].outer.anchor[0], engines[1].outer.anchor[0])
+
+
+def bn_free_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).state_dict()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_round_snapshot_and_checkpoint(tmp_path) -> None:
+    model = bn_model(0).cuda()
+    e = TrainingEngine(
+        model, torch.optim.AdamW(model.parameters()), SwarmConfig(inner_steps=2, codec="none")
+    )
+    for _ in range(2):
+        e.model(torch.randn(16, 4, device="cuda")).pow(2).mean().backward()
+        e.count(16)
+        e.inner_step()
+    plan = e.begin_round()
+    assert all(t.is_cuda for t in plan.tensors + e.outer.anchor + e.outer.momentum)
+    e.finish_round(plan, RoundOutcome(False, 0, 0, 0, "alone"))
+    _, blob = e.snapshot()
+    other = TrainingEngine(
+        bn_model(1).cuda(),
+        torch.optim.AdamW(model.parameters()),
+        SwarmConfig(inner_steps=2, codec="none"),
+    )
+    other.load_snapshot(
+        unpack_snapshot(bytearray(blob), schema=other.schema, expected=other.snapshot_layout()), 0
+    )
+    for p, q in zip(e.outer.anchor, other.model.parameters(), strict=True):
+        assert q.is_cuda and torch.equal(p, q)
+    write_checkpoint(tmp_path / "c", e.state_dict(None))
+    other.load_state_dict(read_checkpoint(tmp_path / "c"))
+    assert all(p.is_cuda for p in other.model.parameters())
+
+
+def test_sparse_codecs_keep_batchnorm_buffers_local() -> None:
+    dense, sparse = engine("diloco"), engine("diloco", codec_override="1bit")
+    assert dense.tensors.buffer_names == ("1.running_mean", "1.running_var")
+    assert sparse.tensors.buffer_names == ()
+    assert len(sparse.outer.slots) == len(sparse.tensors.params)
