@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -32,6 +33,8 @@ from swarm.errors import CompressionError, ConfigError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DISTS = ["normal", "heavy", "zeros", "tiny", "ties", "mixed_sign_scale"]
+# Inputs holding +-inf or NaN at one random position: every codec refuses them (documented).
+NON_FINITE = ["with_inf", "with_neg_inf", "with_nan"]
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 shapes = st.one_of(
@@ -54,9 +57,14 @@ def make(dist: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> to
         x = torch.randn(shape, generator=gen) * 1e-6
     elif dist == "ties":
         x = torch.randint(-2, 3, shape, generator=gen).float()
-    else:
+    elif dist == "mixed_sign_scale":
         x = torch.randn(shape, generator=gen) * torch.exp(4 * torch.randn(shape, generator=gen))
         x = x.clamp(-6e4, 6e4)
+    else:  # one of NON_FINITE
+        x = torch.randn(shape, generator=gen)
+        bad = {"with_inf": math.inf, "with_neg_inf": -math.inf, "with_nan": math.nan}[dist]
+        if x.numel():
+            x.view(-1)[int(torch.randint(x.numel(), (1,), generator=gen))] = bad
     return x.to(dtype)
 
 
@@ -93,14 +101,20 @@ def topk_indices(payload: bytes) -> torch.Tensor:
 @given(
     spec=st.sampled_from(specs_under_test()),
     shape=shapes,
-    dist=st.sampled_from(DISTS),
+    dist=st.sampled_from(DISTS + NON_FINITE),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**31),
 )
 def test_round_trip_keeps_shape_and_dtype(spec, shape, dist, dtype, seed):
     codec = get_codec(spec)
     x = make(dist, shape, seed, dtype)
+    if not bool(torch.isfinite(x).all()):
+        # Documented: inf/NaN are refused (a diverged peer must not poison the others).
+        with pytest.raises(CompressionError, match="1 non-finite"):
+            codec.encode(x)
+        return
     payload = codec.encode(x)
+    assert torch.equal(codec.decode(payload), decode(payload))
     assert len(payload) <= codec.estimate_size(x.numel(), max(1, x.dim()))
     y = decode(payload)
     assert y.shape == x.shape and y.dtype == x.dtype
@@ -141,6 +155,36 @@ def test_int8_error_within_block_bound(shape, dist, seed, block):
 @given(
     shape=shapes,
     dist=st.sampled_from(DISTS),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31),
+    block=st.sampled_from([64, 256, 4096]),
+)
+def test_int8_bnb_error_within_block_bound(shape, dist, dtype, seed, block):
+    # bitsandbytes' dynamic map rounds u = x / absmax(block) to one of its 256 codes: the error
+    # is at most half the widest gap between neighbouring codes (0.00703, near +-1), times
+    # absmax. Its CPU kernel picks a neighbour of the nearest code in rare cases (off by at most
+    # 1.5e-5 of absmax, measured), hence the 1% slack; plus rounding to a 16-bit dtype.
+    import bitsandbytes.functional as bnbf
+
+    code = bnbf.create_dynamic_map(signed=True)
+    half_gap = float((code[1:] - code[:-1]).max()) / 2
+    x = make(dist, shape, seed, dtype)
+    payload = Int8Codec(block_size=block, method="bnb").encode(x)
+    y = decode(payload)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    flat, y = x.view(-1).double(), y.view(-1).double()
+    rounding = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for start in range(0, flat.numel(), block):
+        xb, yb = flat[start : start + block], y[start : start + block]
+        absmax = float(xb.abs().max())
+        bound = absmax * (half_gap * 1.01 + rounding) + 1e-30
+        assert float((xb - yb).abs().max()) <= bound
+
+
+@PROPS
+@given(
+    shape=shapes,
+    dist=st.sampled_from(DISTS),
     seed=st.integers(0, 2**31),
     frac=st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]),
 )
@@ -160,17 +204,52 @@ def test_topk_keeps_exactly_the_k_largest(shape, dist, seed, frac):
     assert bool((y[dropped] == 0).all())
 
 
-@pytest.mark.parametrize("dist", ["normal", "heavy", "ties"])
-def test_topk_sampled_selection_is_exact_on_large_tensors(dist):
-    x = make(dist, (300_001,), 3, torch.float32)
-    codec = TopKCodec(fraction=0.01)
-    payload = codec.encode(x)
+def _assert_exact_topk(x: torch.Tensor, codec: TopKCodec, payload: bytes) -> None:
+    flat, y = x.view(-1), decode(payload).view(-1)
     idx = topk_indices(payload)
-    assert idx.numel() == codec.k_for(x.numel())
+    assert idx.numel() == codec.k_for(flat.numel())
     assert bool((idx[1:] > idx[:-1]).all())
-    dropped = torch.ones(x.numel(), dtype=torch.bool)
+    dropped = torch.ones(flat.numel(), dtype=torch.bool)
     dropped[idx] = False
-    assert float(x[idx].abs().min()) >= float(x[dropped].abs().max())
+    if dropped.any():
+        assert float(flat[idx].abs().min()) >= float(flat[dropped].abs().max())
+    assert torch.equal(y[idx], flat[idx].half().float())
+    assert bool((y[dropped] == 0).all())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    numel=st.integers(65_537, 400_000),
+    dist=st.sampled_from([*DISTS, "plateau", "spikes"]),
+    seed=st.integers(0, 2**31),
+    frac=st.sampled_from([0.0001, 0.001, 0.01, 0.05, 0.125]),
+)
+def test_topk_sampled_selection_is_exact_on_large_tensors(numel, dist, seed, frac):
+    # Above EXACT_BELOW elements the threshold comes from a random sample; the result must
+    # still be exactly the k largest magnitudes, whatever the distribution.
+    if dist == "plateau":  # a block of ties straddling the k-th magnitude
+        x = make("normal", (numel,), seed, torch.float32)
+        k = math.ceil(frac * numel)
+        x[torch.randperm(numel, generator=torch.Generator().manual_seed(seed))[: 2 * k]] = 10.0
+    elif dist == "spikes":  # a few huge values the sample almost surely misses
+        x = make("normal", (numel,), seed, torch.float32) * 1e-3
+        x[:: numel // 7] = 1e4
+    else:
+        x = make(dist, (numel,), seed, torch.float32)
+    codec = TopKCodec(fraction=frac)
+    _assert_exact_topk(x, codec, codec.encode(x))
+
+
+def test_topk_exact_fallback_when_the_sample_misleads(caplog):
+    # Only ties: the threshold keeps everything, so the codec falls back to an exact selection.
+    codec = TopKCodec(fraction=0.01)
+    with caplog.at_level(logging.DEBUG, logger="swarm.compression.topk"):
+        x = make("normal", (300_001,), 3, torch.float32)
+        _assert_exact_topk(x, codec, codec.encode(x))
+        assert "exact selection" not in caplog.text  # the fast path served normal data
+        ties = torch.ones(300_001)
+        _assert_exact_topk(ties, codec, codec.encode(ties))
+        assert "exact selection" in caplog.text
 
 
 @PROPS

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 
 import pytest
@@ -12,6 +16,7 @@ from hypothesis import strategies as st
 
 from swarm.compression import Header, decode, decode_into, get_codec, read_header
 from swarm.compression.indices import BITMAP, FIXED, VARINT
+from swarm.compression.wire import CODEC_IDS
 from swarm.errors import CompressionError
 
 SPECS = [
@@ -98,6 +103,28 @@ def test_header_field_corruption(offset, fmt, value, match):
 
 
 @pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("other", ["none", "int8", "topk", "1bit"])
+def test_payload_relabelled_as_another_codec(spec, other):
+    # A valid codec id, but not the one that made the payload: its sections cannot fit.
+    payload = valid(spec, numel=300)
+    if read_header(payload).codec == other:
+        return
+    with pytest.raises(CompressionError):
+        decode(patch(payload, 4, "<B", CODEC_IDS[other]))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_codec_decode_refuses_another_codecs_payload(spec):
+    payload = valid(spec)
+    codec = get_codec(spec)
+    assert torch.equal(codec.decode(payload), decode(payload))
+    for name in ("none", "int8", "1bit"):
+        if name != codec.name:
+            with pytest.raises(CompressionError, match=f"made by codec {codec.name!r}"):
+                get_codec(name).decode(payload)
+
+
+@pytest.mark.parametrize("spec", SPECS)
 def test_shape_claiming_2_to_40_elements_is_refused_without_allocating(spec):
     payload = valid(spec, numel=100)
     header = read_header(payload)
@@ -114,6 +141,86 @@ def test_shape_claiming_2_to_40_elements_is_refused_without_allocating(spec):
         tracemalloc.stop()
     assert peak < 64 * 1024
     assert header.numel == 100
+
+
+# Runs in a child process whose address space is capped a little above what it already maps:
+# any allocation of the size a hostile header claims (1 GiB) fails there, touched or not, which
+# tracemalloc could not show (it does not see torch's allocator). The child first proves that
+# the cap bites and that honest payloads still decode under it.
+_ALLOCATION_CHILD = textwrap.dedent(
+    """
+    import resource, struct, sys
+    import torch
+    from swarm.compression import Header, decode, get_codec
+    from swarm.errors import CompressionError
+
+    CLAIM = 1 << 28  # elements: 1 GiB as fp32, 256 MiB as bytes
+    SPECS = sys.argv[1].split(",")
+
+    def relabel(payload, shape, param=None):
+        head = Header.parse(payload)[0]
+        body = payload[head.size:]
+        fields = dict(head.__dict__, shape=shape)
+        if param is not None:
+            fields["param"] = param
+        return Header(**fields).serialize() + body
+
+    hostile = []
+    for spec in SPECS:
+        small = get_codec(spec).encode(torch.randn(100))
+        # A top-K payload with per-index gaps stays valid whatever numel it claims: only
+        # max_numel bounds its dense output (documented), so only its other lies are tried.
+        sparse = spec.startswith("topk") and Header.parse(small)[0].flags & 0x3 != 2
+        if not sparse:
+            hostile.append((spec, "claims 2**28", relabel(small, (CLAIM,))))
+            hostile.append((spec, "claims 2**14 x 2**14", relabel(small, (1 << 14, 1 << 14))))
+        hostile.append((spec, "truncated", relabel(small, (CLAIM,))[:-3]))
+        if spec.startswith("topk"):
+            hostile.append((spec, "k = numel", relabel(small, (CLAIM,), param=CLAIM)))
+            hostile.append((spec, "k = numel / 2", relabel(small, (CLAIM,), param=CLAIM // 2)))
+    honest = [get_codec(s).encode(torch.randn(100_000)) for s in SPECS]
+    for payload in honest:  # warm up thread pools and lazy imports before the cap
+        decode(payload)
+    torch.randn(1 << 20).sum()
+
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    cap = mapped + (192 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        torch.empty(CLAIM)
+        sys.exit("the address-space cap does not stop a 1 GiB allocation")
+    except (RuntimeError, MemoryError):
+        pass
+    for payload in honest:
+        decode(payload, max_numel=CLAIM)
+    for spec, what, payload in hostile:
+        try:
+            decode(payload, max_numel=CLAIM)
+        except CompressionError:
+            continue
+        except (RuntimeError, MemoryError) as exc:
+            sys.exit(f"{spec} {what}: allocated before refusing: {exc}")
+        sys.exit(f"{spec} {what}: decoded a hostile payload")
+    print("ok", len(hostile))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs RLIMIT_AS and /proc")
+def test_hostile_headers_allocate_nothing_of_the_claimed_size():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-c", _ALLOCATION_CHILD, ",".join(SPECS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok")
 
 
 def test_huge_shape_with_consistent_lengths_is_refused_by_max_numel():

@@ -24,11 +24,18 @@ from swarm.errors import CompressionError
 Sections = list[torch.Tensor]
 
 
+# Scratch buffers, per thread and shared by every instance of a codec: decoding builds a codec
+# instance from each payload's header, and a fresh tensor-sized buffer per call would cost page
+# faults at about the speed of the codec itself (~1.4 GB/s measured on the reference CPU).
+_SCRATCH = threading.local()
+
+
 class Codec(ABC):
-    """Base class of the codecs. Instances are immutable settings plus per-thread scratch buffers.
+    """Base class of the codecs. Instances are immutable settings; scratch is per thread.
 
     A codec instance may be shared by several threads: scratch buffers are thread-local, so each
-    worker thread reuses its own (fresh buffers cost page faults at about the speed of the codec).
+    worker thread reuses its own, and instances of one codec share them within a thread (a
+    section returned by ``_encode`` may be a scratch buffer: pack it before the next call).
     """
 
     #: codec name, written in the payload header
@@ -37,7 +44,7 @@ class Codec(ABC):
     nsections: int = 1
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._local = threading.local()  # per-thread state other than buffers (e.g. generators)
 
     @property
     def spec(self) -> str:
@@ -66,6 +73,31 @@ class Codec(ABC):
         flat = self._prepare(tensor)
         header, sections = self._encode(flat, tuple(tensor.shape))
         return pack(header, sections)
+
+    def decode(
+        self,
+        data: bytes | bytearray | memoryview,
+        device: str | torch.device = "cpu",
+        max_numel: int | None = None,
+    ) -> torch.Tensor:
+        """Decode a payload made by this codec (any of its settings: the header carries them).
+
+        Args:
+            data: bytes produced by :meth:`encode`.
+            device: where the result (and the decoding work) goes.
+            max_numel: largest element count accepted (default 2**30); pass the size you
+                expect so that a hostile payload cannot make you allocate more.
+
+        Returns:
+            A new tensor with the original dtype and shape.
+
+        Raises:
+            CompressionError: the payload is malformed or hostile, claims more than
+                ``max_numel`` elements, or carries another codec's id.
+        """
+        from swarm.compression.registry import decode  # the registry imports this module
+
+        return decode(data, device, max_numel, expect=self.name)
 
     def estimate_size(self, numel: int, ndim: int = 1) -> int:
         """Upper bound of the payload size in bytes for a tensor of ``numel`` elements."""
@@ -112,10 +144,10 @@ class Codec(ABC):
         self, key: str, numel: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """A reusable buffer of at least ``numel`` elements, private to this thread."""
-        store = getattr(self._local, "buffers", None)
+        store = getattr(_SCRATCH, "buffers", None)
         if store is None:
-            store = self._local.buffers = {}
-        full = (key, dtype, device)
+            store = _SCRATCH.buffers = {}
+        full = (self.name, key, dtype, device)
         buf = store.get(full)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)
@@ -123,8 +155,10 @@ class Codec(ABC):
         return buf[:numel]
 
     def clear_scratch(self) -> None:
-        """Drop this thread's scratch buffers (they are re-created on the next call)."""
-        self._local.buffers = {}
+        """Drop this thread's scratch buffers of this codec (re-created on the next call)."""
+        store = getattr(_SCRATCH, "buffers", {})
+        for full in [k for k in store if k[0] == self.name]:
+            del store[full]
 
 
 def check_finite(flat: torch.Tensor, *stats: torch.Tensor) -> None:

@@ -85,10 +85,20 @@ def get_codec(spec: str, **options: object) -> Codec:
 
 
 def _parse(
-    payload: bytes | bytearray | memoryview, max_numel: int | None, device: torch.device
+    payload: bytes | bytearray | memoryview,
+    max_numel: int | None,
+    device: torch.device,
+    expect: str | None = None,
 ) -> tuple[Header, Codec, list[torch.Tensor]]:
     header, sections = Header.parse(payload, max_numel)
+    if expect is not None and header.codec != expect:
+        raise CompressionError(f"payload was made by codec {header.codec!r}, expected {expect!r}")
     codec = _CLASSES[header.codec].from_header(header)
+    if len(header.section_lengths) != codec.nsections:
+        raise CompressionError(
+            f"{header.codec} payload has {len(header.section_lengths)} sections, "
+            f"expected {codec.nsections}"
+        )
     codec._validate(header)
     if device.type != "cpu":
         sections = [s.to(device) for s in sections]
@@ -99,6 +109,8 @@ def decode(
     payload: bytes | bytearray | memoryview,
     device: str | torch.device = "cpu",
     max_numel: int | None = None,
+    *,
+    expect: str | None = None,
 ) -> torch.Tensor:
     """Decode any payload; the codec, dtype and shape come from its header.
 
@@ -107,15 +119,17 @@ def decode(
         device: where the result (and the decoding work) goes.
         max_numel: largest element count accepted; pass the size you expect so that a hostile
             payload cannot make you allocate more (default 2**30).
+        expect: codec name the payload must carry (None: any codec).
 
     Returns:
         A new tensor with the original dtype and shape.
 
     Raises:
-        CompressionError: the payload is malformed, hostile, or larger than ``max_numel``.
+        CompressionError: the payload is malformed, hostile, larger than ``max_numel``, or
+            made by another codec than ``expect``.
     """
     device = torch.device(device)
-    header, codec, sections = _parse(payload, max_numel, device)
+    header, codec, sections = _parse(payload, max_numel, device, expect)
     out = torch.empty(header.numel, dtype=header.dtype, device=device)
     codec._decode(header, sections, out, False, 1.0)
     return out.view(header.shape)

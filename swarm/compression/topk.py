@@ -14,6 +14,7 @@ Values go as fp16 (default; saturating at +-65504), bf16, or int8 with one absma
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -36,6 +37,8 @@ VALUE_FORMATS = ("fp16", "bf16", "int8")
 _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SAMPLE_SIZE = 1 << 16
 EXACT_BELOW = 1 << 16  # below this many elements, torch.topk on everything is cheap enough
+
+logger = logging.getLogger(__name__)
 
 
 def _flags(encoding: int, width: int, value_format: str) -> int:
@@ -182,6 +185,12 @@ class TopKCodec(Codec):
         else:
             cand = mask.nonzero().view(-1)
         if cand.numel() < k or cand.numel() > 4 * k + 4096:
+            logger.debug(
+                "top-K sampled threshold kept %d candidates for k=%d of %d; exact selection",
+                cand.numel(),
+                k,
+                n,
+            )
             return None
         best = torch.topk(mag[cand], k, sorted=False).indices
         return cand[best].sort().values

@@ -1,0 +1,14 @@
+"""The DHT: kademlia extended with authenticated datagrams and signed, merged dictionary records.
+
+- :mod:`swarm.dht.records`: owner-signed entries and the merging storage (sans-I/O)
+- :mod:`swarm.dht.envelope`: sealing and opening authenticated datagrams (sans-I/O)
+- :mod:`swarm.dht.routing`: contacts with keys, the routing table with a complete neighbour search
+- :mod:`swarm.dht.protocol`: kademlia's protocol class with validated RPCs and fixed replication
+- :mod:`swarm.dht.lookup`: the iterative lookup that ends at the k closest nodes
+- :mod:`swarm.dht.node`: :class:`DHTNode`, what the rest of swarm uses
+"""
+
+from swarm.dht.node import DHTNode
+from swarm.dht.records import DHTEntry, key_digest
+
+__all__ = ["DHTEntry", "DHTNode", "key_digest"]

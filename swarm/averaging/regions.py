@@ -1,0 +1,237 @@
+"""Latency-aware group keys (sans-I/O): regions from Vivaldi coordinates, near and cross rounds.
+
+Every peer that looks for a group computes the same :class:`GroupPlan` from the same view (the
+coordinates of the peers looking, e.g. read from ``{run}/peers``) and passes its own key to the
+matchmaking (:meth:`swarm.averaging.averager.Averager.average` ``group_key=``). How keys are
+decided:
+
+1. **Regions.** Complete-linkage agglomerative clustering on the predicted RTTs: start with one
+   cluster per peer, repeatedly merge the two clusters whose farthest members are closest, stop
+   when that distance exceeds ``region_rtt``. So every region has a predicted diameter of at most
+   ``region_rtt``; no region list is configured, regions emerge from the coordinates. Merging
+   uses only ``max`` and comparisons on the pairwise predictions, with ties broken by PeerID
+   order, so peers with the same view get the same regions bit for bit.
+2. **Near rounds.** A region smaller than ``min_group_size`` is merged into the nearest other
+   region (it could never average alone). Each region is ordered by a hash of (round, PeerID),
+   which changes every round so that different peers of a region meet, and dealt round-robin
+   into ``ceil(size / target_group_size)`` groups: sizes differ by at most one, never exceed
+   the target and are at least ``target_group_size // 2`` (so keep ``min_group_size`` at or
+   below that, or some rounds plan groups too small to average).
+   Key: ``r{round}.n.{anchor}.{i}``, ``anchor`` being the region's smallest PeerID.
+3. **Cross rounds** (every ``cross_every``-th round): Moshpit-style mixing. The regions (before
+   small ones are merged, so a lone peer still takes part) are concatenated, each in its hashed
+   order, and dealt round-robin into ``ceil(n / target_group_size)`` groups: consecutive members
+   of a region go to different groups, so every group holds a peer of each region that has at
+   least as many peers as there are groups, and at most one per region smaller than that.
+   Key: ``r{round}.x.{i}``.
+4. :func:`random_plan` keeps the group sizes of the latency-aware plan but fills them from a
+   hashed permutation of all peers: the baseline for benchmarks.
+
+Views differ between peers (DHT records arrive at different times, coordinates move). Only
+stable inputs are used: the set of PeerIDs, the round number and the predicted RTTs, which matter
+only through comparisons with ``region_rtt`` (well separated regions do not change when a
+coordinate moves a little). Two peers with different views may compute different keys; the
+matchmaking only ever groups peers that declared the *same* key, so the cost is a smaller group
+or no group for some peers in that round, never a wrong or split group. To keep views close,
+build the view from one DHT read per round and leave out peers whose record is very fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swarm.averaging.coordinates import Coordinate, predict_rtt
+from swarm.errors import AveragingError, ConfigError
+from swarm.identity import PeerID
+
+logger = logging.getLogger(__name__)
+
+NEAR, CROSS, RANDOM = "near", "cross", "random"
+_KIND_TAG = {NEAR: "n", CROSS: "x", RANDOM: "z"}
+_ANCHOR_CHARS = 8
+
+
+@dataclass(frozen=True)
+class GroupingConfig:
+    """How groups are formed; every peer of a run must use the same values."""
+
+    min_group_size: int = 2  # smaller groups cannot average (same as the averager's)
+    target_group_size: int = 8  # no group is planned larger than this
+    cross_every: int = 4  # round r is a cross-region round when r % cross_every == cross_every - 1
+    region_rtt: float = 0.05  # seconds: largest predicted RTT between two peers of one region
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_group_size <= self.target_group_size:
+            raise ConfigError("grouping needs 2 <= min_group_size <= target_group_size")
+        if self.cross_every < 1:
+            raise ConfigError("cross_every must be >= 1 (1: every round mixes regions)")
+        if not (math.isfinite(self.region_rtt) and self.region_rtt > 0):
+            raise ConfigError("region_rtt must be a positive number of seconds")
+
+    def is_cross_round(self, round_: int) -> bool:
+        """True when round ``round_`` mixes regions instead of grouping near peers."""
+        return round_ % self.cross_every == self.cross_every - 1
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The groups every peer with the same view agrees on for one round."""
+
+    round: int  # the averaging round the plan is for
+    kind: str  # NEAR, CROSS or RANDOM
+    regions: tuple[tuple[PeerID, ...], ...]  # clusters by predicted RTT, before merging
+    groups: Mapping[str, tuple[PeerID, ...]] = field(hash=False)  # group key -> members
+
+    def key_of(self, peer: PeerID) -> str:
+        """The group key of ``peer``.
+
+        Raises:
+            AveragingError: ``peer`` was not in the view.
+        """
+        for key, members in self.groups.items():
+            if peer in members:
+                return key
+        raise AveragingError(f"{peer.short} is not in the view of round {self.round}")
+
+
+def find_regions(
+    view: Mapping[PeerID, Coordinate], region_rtt: float
+) -> tuple[tuple[PeerID, ...], ...]:
+    """Complete-linkage clusters of predicted RTT at most ``region_rtt`` (see module doc).
+
+    Returns:
+        Regions ordered by their smallest PeerID, each sorted by PeerID.
+
+    Raises:
+        AveragingError: coordinates of different dimension counts.
+    """
+    peers = sorted(view, key=lambda p: p.digest)
+    n = len(peers)
+    if n == 0:
+        return ()
+    coords = [view[p] for p in peers]
+    dist = np.full((n, n), np.inf)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dist[i, j] = dist[j, i] = predict_rtt(coords[i], coords[j])
+    members: dict[int, list[int]] = {i: [i] for i in range(n)}  # cluster at row i -> peers
+    while len(members) > 1:
+        flat = int(np.argmin(dist))  # the first minimum: ties go to the smallest rows
+        i, j = divmod(flat, n)
+        if not dist[i, j] <= region_rtt:
+            break
+        i, j = min(i, j), max(i, j)
+        # complete linkage (Lance-Williams): the merged cluster is as far as its farther half
+        merged = np.maximum(dist[i], dist[j])
+        dist[i, :], dist[:, i] = merged, merged
+        dist[i, i] = np.inf
+        dist[j, :], dist[:, j] = np.inf, np.inf
+        members[i].extend(members.pop(j))
+    regions = [tuple(peers[k] for k in sorted(m)) for m in members.values()]
+    return tuple(sorted(regions, key=lambda r: r[0].digest))
+
+
+def plan_groups(
+    view: Mapping[PeerID, Coordinate], round_: int, config: GroupingConfig
+) -> GroupPlan:
+    """Near groups in regular rounds, cross-region groups in every ``cross_every``-th round.
+
+    Args:
+        view: coordinate of every peer looking for a group this round, this peer included.
+        round_: the averaging round (the same on every peer, e.g. the training epoch).
+        config: group sizes, cross-round period and region diameter.
+
+    Raises:
+        AveragingError: coordinates of different dimension counts.
+    """
+    regions = find_regions(view, config.region_rtt)
+    if config.is_cross_round(round_):
+        order = [p for region in regions for p in _hashed(region, round_, CROSS)]
+        groups = {_key(round_, CROSS, None, i): g for i, g in enumerate(_deal(order, config))}
+        return GroupPlan(round_, CROSS, regions, groups)
+    groups = {}
+    for region in _merge_small(view, regions, config.min_group_size):
+        anchor = region[0]  # regions are sorted by PeerID
+        dealt = _deal(_hashed(region, round_, NEAR), config)
+        groups.update({_key(round_, NEAR, anchor, i): g for i, g in enumerate(dealt)})
+    return GroupPlan(round_, NEAR, regions, groups)
+
+
+def random_plan(
+    view: Mapping[PeerID, Coordinate], round_: int, config: GroupingConfig
+) -> GroupPlan:
+    """The sizes of :func:`plan_groups`' groups, filled with peers in a hashed random order."""
+    plan = plan_groups(view, round_, config)
+    sizes = [len(g) for g in plan.groups.values()]
+    order = _hashed(sorted(view, key=lambda p: p.digest), round_, RANDOM)
+    groups, start = {}, 0
+    for i, size in enumerate(sorted(sizes, reverse=True)):
+        groups[_key(round_, RANDOM, None, i)] = tuple(order[start : start + size])
+        start += size
+    return GroupPlan(round_, RANDOM, plan.regions, groups)
+
+
+def group_key(
+    view: Mapping[PeerID, Coordinate],
+    me: PeerID,
+    round_: int,
+    config: GroupingConfig,
+    *,
+    randomized: bool = False,
+) -> str:
+    """This peer's matchmaking key for ``round_`` (see :func:`plan_groups`, :func:`random_plan`).
+
+    Raises:
+        AveragingError: ``me`` is not in ``view``, or coordinates cannot be compared.
+    """
+    if me not in view:
+        raise AveragingError(f"the view of round {round_} must include this peer ({me.short})")
+    plan = (random_plan if randomized else plan_groups)(view, round_, config)
+    key = plan.key_of(me)
+    logger.debug("round %d: %s group %s of %d", round_, plan.kind, key, len(plan.groups[key]))
+    return key
+
+
+def _hashed(peers: Sequence[PeerID], round_: int, kind: str) -> list[PeerID]:
+    """``peers`` in an order that every peer computes alike and that changes every round."""
+    salt = f"swarm/groups/{kind}/{round_}/".encode()
+    return sorted(peers, key=lambda p: hashlib.sha256(salt + p.digest).digest())
+
+
+def _deal(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID, ...]]:
+    """Round-robin into ``ceil(n / target)`` groups: balanced sizes, none above the target."""
+    count = max(1, math.ceil(len(order) / config.target_group_size))
+    return [tuple(order[i::count]) for i in range(count) if order[i::count]]
+
+
+def _merge_small(
+    view: Mapping[PeerID, Coordinate],
+    regions: Sequence[tuple[PeerID, ...]],
+    min_size: int,
+) -> list[tuple[PeerID, ...]]:
+    """Merge each region smaller than ``min_size`` into its nearest region (complete linkage)."""
+    merged = [list(r) for r in regions]
+    while len(merged) > 1:
+        small = [i for i, r in enumerate(merged) if len(r) < min_size]
+        if not small:
+            break
+        i = small[0]
+        others = [j for j in range(len(merged)) if j != i]
+        far = [
+            max(predict_rtt(view[a], view[b]) for a in merged[i] for b in merged[j]) for j in others
+        ]
+        j = others[int(np.argmin(far))]
+        merged[j].extend(merged.pop(i))
+    return [tuple(sorted(r, key=lambda p: p.digest)) for r in merged]
+
+
+def _key(round_: int, kind: str, anchor: PeerID | None, index: int) -> str:
+    """A matchmaking group key: short, no '/' (see :func:`~.group.matchmaking_key`)."""
+    middle = f".{anchor.digest.hex()[:_ANCHOR_CHARS]}" if anchor is not None else ""
+    return f"r{round_}.{_KIND_TAG[kind]}{middle}.{index}"

@@ -1,0 +1,236 @@
+"""Authenticated DHT datagrams (sans-I/O): sealing, parsing and checking one UDP datagram.
+
+Wire form: ``msgpack([signed, tag])`` where ``signed`` is the msgpack list::
+
+    [VERSION, kind, msg_id, public_key, agreement_key, agreement_signature, target, timestamp,
+     nonce, body]
+
+- ``kind`` is 0 for a request and 1 for a response; ``msg_id`` (16 B) pairs them.
+- ``public_key``/``agreement_key``/``agreement_signature``: the sender's Ed25519 key, its process's
+  X25519 key and the signature binding the two (checked once per sender, then cached).
+- ``target``: the receiver's X25519 key when the sender knows it, else empty.
+- ``timestamp`` and ``nonce`` (16 B) feed the replay guard: a seen nonce, or a timestamp outside
+  the window, is refused.
+- ``tag``: with a target, HMAC-SHA256 of ``signed`` under the pairwise key (HKDF over the X25519
+  secret of the two peers and, in a keyed swarm, the swarm key). Without one, the sender's Ed25519
+  signature of ``signed`` followed by the swarm-key MAC when keyed. Only a ``ping`` may be sent
+  without a target (the first contact with a bare ``HOST:PORT``); every other datagram is MAC'd.
+
+Why a pairwise MAC and not a signature per datagram: one HMAC costs ~2 us where an Ed25519 sign
+plus verify costs ~150 us, and a lookup exchanges dozens of datagrams. The X25519 agreement is
+paid once per pair of processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from swarm.auth import NONCE_BYTES, Membership, ReplayGuard
+from swarm.errors import AuthError, DHTError, IdentityError
+from swarm.identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    Identity,
+    agreement_binding_message,
+    verify_signature,
+)
+
+VERSION = 1
+REQUEST, RESPONSE = 0, 1
+MSG_ID_BYTES = 16
+AGREEMENT_KEY_BYTES = 32
+MAX_DATAGRAM_BYTES = 65_000  # larger datagrams are dropped unread
+MAX_REQUEST_BYTES = 8192  # kademlia's cap on a request; records must fit in one
+_MAC_BYTES = 32
+_SIG_CONTEXT = b"swarm/dht-datagram/v1"
+_SALT_CONTEXT = b"swarm/dht-pair-salt/v1"
+_KEY_INFO = b"swarm/dht-pair-key/v1"
+_CACHE_SIZE = 8192
+
+
+@dataclass(frozen=True)
+class SenderKeys:
+    """Who sent a datagram (its binding verified)."""
+
+    public_key: bytes  # 32 B Ed25519
+    agreement_key: bytes  # 32 B X25519 of the sender's process
+    agreement_signature: bytes  # 64 B
+
+
+@dataclass(frozen=True)
+class Datagram:
+    """An opened, authenticated datagram."""
+
+    kind: int  # REQUEST or RESPONSE
+    msg_id: bytes  # 16 B, pairs a response with its request
+    sender: SenderKeys
+    targeted: bool  # True when MAC'd for us; False for a signed first-contact ping
+    body: Any  # the decoded msgpack payload
+
+
+class _LRU(OrderedDict[Any, Any]):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+class DatagramAuth:
+    """Seals outgoing datagrams and opens incoming ones for one node.
+
+    Args:
+        identity: this node's keys.
+        membership: open swarm, swarm key or allow-list.
+        replay_window_s: accepted clock difference; also how long nonces are remembered.
+    """
+
+    def __init__(self, identity: Identity, membership: Membership, replay_window_s: float = 30.0):
+        self.identity = identity
+        self.membership = membership
+        self._replay = ReplayGuard(replay_window_s)
+        self._bindings = _LRU(_CACHE_SIZE)  # (public, agreement, signature) -> True
+        self._pair_keys = _LRU(_CACHE_SIZE)  # (public, agreement) -> 32 B MAC key
+
+    @property
+    def keys(self) -> SenderKeys:
+        i = self.identity
+        return SenderKeys(i.public_key, i.agreement_key, i.agreement_signature)
+
+    def seal(self, kind: int, msg_id: bytes, body: Any, target: SenderKeys | None) -> bytes:
+        """Pack, authenticate and frame one datagram to ``target`` (None: unknown receiver)."""
+        i = self.identity
+        signed = msgpack.packb(
+            [
+                VERSION,
+                kind,
+                msg_id,
+                i.public_key,
+                i.agreement_key,
+                i.agreement_signature,
+                target.agreement_key if target is not None else b"",
+                time.time(),
+                os.urandom(NONCE_BYTES),
+                body,
+            ],
+            use_bin_type=True,
+        )
+        if target is not None:
+            tag = hmac.new(self._pair_key(target), signed, hashlib.sha256).digest()
+        else:
+            message = _SIG_CONTEXT + signed
+            tag = i.sign(message) + self.membership.mac(_SIG_CONTEXT, signed)
+        return msgpack.packb([signed, tag], use_bin_type=True)
+
+    def open(self, data: bytes) -> Datagram:
+        """Check and decode a datagram.
+
+        Raises:
+            DHTError: malformed (size, msgpack, types).
+            AuthError: bad MAC or signature, not admitted, not for us, or replayed.
+        """
+        if len(data) > MAX_DATAGRAM_BYTES:
+            raise DHTError(f"datagram of {len(data)} bytes is too large")
+        outer = _unpack(data)
+        if not isinstance(outer, list) or len(outer) != 2:
+            raise DHTError("a datagram is [signed, tag]")
+        signed, tag = outer
+        if not isinstance(signed, bytes) or not isinstance(tag, bytes):
+            raise DHTError("a datagram is [signed bytes, tag bytes]")
+        fields = _unpack(signed)
+        if not isinstance(fields, list) or len(fields) != 10:
+            raise DHTError("malformed datagram header")
+        version, kind, msg_id, public, agreement, binding, target, ts, nonce, body = fields
+        if version != VERSION:
+            raise DHTError(f"unsupported datagram version {version!r}")
+        if kind not in (REQUEST, RESPONSE) or isinstance(kind, bool):
+            raise DHTError("datagram kind must be 0 or 1")
+        _check_bytes(msg_id, (MSG_ID_BYTES,), "msg_id")
+        _check_bytes(public, (PUBLIC_KEY_BYTES,), "public_key")
+        _check_bytes(agreement, (AGREEMENT_KEY_BYTES,), "agreement_key")
+        _check_bytes(binding, (SIGNATURE_BYTES,), "agreement_signature")
+        _check_bytes(target, (0, AGREEMENT_KEY_BYTES), "target")
+        _check_bytes(nonce, (NONCE_BYTES,), "nonce")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+            raise DHTError("timestamp must be a number")
+        sender = SenderKeys(public, agreement, binding)
+        if public == self.identity.public_key and agreement == self.identity.agreement_key:
+            raise AuthError("datagram claims to come from this node (reflected)")
+        if target:
+            if target != self.identity.agreement_key:
+                raise AuthError("datagram is addressed to another node")
+            expected = hmac.new(self._pair_key(sender), signed, hashlib.sha256).digest()
+            if not hmac.compare_digest(tag, expected):
+                raise AuthError("bad datagram MAC (tampered, or wrong swarm key)")
+        else:
+            signature, mac = tag[:SIGNATURE_BYTES], tag[SIGNATURE_BYTES:]
+            self.membership.check_mac(mac, _SIG_CONTEXT, signed)
+            if not verify_signature(public, signature, _SIG_CONTEXT + signed):
+                raise AuthError("bad datagram signature")
+            self._check_binding(sender)
+        self.membership.check_admitted(public)
+        self._replay.check(float(ts), nonce)
+        return Datagram(kind, msg_id, sender, bool(target), body)
+
+    def check_binding(self, keys: SenderKeys) -> None:
+        """Raise :class:`AuthError` unless ``keys.agreement_key`` is signed by its owner."""
+        self._check_binding(keys)
+
+    def _check_binding(self, keys: SenderKeys) -> None:
+        cache_key = (keys.public_key, keys.agreement_key, keys.agreement_signature)
+        if cache_key in self._bindings:
+            return
+        message = agreement_binding_message(keys.public_key, keys.agreement_key)
+        if not verify_signature(keys.public_key, keys.agreement_signature, message):
+            raise AuthError("agreement key not signed by its owner")
+        self._bindings.put(cache_key, True)
+
+    def _pair_key(self, peer: SenderKeys) -> bytes:
+        cache_key = (peer.public_key, peer.agreement_key)
+        key = self._pair_keys.get(cache_key)
+        if key is not None:
+            return key
+        self._check_binding(peer)
+        try:
+            shared = self.identity.agree(peer.agreement_key)
+        except IdentityError as e:
+            raise AuthError(str(e)) from e
+        ours = self.identity.public_key + self.identity.agreement_key
+        theirs = peer.public_key + peer.agreement_key
+        salt = hashlib.sha256(_SALT_CONTEXT + min(ours, theirs) + max(ours, theirs)).digest()
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=_MAC_BYTES, salt=salt, info=_KEY_INFO)
+        key = hkdf.derive(shared + (self.membership.swarm_key or b""))
+        self._pair_keys.put(cache_key, key)
+        return key
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except DHTError:
+        raise
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+        raise DHTError(f"malformed msgpack ({type(e).__name__})") from e
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise DHTError(f"msgpack extension type {code} is not accepted")
+
+
+def _check_bytes(value: Any, sizes: tuple[int, ...], name: str) -> None:
+    if not isinstance(value, bytes) or len(value) not in sizes:
+        raise DHTError(f"malformed datagram field {name}")

@@ -1,0 +1,264 @@
+"""A DHT node: one UDP socket, the protocol, the routing table and the record storage.
+
+Usage::
+
+    node = await DHTNode.create(identity, membership, host="127.0.0.5", port=7000)
+    await node.bootstrap(["127.0.0.2:7000"])
+    await node.store("run/peers", record_bytes, time.time() + 30)
+    entries = await node.get("run/peers")  # {(owner PeerID, subkey): DHTEntry}
+    await node.close()
+
+Reads merge what the k closest nodes hold (newest expiration per owner and subkey) and keep only
+entries whose owner signature verifies, so one lying or stale node cannot hide or forge another
+peer's entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Iterable
+
+from swarm.auth import Membership
+from swarm.dht.envelope import DatagramAuth
+from swarm.dht.lookup import lookup
+from swarm.dht.protocol import SwarmProtocol
+from swarm.dht.records import DHTEntry, RecordStorage, check_expiration, key_digest
+from swarm.dht.routing import Contact
+from swarm.errors import ConfigError, DHTError
+from swarm.identity import Identity, PeerID
+from swarm.net.address import PeerAddress
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024  # bursts of answers must not overflow the socket
+DEFAULT_KSIZE = 20
+DEFAULT_ALPHA = 3
+_VERIFIED_CACHE = 16384
+
+
+class DHTNode:
+    """A Kademlia node with signed, merged dictionary records. Create with :meth:`create`.
+
+    Args:
+        identity: this peer's keys (entries it stores are signed with them).
+        membership: who may talk to this node (open, swarm key, allow-list).
+        ksize: k from the paper: contacts per bucket and nodes that store each key.
+        alpha: requests in flight per lookup.
+        request_timeout: seconds before a silent node counts as failed; raise it on slow links.
+        refresh_interval: seconds between routing-table refreshes (a lookup of our own id and of
+            a random id), which also drop expired entries.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        membership: Membership,
+        *,
+        ksize: int = DEFAULT_KSIZE,
+        alpha: int = DEFAULT_ALPHA,
+        request_timeout: float = 3.0,
+        refresh_interval: float = 600.0,
+    ):
+        if ksize < 1 or alpha < 1:
+            raise ConfigError("ksize and alpha must be at least 1")
+        if not request_timeout > 0:
+            raise ConfigError("request_timeout must be positive")
+        self.identity = identity
+        self.membership = membership
+        self.ksize = ksize
+        self.alpha = alpha
+        self.request_timeout = request_timeout
+        self.refresh_interval = refresh_interval
+        self.storage = RecordStorage()
+        self.protocol: SwarmProtocol | None = None
+        self._refresh: asyncio.Task[None] | None = None
+        self._verified: dict[tuple[bytes, bytes], None] = {}
+
+    @classmethod
+    async def create(
+        cls,
+        identity: Identity,
+        membership: Membership,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        **kwargs: float,
+    ) -> DHTNode:
+        """Bind ``host:port`` over UDP and start answering.
+
+        Raises:
+            DHTError: the address cannot be bound (in use, not ours).
+        """
+        node = cls(identity, membership, **kwargs)  # type: ignore[arg-type]
+        await node._listen(host, port)
+        return node
+
+    async def _listen(self, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        except OSError as e:  # some systems cap it; the default still works
+            logger.debug("could not enlarge the UDP receive buffer: %s", e)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise DHTError(f"cannot bind UDP {host}:{port}: {e.strerror or e}") from e
+        bound = sock.getsockname()
+        auth = DatagramAuth(self.identity, self.membership)
+        source = Contact(auth.keys, bound[0], bound[1])
+        protocol = SwarmProtocol(source, self.storage, self.ksize, auth, self.request_timeout)
+        loop = asyncio.get_running_loop()
+        await loop.create_datagram_endpoint(lambda: protocol, sock=sock)
+        self.protocol = protocol
+        self._refresh = asyncio.create_task(self._refresh_loop(), name="swarm-dht-refresh")
+        logger.debug("DHT node %s listening on UDP %s:%d", source.id.hex()[:8], *bound[:2])
+
+    @property
+    def port(self) -> int:
+        return self._protocol.source_node.port
+
+    @property
+    def node_id(self) -> bytes:
+        return self._protocol.source_node.id
+
+    @property
+    def _protocol(self) -> SwarmProtocol:
+        if self.protocol is None or self.protocol.closed:
+            raise DHTError("the DHT node is not running")
+        return self.protocol
+
+    def contacts(self) -> list[Contact]:
+        """The routing table's contacts."""
+        return self._protocol.router.contacts()
+
+    async def bootstrap(self, addresses: Iterable[str]) -> int:
+        """Join through any live nodes given as ``HOST:PORT`` (hostnames are resolved).
+
+        Returns:
+            How many contacts the routing table holds afterwards (0: nobody answered).
+
+        Raises:
+            ConfigError: an address is not ``HOST:PORT``.
+        """
+        parsed = [PeerAddress.parse(text) for text in addresses]
+        resolved = await asyncio.gather(*(self._resolve(a) for a in parsed))
+        targets = {addr for group in resolved for addr in group}
+        answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in targets))
+        answered = sum(a is not None for a in answers)
+        if answered == 0:
+            logger.warning("no initial peer answered: %s", ", ".join(map(str, parsed)))
+            return 0
+        await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
+        count = len(self.contacts())
+        logger.info("DHT joined through %d initial peer(s); %d contacts", answered, count)
+        return count
+
+    async def _resolve(self, address: PeerAddress) -> list[tuple[str, int]]:
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if self._protocol.source_node.ip.count(":") else socket.AF_INET
+        try:
+            infos = await loop.getaddrinfo(
+                address.host, address.port, family=family, type=socket.SOCK_DGRAM
+            )
+        except OSError as e:
+            logger.warning("cannot resolve %s: %s", address, e)
+            return []
+        return sorted({(info[4][0], info[4][1]) for info in infos})
+
+    async def store(self, key: str, value: bytes, expiration: float, *, subkey: str = "") -> int:
+        """Sign and store ``value`` under ``(our id, subkey)`` of ``key`` on the k closest nodes.
+
+        The entry merges with what the key holds: other owners' and other subkeys' entries stay;
+        ours is replaced when ``expiration`` is later than the stored one.
+
+        Returns:
+            How many nodes took the entry (this node included when it is among the closest).
+
+        Raises:
+            DHTError: the value is too large, or the expiration is past or too far away.
+        """
+        check_expiration(expiration, time.time())
+        digest = key_digest(key)
+        entry = DHTEntry.create(self.identity, digest, subkey, bytes(value), float(expiration))
+        protocol = self._protocol
+        found = await lookup(protocol, digest, ksize=self.ksize, alpha=self.alpha)
+        goal = int.from_bytes(digest, "big")
+        stored = 0
+        closest = found.closest
+        furthest = closest[-1].long_id ^ goal if closest else None
+        own = protocol.source_node.long_id ^ goal
+        if furthest is None or len(closest) < self.ksize or own < furthest:
+            stored += self.storage.merge(entry)
+        results = await asyncio.gather(
+            *(protocol.send_entries(c, digest, [entry]) for c in closest)
+        )
+        stored += sum(1 for r in results if r > 0)
+        logger.debug("stored %r on %d node(s)", key, stored)
+        return stored
+
+    async def get(self, key: str) -> dict[tuple[PeerID, str], DHTEntry]:
+        """Read the live entries of ``key``, merged from the k closest nodes and our own storage.
+
+        Returns:
+            ``{(owner, subkey): entry}`` with only verified, unexpired entries, the latest per slot.
+        """
+        digest = key_digest(key)
+        found = await lookup(self._protocol, digest, ksize=self.ksize, alpha=self.alpha, value=True)
+        if found.truncated:
+            logger.warning("%r holds more entries than one answer carries; some are missing", key)
+        now = time.time()
+        merged: dict[tuple[bytes, str], DHTEntry] = {}
+        for entry in [*self.storage.entries(digest, now), *found.entries]:
+            if entry.expiration <= now:
+                continue
+            current = merged.get(entry.slot)
+            if current is not None and current.expiration >= entry.expiration:
+                continue
+            if not self._verify(entry):
+                continue
+            merged[entry.slot] = entry
+        return {(e.owner, e.subkey): e for e in merged.values()}
+
+    def _verify(self, entry: DHTEntry) -> bool:
+        cache_key = (entry.public_key, entry.signature)
+        if cache_key in self._verified:
+            return True
+        try:
+            entry.verify()
+        except DHTError:
+            logger.debug("dropping an entry with a bad signature from a DHT answer")
+            return False
+        if len(self._verified) >= _VERIFIED_CACHE:
+            self._verified.pop(next(iter(self._verified)))
+        self._verified[cache_key] = None
+        return True
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            self.storage.cull()
+            try:
+                await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
+            except DHTError as e:
+                logger.debug("routing-table refresh failed: %s", e)
+
+    async def close(self) -> None:
+        """Stop answering, cancel every task and close the socket."""
+        if self._refresh is not None:
+            self._refresh.cancel()
+            await asyncio.gather(self._refresh, return_exceptions=True)
+            self._refresh = None
+        if self.protocol is not None:
+            await self.protocol.close()
+            self.protocol = None
+
+    async def __aenter__(self) -> DHTNode:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,345 @@
+"""The DHT wire protocol: kademlia's protocol class with authenticated, validated datagrams.
+
+:class:`SwarmProtocol` extends :class:`kademlia.protocol.KademliaProtocol`. It keeps the paper's
+RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
+
+- every datagram is opened by :class:`~swarm.dht.envelope.DatagramAuth` (MAC or signature,
+  membership, replay window) and every argument is type- and size-checked; junk is dropped and
+  logged (rate-limited per source), it never raises out of the protocol;
+- ``store`` merges owner-signed dictionary entries (the storing node verifies each signature);
+  ``find_value`` answers with the entries it holds *and* the closest contacts, so a reader can
+  merge what several nodes hold instead of stopping at the first answer;
+- replication to a newly seen node looked up the key's neighbours with the key hashed a second
+  time (kademlia's ``digest(key)`` of an already-digested key), sending records to the wrong
+  nodes; here the stored digest is used as is;
+- a contact is evicted after two consecutive failures, not one (a burst that overflows a UDP
+  buffer must not empty the routing table), and every task the protocol starts is tracked and
+  cancelled on close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import msgpack
+from kademlia.protocol import KademliaProtocol
+
+from swarm.auth import RateLimitedWarning
+from swarm.dht.envelope import (
+    MAX_REQUEST_BYTES,
+    MSG_ID_BYTES,
+    REQUEST,
+    RESPONSE,
+    DatagramAuth,
+    SenderKeys,
+)
+from swarm.dht.records import KEY_DIGEST_BYTES, DHTEntry, RecordStorage
+from swarm.dht.routing import Contact, SwarmRoutingTable
+from swarm.errors import AuthError, DHTError
+
+logger = logging.getLogger(__name__)
+
+MAX_RESPONSE_BYTES = 60_000  # UDP carries up to 65,507; keep room for the envelope
+MAX_ENTRIES_PER_STORE = 64
+EVICT_AFTER_FAILURES = 2
+_ENVELOPE_OVERHEAD = 400
+_METHODS = ("ping", "store", "find_node", "find_value")
+
+
+class SwarmProtocol(KademliaProtocol):
+    """One node's end of the DHT protocol (an asyncio datagram protocol).
+
+    Args:
+        source: this node as a contact (its id, keys and announced address).
+        storage: the node's record storage.
+        ksize: k from the paper: bucket size and replication factor.
+        auth: seals and opens datagrams.
+        request_timeout: seconds to wait for an answer before a call counts as failed.
+    """
+
+    def __init__(
+        self,
+        source: Contact,
+        storage: RecordStorage,
+        ksize: int,
+        auth: DatagramAuth,
+        request_timeout: float,
+    ):
+        super().__init__(source, storage, ksize)
+        self.router = SwarmRoutingTable(self, ksize, source)
+        self.auth = auth
+        self.request_timeout = request_timeout
+        self._pending: dict[bytes, tuple[asyncio.Future[Any], Any]] = {}
+        self._failures: dict[bytes, int] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._refusals = RateLimitedWarning(logger)
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        # rpcudp turns unknown attributes into remote calls; a typo must be an error here
+        raise AttributeError(name)
+
+    # ---- datagrams in
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        if self.closed:
+            return
+        source = f"{addr[0]}:{addr[1]}"
+        try:
+            msg = self.auth.open(data)
+            if msg.kind == REQUEST:
+                if len(data) > MAX_REQUEST_BYTES:
+                    raise DHTError(f"request of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
+                method, args = _parse_request(msg.body)
+                if not msg.targeted and method != "ping":
+                    raise AuthError(f"an untargeted datagram may only ping, not {method}")
+            else:
+                method, args = "", []
+        except (DHTError, AuthError) as e:
+            self._refusals.warn(source, "dropped a DHT datagram from %s: %s", source, e)
+            return
+        sender = Contact(msg.sender, addr[0], addr[1])
+        if msg.kind == RESPONSE:
+            self._accept_answer(msg.msg_id, sender, msg.body)
+        else:
+            self.spawn(self._answer(msg.msg_id, sender, method, args))
+
+    def error_received(self, exc: Exception) -> None:
+        logger.debug("DHT socket error: %s", exc)
+
+    async def _answer(self, msg_id: bytes, sender: Contact, method: str, args: list[Any]) -> None:
+        try:
+            result = getattr(self, f"rpc_{method}")(sender, *args)
+        except (DHTError, AuthError, TypeError) as e:
+            source = f"{sender.ip}:{sender.port}"
+            self._refusals.warn(source, "refused a DHT %s from %s: %s", method, source, e)
+            result = {"error": str(e)[:200]}
+        self._send(sender.address, self.auth.seal(RESPONSE, msg_id, result, sender.keys))
+
+    def _accept_answer(self, msg_id: bytes, sender: Contact, body: Any) -> None:
+        pending = self._pending.get(msg_id)
+        if pending is None:
+            logger.debug("unexpected DHT answer from %s (late or unknown)", sender)
+            return
+        future, expected = pending
+        if isinstance(expected, SenderKeys):
+            if expected.public_key != sender.keys.public_key:
+                logger.debug("DHT answer from another node than asked; ignored")
+                return
+        elif tuple(expected) != sender.address:
+            logger.debug("DHT answer from another address than asked; ignored")
+            return
+        del self._pending[msg_id]
+        if not future.done():
+            future.set_result((sender, body))
+
+    # ---- RPC handlers (sender is authenticated; arguments are not yet checked)
+
+    def rpc_ping(self, sender: Contact) -> Any:
+        self.welcome_if_new(sender)
+        return True
+
+    def rpc_store(self, sender: Contact, key: Any, entries: Any) -> Any:
+        _check_key(key)
+        if not isinstance(entries, list) or len(entries) > MAX_ENTRIES_PER_STORE:
+            raise DHTError(f"a store carries a list of at most {MAX_ENTRIES_PER_STORE} entries")
+        parsed = [DHTEntry.from_wire(key, obj) for obj in entries]
+        now = time.time()
+        stored = 0
+        for entry in parsed:
+            entry.verify()  # a forged entry refuses the whole request: nothing is applied
+        for entry in parsed:
+            stored += self.storage.merge(entry, now)
+        self.welcome_if_new(sender)
+        return {"stored": stored}
+
+    def rpc_find_node(self, sender: Contact, target: Any) -> Any:
+        _check_key(target)
+        self.welcome_if_new(sender)
+        return {"nodes": self._neighbours(target, sender)}
+
+    def rpc_find_value(self, sender: Contact, key: Any) -> Any:
+        _check_key(key)
+        self.welcome_if_new(sender)
+        nodes = self._neighbours(key, sender)
+        budget = MAX_RESPONSE_BYTES - _ENVELOPE_OVERHEAD - len(msgpack.packb(nodes))
+        entries, truncated = [], False
+        for entry in self.storage.entries(key):
+            size = entry.wire_size()
+            if size > budget:
+                truncated = True
+                break
+            budget -= size
+            entries.append(entry.to_wire())
+        return {"nodes": nodes, "entries": entries, "truncated": truncated}
+
+    def _neighbours(self, target: bytes, sender: Contact) -> list[Any]:
+        found = self.router.closest(target, self.router.ksize, exclude=sender.id)
+        return [c.to_wire() for c in found]
+
+    # ---- calls out: (contact, answer) or None when it did not answer in time
+
+    async def call(self, contact: Contact, method: str, *args: Any) -> Any | None:
+        """Send a request to a known contact; None on timeout, else the answer's body."""
+        answer = await self._request(contact.address, contact.keys, method, list(args))
+        if answer is None:
+            self._failed(contact)
+            return None
+        responder, body = answer
+        self._failures.pop(responder.id, None)
+        self.welcome_if_new(responder)
+        return body
+
+    async def ping_address(self, address: tuple[str, int]) -> Contact | None:
+        """Ping a bare ``(ip, port)`` whose keys we do not know yet (first contact)."""
+        answer = await self._request(address, None, "ping", [])
+        if answer is None:
+            return None
+        responder, _ = answer
+        self.welcome_if_new(responder)
+        return responder
+
+    async def _request(
+        self, address: tuple[str, int], target: SenderKeys | None, method: str, args: list[Any]
+    ) -> tuple[Contact, Any] | None:
+        msg_id = os.urandom(MSG_ID_BYTES)
+        try:
+            datagram = self.auth.seal(REQUEST, msg_id, [method, args], target)
+        except AuthError as e:
+            logger.debug("cannot address %s: %s", address, e)
+            return None
+        if len(datagram) > MAX_REQUEST_BYTES:
+            raise DHTError(f"a {method} request of {len(datagram)} bytes does not fit a datagram")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = (future, target if target is not None else address)
+        try:
+            self._send(address, datagram)
+            return await asyncio.wait_for(future, self.request_timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._pending.pop(msg_id, None)
+
+    def _send(self, address: tuple[str, int], datagram: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.sendto(datagram, address)
+
+    def _failed(self, contact: Contact) -> None:
+        count = self._failures.get(contact.id, 0) + 1
+        if count >= EVICT_AFTER_FAILURES:
+            self._failures.pop(contact.id, None)
+            logger.debug("%s did not answer twice; removed from the routing table", contact)
+            self.router.remove_contact(contact)
+        else:
+            self._failures[contact.id] = count
+
+    def check_alive(self, contact: Contact) -> None:
+        """Ping a bucket's head in the background (kademlia section 2.2)."""
+        self.spawn(self.call(contact, "ping"))
+
+    # ---- routing-table upkeep and replication
+
+    def welcome_if_new(self, node: Contact) -> None:
+        """Add ``node`` to the routing table; when it is new, hand it the records it should hold.
+
+        Per section 2.5 of the paper: for each stored key, if the new node is closer to the key
+        than the furthest of our k closest contacts and we are the closest of them, we send it our
+        entries for that key.
+        """
+        if node.id == self.source_node.id:
+            return
+        if not self.router.is_new_node(node):
+            self.router.add_contact(node)  # refreshes its position (and a changed address)
+            return
+        logger.debug("new DHT contact %s", node)
+        for key, entries in self.storage:
+            neighbours = self.router.closest(key, self.router.ksize)
+            goal = int.from_bytes(key, "big")
+            if neighbours:
+                furthest = neighbours[-1].long_id ^ goal
+                nearest = neighbours[0].long_id ^ goal
+                new_is_close = (node.long_id ^ goal) < furthest
+                we_are_closest = (self.source_node.long_id ^ goal) < nearest
+            if not neighbours or (new_is_close and we_are_closest):
+                self.spawn(self.send_entries(node, key, entries))
+        self.router.add_contact(node)
+
+    async def send_entries(self, contact: Contact, key: bytes, entries: list[DHTEntry]) -> int:
+        """Store ``entries`` on ``contact`` in as many requests as needed; returns how many it
+        took (-1 when it did not answer)."""
+        stored = 0
+        for batch in _batches(entries):
+            answer = await self.call(contact, "store", key, [e.to_wire() for e in batch])
+            if not isinstance(answer, dict):
+                return -1
+            count = answer.get("stored")
+            if isinstance(count, int) and not isinstance(count, bool):
+                stored += count
+        return stored
+
+    # ---- task bookkeeping
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self.closed:
+            coro.close()
+            return
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("DHT background task failed: %r", task.exception())
+
+    async def close(self) -> None:
+        self.closed = True
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.cancel()
+        self._pending.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _parse_request(body: Any) -> tuple[str, list[Any]]:
+    if not isinstance(body, list) or len(body) != 2:
+        raise DHTError("a request is [method, args]")
+    method, args = body
+    if method not in _METHODS:
+        raise DHTError(f"unknown DHT method {str(method)[:32]!r}")
+    if not isinstance(args, list) or len(args) > 2:
+        raise DHTError("request arguments must be a short list")
+    arity = {"ping": 0, "store": 2, "find_node": 1, "find_value": 1}[method]
+    if len(args) != arity:
+        raise DHTError(f"{method} takes {arity} arguments, got {len(args)}")
+    return method, args
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_DIGEST_BYTES:
+        raise DHTError(f"a DHT key is {KEY_DIGEST_BYTES} bytes")
+
+
+def _batches(entries: list[DHTEntry]) -> list[list[DHTEntry]]:
+    """Split entries into groups that each fit one store request."""
+    budget = MAX_REQUEST_BYTES - _ENVELOPE_OVERHEAD
+    batches: list[list[DHTEntry]] = [[]]
+    used = 0
+    for entry in entries:
+        size = entry.wire_size() + 8
+        if batches[-1] and (used + size > budget or len(batches[-1]) >= MAX_ENTRIES_PER_STORE):
+            batches.append([])
+            used = 0
+        batches[-1].append(entry)
+        used += size
+    return [b for b in batches if b]
