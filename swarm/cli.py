@@ -185,7 +185,11 @@ async def list_peers(args: argparse.Namespace) -> int:
     identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
     listen = PeerAddress.parse(args.listen)
     dht = await DHTNode.create(
-        identity, load_membership(args.swarm_key), host=listen.host or "0.0.0.0", port=0
+        identity,
+        load_membership(args.swarm_key),
+        host=listen.host or "0.0.0.0",
+        port=0,
+        client=True,
     )
     try:
         if await dht.bootstrap(args.initial_peers) == 0:
@@ -210,7 +214,10 @@ def format_peer_table(records: Sequence[PeerRecord] | object) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     lines.append(f"{len(rows) - 1} peer(s)")
     return "\n".join(lines)
 

@@ -178,8 +178,14 @@ class Peer:
         return await self._dht.store(peers_key(self.run_id), record.serialize(), expiration)
 
     async def _heartbeat_loop(self) -> None:
+        # fixed rate: a slow store (a dead node in the lookup) must not push the next one past
+        # the record's expiry
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.config.heartbeat_s)
+            due += self.config.heartbeat_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            due = max(due, loop.time() - self.config.heartbeat_s)
             try:
                 stored = await self.announce()
             except SwarmError as e:

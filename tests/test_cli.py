@@ -124,7 +124,9 @@ def test_three_peers_join_list_expire_and_stop(spawn):
 
     b.proc.send_signal(signal.SIGKILL)
     b.proc.wait(timeout=10)
-    listing = wait_listing(c_addr, lambda out: b_addr not in out)
+    listing = wait_listing(
+        c_addr, lambda out: b_addr not in out and a_addr in out and c_addr in out
+    )
     assert b_addr not in listing, listing
     assert a_addr in listing and c_addr in listing
 

@@ -57,7 +57,8 @@ class Averager:
         allreduce_timeout: upper bound of one all-reduce; an owner that never answers costs this
             much. Set it above payload / slowest link rate with a good margin.
         gather_window: wait after declaring before choosing a leader, so that peers arriving at
-            about the same time end up in one group. Increase it for large swarms.
+            about the same time end up in one group. Increase it for large swarms. Default:
+            0.5 s, or a quarter of ``matchmaking_timeout`` when that is shorter.
         stall_timeout_min: a sender is never dropped sooner than this after its last chunk;
             beyond it, the limit is ``stall_factor`` chunk-times at the rate measured so far.
         stall_factor: see ``stall_timeout_min``; increase both on very jittery links.
@@ -76,7 +77,7 @@ class Averager:
         target_group_size: int = 8,
         matchmaking_timeout: float = 15.0,
         allreduce_timeout: float = 120.0,
-        gather_window: float = 0.5,
+        gather_window: float | None = None,
         stall_timeout_min: float = 3.0,
         stall_factor: float = 8.0,
         group_key: str = "default",
@@ -88,6 +89,8 @@ class Averager:
             raise ConfigError("need 2 <= min_group_size <= target_group_size")
         if not matchmaking_timeout > 0 or not allreduce_timeout > 0:
             raise ConfigError("matchmaking_timeout and allreduce_timeout must be positive")
+        if gather_window is None:
+            gather_window = min(0.5, matchmaking_timeout / 4)
         if not 0 <= gather_window < matchmaking_timeout:
             raise ConfigError("gather_window must be within [0, matchmaking_timeout)")
         if not stall_timeout_min > 0 or not stall_factor >= 1:

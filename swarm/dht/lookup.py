@@ -5,6 +5,11 @@ times (a slow node does not hold up a whole round of requests), only ends when e
 closest contacts it knows has answered or failed, and, for a value lookup, collects the entries
 of every node it asks instead of stopping at the first one that has any: records are
 dictionaries merged from several nodes, not single values to vote on.
+
+A request unanswered after ``protocol.stall_after`` (a few smoothed RTTs) counts as *stalled*, as
+in the paper: the lookup asks the next contact instead of waiting for the full timeout, and ends
+without it; the request itself runs on in the background so that a dead node is still recorded
+(and skipped by later lookups for a while).
 """
 
 from __future__ import annotations
@@ -56,46 +61,58 @@ async def lookup(
     answered: set[bytes] = set()
     failed: set[bytes] = set()
     queried: set[bytes] = set()
-    in_flight: dict[asyncio.Task[Any], Contact] = {}
+    in_flight: dict[asyncio.Task[Any], tuple[Contact, float]] = {}  # task -> (contact, sent)
+    stalled: set[asyncio.Task[Any]] = set()
     result = LookupResult(closest=[])
     method = "find_value" if value else "find_node"
+    loop = asyncio.get_running_loop()
 
     def ranked() -> list[Contact]:
-        live = [c for c in known.values() if c.id not in failed]
+        waiting = {in_flight[t][0].id for t in stalled}
+        live = [c for c in known.values() if c.id not in failed and c.id not in waiting]
         return sorted(live, key=lambda c: c.long_id ^ goal)[:ksize]
 
-    try:
-        while True:
-            for contact in ranked():
-                if len(in_flight) >= alpha:
-                    break
-                if contact.id in queried:
-                    continue
-                queried.add(contact.id)
-                task = asyncio.ensure_future(protocol.call(contact, method, target))
-                in_flight[task] = contact
-                result.asked += 1
-            if not in_flight:
+    while True:
+        for contact in ranked():
+            if len(in_flight) - len(stalled) >= alpha:
                 break
-            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                contact = in_flight.pop(task)
-                body = task.result()
-                if not isinstance(body, dict) or "error" in body:
-                    failed.add(contact.id)
-                    result.failed += 1
-                    continue
-                answered.add(contact.id)
-                for found in _contacts(body.get("nodes")):
-                    if found.id != own_id and found.id not in known:
-                        known[found.id] = found
-                if value:
-                    _collect(body, target, result)
-    finally:
-        for task in in_flight:
-            task.cancel()
-        if in_flight:
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            if contact.id in queried:
+                continue
+            queried.add(contact.id)
+            if protocol.is_suspect(contact.id):
+                failed.add(contact.id)  # failed moments ago: do not wait for it again
+                continue
+            task = protocol.spawn(protocol.call(contact, method, target))
+            if task is None:  # the node is closing
+                break
+            in_flight[task] = (contact, loop.time())
+            result.asked += 1
+        active = [t for t in in_flight if t not in stalled]
+        if not active:
+            break
+        # wake on an answer, or when the oldest active request stalls: a dead node then stops
+        # holding up the lookup, while its request runs on to count the failure
+        oldest = min(in_flight[t][1] for t in active)
+        wait_s = max(0.0, oldest + protocol.stall_after - loop.time())
+        done, _ = await asyncio.wait(active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        now = loop.time()
+        for task in active:
+            if task not in done and now - in_flight[task][1] >= protocol.stall_after:
+                stalled.add(task)
+        for task in [t for t in in_flight if t.done()]:
+            contact, _ = in_flight.pop(task)
+            stalled.discard(task)
+            body = None if task.cancelled() else task.result()
+            if not isinstance(body, dict) or "error" in body:
+                failed.add(contact.id)
+                result.failed += 1
+                continue
+            answered.add(contact.id)
+            for found in _contacts(body.get("nodes")):
+                if found.id != own_id and found.id not in known:
+                    known[found.id] = found
+            if value:
+                _collect(body, target, result)
     result.closest = [c for c in ranked() if c.id in answered]
     return result
 

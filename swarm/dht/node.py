@@ -20,6 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
@@ -50,6 +51,8 @@ class DHTNode:
         request_timeout: seconds before a silent node counts as failed; raise it on slow links.
         refresh_interval: seconds between routing-table refreshes (a lookup of our own id and of
             a random id), which also drop expired entries.
+        client: only read and write through others, never be added to their routing tables
+            (for short-lived tools such as ``swarm-peer peers``).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class DHTNode:
         alpha: int = DEFAULT_ALPHA,
         request_timeout: float = 3.0,
         refresh_interval: float = 600.0,
+        client: bool = False,
     ):
         if ksize < 1 or alpha < 1:
             raise ConfigError("ksize and alpha must be at least 1")
@@ -72,6 +76,7 @@ class DHTNode:
         self.alpha = alpha
         self.request_timeout = request_timeout
         self.refresh_interval = refresh_interval
+        self.client = client
         self.storage = RecordStorage()
         self.protocol: SwarmProtocol | None = None
         self._refresh: asyncio.Task[None] | None = None
@@ -85,7 +90,7 @@ class DHTNode:
         *,
         host: str = "0.0.0.0",
         port: int = 0,
-        **kwargs: float,
+        **kwargs: Any,
     ) -> DHTNode:
         """Bind ``host:port`` over UDP and start answering.
 
@@ -111,7 +116,9 @@ class DHTNode:
         bound = sock.getsockname()
         auth = DatagramAuth(self.identity, self.membership)
         source = Contact(auth.keys, bound[0], bound[1])
-        protocol = SwarmProtocol(source, self.storage, self.ksize, auth, self.request_timeout)
+        protocol = SwarmProtocol(
+            source, self.storage, self.ksize, auth, self.request_timeout, client=self.client
+        )
         loop = asyncio.get_running_loop()
         await loop.create_datagram_endpoint(lambda: protocol, sock=sock)
         self.protocol = protocol
@@ -192,7 +199,7 @@ class DHTNode:
         closest = found.closest
         furthest = closest[-1].long_id ^ goal if closest else None
         own = protocol.source_node.long_id ^ goal
-        if furthest is None or len(closest) < self.ksize or own < furthest:
+        if not self.client and (furthest is None or len(closest) < self.ksize or own < furthest):
             stored += self.storage.merge(entry)
         results = await asyncio.gather(
             *(protocol.send_entries(c, digest, [entry]) for c in closest)

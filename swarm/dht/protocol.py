@@ -14,7 +14,12 @@ RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
   nodes; here the stored digest is used as is;
 - a contact is evicted after two consecutive failures, not one (a burst that overflows a UDP
   buffer must not empty the routing table), and every task the protocol starts is tracked and
-  cancelled on close.
+  cancelled on close;
+- a request waits for an answer as long as recent answers suggest (smoothed RTT plus four
+  deviations, as TCP does, between ``MIN_TIMEOUT_S`` and ``request_timeout``), so a dead node
+  stalls a lookup for about a second on a fast network instead of the full timeout;
+- a *client* node (``client=True``: a one-shot ``swarm-peer peers`` listing, say) flags its
+  requests so that nobody adds it to a routing table: it would be a dead contact a moment later.
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ logger = logging.getLogger(__name__)
 MAX_RESPONSE_BYTES = 60_000  # UDP carries up to 65,507; keep room for the envelope
 MAX_ENTRIES_PER_STORE = 64
 EVICT_AFTER_FAILURES = 2
+MIN_TIMEOUT_S = 1.0
+MIN_STALL_S = 0.25
+SUSPECT_FOR_S = 60.0  # a node that failed to answer is skipped by lookups this long
+_MAX_SUSPECTS = 4096
 _ENVELOPE_OVERHEAD = 400
 _METHODS = ("ping", "store", "find_node", "find_value")
 
@@ -59,7 +68,8 @@ class SwarmProtocol(KademliaProtocol):
         storage: the node's record storage.
         ksize: k from the paper: bucket size and replication factor.
         auth: seals and opens datagrams.
-        request_timeout: seconds to wait for an answer before a call counts as failed.
+        request_timeout: the longest wait for an answer before a call counts as failed.
+        client: only ask, never join others' routing tables.
     """
 
     def __init__(
@@ -69,13 +79,17 @@ class SwarmProtocol(KademliaProtocol):
         ksize: int,
         auth: DatagramAuth,
         request_timeout: float,
+        client: bool = False,
     ):
         super().__init__(source, storage, ksize)
         self.router = SwarmRoutingTable(self, ksize, source)
         self.auth = auth
         self.request_timeout = request_timeout
+        self.client = client
+        self._rtt = RttEstimator(min(MIN_TIMEOUT_S, request_timeout), request_timeout)
         self._pending: dict[bytes, tuple[asyncio.Future[Any], Any]] = {}
         self._failures: dict[bytes, int] = {}
+        self._suspects: dict[bytes, float] = {}  # node id -> monotonic time of its last failure
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refusals = RateLimitedWarning(logger)
         self.closed = False
@@ -95,11 +109,11 @@ class SwarmProtocol(KademliaProtocol):
             if msg.kind == REQUEST:
                 if len(data) > MAX_REQUEST_BYTES:
                     raise DHTError(f"request of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
-                method, args = _parse_request(msg.body)
+                method, args, from_client = _parse_request(msg.body)
                 if not msg.targeted and method != "ping":
                     raise AuthError(f"an untargeted datagram may only ping, not {method}")
             else:
-                method, args = "", []
+                method, args, from_client = "", [], False
         except (DHTError, AuthError) as e:
             self._refusals.warn(source, "dropped a DHT datagram from %s: %s", source, e)
             return
@@ -107,6 +121,8 @@ class SwarmProtocol(KademliaProtocol):
         if msg.kind == RESPONSE:
             self._accept_answer(msg.msg_id, sender, msg.body)
         else:
+            if from_client:
+                sender.client = True
             self.spawn(self._answer(msg.msg_id, sender, method, args))
 
     def error_received(self, exc: Exception) -> None:
@@ -208,8 +224,9 @@ class SwarmProtocol(KademliaProtocol):
         self, address: tuple[str, int], target: SenderKeys | None, method: str, args: list[Any]
     ) -> tuple[Contact, Any] | None:
         msg_id = os.urandom(MSG_ID_BYTES)
+        body = [method, args, True] if self.client else [method, args]
         try:
-            datagram = self.auth.seal(REQUEST, msg_id, [method, args], target)
+            datagram = self.auth.seal(REQUEST, msg_id, body, target)
         except AuthError as e:
             logger.debug("cannot address %s: %s", address, e)
             return None
@@ -217,11 +234,15 @@ class SwarmProtocol(KademliaProtocol):
             raise DHTError(f"a {method} request of {len(datagram)} bytes does not fit a datagram")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = (future, target if target is not None else address)
+        sent = time.monotonic()
         try:
             self._send(address, datagram)
-            return await asyncio.wait_for(future, self.request_timeout)
+            answer = await asyncio.wait_for(future, self._rtt.timeout)
         except asyncio.TimeoutError:
             return None
+        else:
+            self._rtt.observe(time.monotonic() - sent)
+            return answer
         finally:
             self._pending.pop(msg_id, None)
 
@@ -229,7 +250,28 @@ class SwarmProtocol(KademliaProtocol):
         if self.transport is not None and not self.closed:
             self.transport.sendto(datagram, address)
 
+    @property
+    def stall_after(self) -> float:
+        """Seconds after which an unanswered request no longer holds up a lookup."""
+        srtt = self._rtt.srtt
+        if srtt is None:
+            return self.request_timeout
+        return min(self.request_timeout, max(MIN_STALL_S, srtt + 4 * self._rtt.rttvar))
+
+    def is_suspect(self, node_id: bytes) -> bool:
+        """Whether the node recently failed to answer (and has not been heard from since)."""
+        failed_at = self._suspects.get(node_id)
+        if failed_at is None:
+            return False
+        if time.monotonic() - failed_at > SUSPECT_FOR_S:
+            del self._suspects[node_id]
+            return False
+        return True
+
     def _failed(self, contact: Contact) -> None:
+        if len(self._suspects) >= _MAX_SUSPECTS:
+            self._suspects.pop(next(iter(self._suspects)))
+        self._suspects[contact.id] = time.monotonic()
         count = self._failures.get(contact.id, 0) + 1
         if count >= EVICT_AFTER_FAILURES:
             self._failures.pop(contact.id, None)
@@ -251,8 +293,9 @@ class SwarmProtocol(KademliaProtocol):
         than the furthest of our k closest contacts and we are the closest of them, we send it our
         entries for that key.
         """
-        if node.id == self.source_node.id:
+        if node.id == self.source_node.id or node.client:
             return
+        self._suspects.pop(node.id, None)
         if not self.router.is_new_node(node):
             self.router.add_contact(node)  # refreshes its position (and a changed address)
             return
@@ -284,13 +327,15 @@ class SwarmProtocol(KademliaProtocol):
 
     # ---- task bookkeeping
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any] | None:
+        """Run ``coro`` as a task that :meth:`close` cancels; None once closed."""
         if self.closed:
             coro.close()
-            return
+            return None
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -311,10 +356,36 @@ class SwarmProtocol(KademliaProtocol):
             self.transport.close()
 
 
-def _parse_request(body: Any) -> tuple[str, list[Any]]:
-    if not isinstance(body, list) or len(body) != 2:
-        raise DHTError("a request is [method, args]")
-    method, args = body
+class RttEstimator:
+    """How long to wait for an answer: smoothed RTT plus four deviations (RFC 6298), clamped."""
+
+    def __init__(self, floor: float, ceiling: float):
+        self.floor, self.ceiling = floor, ceiling
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+
+    def observe(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    @property
+    def timeout(self) -> float:
+        if self.srtt is None:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.srtt + 4 * self.rttvar))
+
+
+def _parse_request(body: Any) -> tuple[str, list[Any], bool]:
+    """``[method, args]``, or ``[method, args, True]`` from a client node."""
+    if not isinstance(body, list) or len(body) not in (2, 3):
+        raise DHTError("a request is [method, args] or [method, args, client]")
+    method, args = body[:2]
+    from_client = body[2] if len(body) == 3 else False
+    if not isinstance(from_client, bool):
+        raise DHTError("the client flag of a request is a bool")
     if method not in _METHODS:
         raise DHTError(f"unknown DHT method {str(method)[:32]!r}")
     if not isinstance(args, list) or len(args) > 2:
@@ -322,7 +393,7 @@ def _parse_request(body: Any) -> tuple[str, list[Any]]:
     arity = {"ping": 0, "store": 2, "find_node": 1, "find_value": 1}[method]
     if len(args) != arity:
         raise DHTError(f"{method} takes {arity} arguments, got {len(args)}")
-    return method, args
+    return method, args, from_client
 
 
 def _check_key(key: Any) -> None:

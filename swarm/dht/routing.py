@@ -42,6 +42,7 @@ class Contact(Node):
     def __init__(self, keys: SenderKeys, ip: str, port: int):
         super().__init__(node_id_of(keys), ip, port)
         self.keys = keys
+        self.client = False  # flagged its requests as a client's: never routed to
 
     @property
     def address(self) -> tuple[str, int]:

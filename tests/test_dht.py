@@ -1,0 +1,292 @@
+"""The signed DHT on real UDP sockets on loopback: lookups, merge, expiry, membership, hostility."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+from contextlib import asynccontextmanager
+
+import msgpack
+import pytest
+
+from swarm.auth import Membership
+from swarm.dht import DHTEntry, DHTNode, key_digest
+from swarm.dht.envelope import REQUEST, DatagramAuth
+from swarm.errors import AuthError, DHTError
+from swarm.identity import Identity
+
+HOST = "127.0.0.1"
+
+
+@asynccontextmanager
+async def swarm_of(count: int, membership: Membership | None = None, **kwargs):
+    """``count`` nodes, each bootstrapped through the first."""
+    membership = membership or Membership.open()
+    nodes = [
+        await DHTNode.create(Identity.generate(), membership, host=HOST, port=0, **kwargs)
+        for _ in range(count)
+    ]
+    try:
+        for node in nodes[1:]:
+            assert await node.bootstrap([f"{HOST}:{nodes[0].port}"]) > 0
+        yield nodes
+    finally:
+        await asyncio.gather(*(n.close() for n in nodes))
+
+
+def later(seconds: float = 60.0) -> float:
+    return time.time() + seconds
+
+
+async def eventually(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_64_nodes_store_and_get_from_anywhere():
+    rng = random.Random(1)
+    async with swarm_of(64) as nodes:
+        ok = 0
+        for i in range(100):
+            writer, reader = rng.sample(nodes, 2)
+            ok += await writer.store(f"key-{i}", b"value-%d" % i, later(), subkey="s") > 0
+            got = await reader.get(f"key-{i}")
+            ok += [e.value for e in got.values()] == [b"value-%d" % i]
+        assert ok >= 198, f"{ok} of 200 operations succeeded"
+
+
+async def test_lookup_returns_the_true_k_closest_nodes():
+    async with swarm_of(48, ksize=8) as nodes:
+        from swarm.dht.lookup import lookup
+
+        ids = {n.node_id for n in nodes}
+        for i in range(20):
+            target = key_digest(f"target-{i}")
+            goal = int.from_bytes(target, "big")
+            truth = sorted(ids, key=lambda x: int.from_bytes(x, "big") ^ goal)
+            searcher = nodes[i % len(nodes)]
+            found = await lookup(searcher.protocol, target, ksize=8, alpha=3)
+            found_ids = [c.id for c in found.closest]
+            expected = [x for x in truth if x != searcher.node_id][:8]
+            assert found_ids == expected
+
+
+async def test_subkeys_merge_and_the_later_expiration_wins():
+    async with swarm_of(6) as nodes:
+        a, b, reader = nodes[0], nodes[1], nodes[5]
+        await a.store("run/peers", b"a-1", later(60), subkey="x")
+        await a.store("run/peers", b"a-y", later(60), subkey="y")
+        await b.store("run/peers", b"b-1", later(60), subkey="x")
+        await a.store("run/peers", b"a-older", later(30), subkey="x")  # earlier: ignored
+        got = await reader.get("run/peers")
+        values = {(owner, sub): e.value for (owner, sub), e in got.items()}
+        assert values == {
+            (a.identity.peer_id, "x"): b"a-1",
+            (a.identity.peer_id, "y"): b"a-y",
+            (b.identity.peer_id, "x"): b"b-1",
+        }
+        await a.store("run/peers", b"a-2", later(90), subkey="x")  # later: replaces
+        got = await reader.get("run/peers")
+        assert got[(a.identity.peer_id, "x")].value == b"a-2"
+        assert len(got) == 3
+
+
+async def test_entries_vanish_at_expiration():
+    async with swarm_of(4) as nodes:
+        await nodes[0].store("short", b"v", later(1.0))
+        assert len(await nodes[3].get("short")) == 1
+        await asyncio.sleep(1.2)
+        assert await nodes[3].get("short") == {}
+        assert all(n.storage.entries(key_digest("short")) == [] for n in nodes)
+
+
+async def test_local_checks_refuse_bad_records():
+    async with swarm_of(2) as nodes:
+        with pytest.raises(DHTError, match="value"):
+            await nodes[0].store("big", b"x" * 5000, later())
+        with pytest.raises(DHTError, match="expired"):
+            await nodes[0].store("past", b"x", time.time() - 1)
+        with pytest.raises(DHTError, match="at most"):
+            await nodes[0].store("far", b"x", later(30 * 24 * 3600))
+
+
+async def test_a_forged_entry_is_refused_and_nothing_is_applied():
+    async with swarm_of(3) as nodes:
+        attacker, victim_node = nodes[0], nodes[1]
+        victim = Identity.generate()
+        key = key_digest("run/peers")
+        good = DHTEntry.create(attacker.identity, key, "s", b"mine", later())
+        forged = DHTEntry(
+            key, "s", b"evil", later(), victim.public_key, good.signature
+        )  # signed by the attacker, claims the victim's key
+        contact = next(c for c in attacker.contacts() if c.id == victim_node.node_id)
+        answer = await attacker.protocol.call(
+            contact, "store", key, [good.to_wire(), forged.to_wire()]
+        )
+        assert "error" in answer
+        assert victim_node.storage.entries(key) == []  # not even the good one of the batch
+        # the node still works
+        assert await attacker.store("run/peers", b"ok", later()) >= 2
+
+
+async def test_wrong_swarm_key_cannot_join():
+    good = await DHTNode.create(
+        Identity.generate(), Membership.with_key("first swarm key, long enough"), host=HOST
+    )
+    bad = await DHTNode.create(
+        Identity.generate(), Membership.with_key("other swarm key, long enough"), host=HOST
+    )
+    try:
+        assert await bad.bootstrap([f"{HOST}:{good.port}"]) == 0
+        assert good.contacts() == []
+    finally:
+        await good.close()
+        await bad.close()
+
+
+async def test_allow_list_admits_only_listed_keys():
+    ids = [Identity.generate() for _ in range(3)]
+    allowed = Membership.allow_list({i.public_key for i in ids[:2]})
+    nodes = [await DHTNode.create(i, allowed, host=HOST) for i in ids[:2]]
+    outsider = await DHTNode.create(ids[2], Membership.open(), host=HOST)
+    try:
+        assert await nodes[1].bootstrap([f"{HOST}:{nodes[0].port}"]) == 1
+        assert await outsider.bootstrap([f"{HOST}:{nodes[0].port}"]) == 0
+    finally:
+        for n in [*nodes, outsider]:
+            await n.close()
+
+
+def hostile_datagrams(sender: Identity, target: DHTNode) -> list[bytes]:
+    auth = DatagramAuth(sender, Membership.open())
+    keys = target.protocol.source_node.keys
+    valid = auth.seal(REQUEST, os.urandom(16), ["ping", []], keys)
+    signed, tag = msgpack.unpackb(valid)
+    key = key_digest("k")
+
+    def sealed(body) -> bytes:
+        return auth.seal(REQUEST, os.urandom(16), body, keys)
+
+    bad_sig = msgpack.packb([signed, bytes(len(tag))])
+    return [
+        b"",
+        b"\x00",
+        os.urandom(300),
+        valid[: len(valid) // 2],  # truncated
+        valid + b"junk",
+        b"\xc1" * 50,  # msgpack reserved byte
+        msgpack.packb({"a": 1}),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb([signed, "text"]),
+        msgpack.packb([b"\x92\x01\x02", tag]),
+        bad_sig,
+        msgpack.packb(msgpack.ExtType(1, b"x")),
+        b"\x91" * 5000 + b"\x90",  # deep nesting
+        os.urandom(70_000)[:65_000],  # oversized
+        sealed(["nope", []]),
+        sealed(["store", [key]]),
+        sealed(["store", [b"short", []]]),
+        sealed(["store", [key, "not a list"]]),
+        sealed(["store", [key, [[1, 2, 3]]]]),
+        sealed(["store", [key, [None] * 1000]]),
+        sealed(["find_value", [12]]),
+        sealed(["find_node", [b"x" * 21]]),
+        sealed(["ping", [], "client?"]),
+        sealed("not a list"),
+        sealed(["store", [key, [["s", b"v", float("inf"), b"p" * 32, b"s" * 64]]]]),
+    ]
+
+
+async def test_hostile_datagrams_are_dropped_and_the_node_keeps_answering():
+    async with swarm_of(2) as nodes:
+        target, friend = nodes
+        before = len(target.storage)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((HOST, 0))
+        try:
+            for datagram in hostile_datagrams(Identity.generate(), target):
+                try:
+                    sock.sendto(datagram, (HOST, target.port))
+                except OSError:  # too large for this system's UDP: nothing to send
+                    continue
+            await asyncio.sleep(0.3)
+        finally:
+            sock.close()
+        assert len(target.storage) == before
+        assert await friend.protocol.ping_address((HOST, target.port)) is not None
+        assert await friend.store("after", b"v", later()) == 2
+
+
+def test_replayed_and_stale_datagrams_are_refused():
+    alice, bob = Identity.generate(), Identity.generate()
+    sender = DatagramAuth(alice, Membership.open())
+    receiver = DatagramAuth(bob, Membership.open(), replay_window_s=0.5)
+    datagram = sender.seal(REQUEST, os.urandom(16), ["ping", []], receiver.keys)
+    assert receiver.open(datagram).sender.public_key == alice.public_key
+    with pytest.raises(AuthError):
+        receiver.open(datagram)  # same nonce again
+    stale = sender.seal(REQUEST, os.urandom(16), ["ping", []], receiver.keys)
+    time.sleep(0.7)
+    with pytest.raises(AuthError):
+        receiver.open(stale)
+
+
+def test_datagrams_for_another_node_or_tampered_are_refused():
+    alice, bob, carol = (DatagramAuth(Identity.generate(), Membership.open()) for _ in range(3))
+    to_bob = alice.seal(REQUEST, os.urandom(16), ["ping", []], bob.keys)
+    with pytest.raises(AuthError, match="another node"):
+        carol.open(to_bob)
+    signed, tag = msgpack.unpackb(to_bob)
+    flipped = bytearray(signed)
+    flipped[-1] ^= 1
+    with pytest.raises((AuthError, DHTError)):
+        bob.open(msgpack.packb([bytes(flipped), tag]))
+
+
+async def test_a_new_node_receives_the_records_it_should_hold():
+    async with swarm_of(6) as nodes:
+        for i in range(5):
+            await nodes[i].store(f"key-{i}", b"v", later())
+        newcomer = await DHTNode.create(Identity.generate(), Membership.open(), host=HOST)
+        try:
+            await newcomer.bootstrap([f"{HOST}:{nodes[0].port}"])
+            # with fewer than k nodes every node is among the k closest of every key
+            await eventually(lambda: len(newcomer.storage.keys()) == 5)
+        finally:
+            await newcomer.close()
+
+
+async def test_gets_survive_a_quarter_of_the_nodes_dying():
+    async with swarm_of(32, request_timeout=1.0) as nodes:
+        for i in range(20):
+            assert await nodes[i].store(f"key-{i}", b"v%d" % i, later()) > 0
+        dead = nodes[8:16]
+        for node in dead:
+            await node.close()
+        alive = nodes[:8] + nodes[16:]
+        ok = 0
+        for i in range(0, 20, 2):
+            got = await alive[(i * 5) % len(alive)].get(f"key-{i}")
+            ok += [e.value for e in got.values()] == [b"v%d" % i]
+        assert ok == 10
+
+
+async def test_a_client_node_is_not_added_to_routing_tables():
+    async with swarm_of(3) as nodes:
+        client = await DHTNode.create(
+            Identity.generate(), Membership.open(), host=HOST, client=True
+        )
+        try:
+            assert await client.bootstrap([f"{HOST}:{nodes[0].port}"]) == 3
+            await nodes[0].store("k", b"v", later())
+            assert len(await client.get("k")) == 1
+            assert await client.store("c", b"v", later()) == 3  # on the servers, not itself
+            assert len(client.storage) == 0
+            assert all(client.node_id not in {c.id for c in n.contacts()} for n in nodes)
+        finally:
+            await client.close()
