@@ -56,6 +56,8 @@ def train_peer(
         listen="127.0.0.1:0",
         inner_steps=args.inner_steps,
         codec=args.codec,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
         matchmaking_timeout_s=5.0,
         round_timeout_s=60.0,
     ) as swarm:
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=25)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--codec", default="int8")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.5)  # DiLoCo: 0.9 for long runs
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # 4 peers share this machine's cores
