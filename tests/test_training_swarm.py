@@ -195,7 +195,13 @@ def test_killed_peer_is_survived_and_late_joiner_catches_up(workers, tmp_path) -
     late_first = late.rounds()[0]
     assert late_first["averaged"], late.rounds()
     same_round = next(r for r in first.rounds() if r["round"] == late_first["round"])
-    assert abs(late_first["loss"] - same_round["loss"]) <= 0.05 * same_round["loss"]
+    # in one group, the late joiner and peer 0 hold the same averaged model; in different
+    # groups (matchmaking is racy with a newcomer) they differ by one round of local drift
+    both_in_full_group = late_first["group"] == same_round["group"] == 3
+    tolerance = 0.05 if both_in_full_group else 0.25
+    assert abs(late_first["loss"] - same_round["loss"]) <= tolerance * same_round["loss"]
+    fresh_loss = float(first.wait_for(r"^START \d+ (\S+)")[1])
+    assert late_first["loss"] < 0.5 * fresh_loss  # it trains from the swarm's state, not anew
 
 
 def test_save_sigkill_load_resumes_the_saved_round(workers, tmp_path) -> None:
