@@ -45,6 +45,7 @@ async def lookup(
     ksize: int,
     alpha: int,
     value: bool = False,
+    holders: int | None = None,
 ) -> LookupResult:
     """Find the ``ksize`` nodes closest to ``target``; with ``value``, also their entries.
 
@@ -54,6 +55,8 @@ async def lookup(
         ksize: how many closest nodes to find.
         alpha: requests in flight at once.
         value: send ``find_value`` (collect entries) instead of ``find_node``.
+        holders: with ``value``, end as soon as this many nodes answered with entries (they are
+            asked closest first, so they are the ones that hold the key).
     """
     goal = int.from_bytes(target, "big")
     own_id = protocol.source_node.id
@@ -64,6 +67,7 @@ async def lookup(
     in_flight: dict[asyncio.Task[Any], tuple[Contact, float]] = {}  # task -> (contact, sent)
     stalled: set[asyncio.Task[Any]] = set()
     result = LookupResult(closest=[])
+    holding = 0
     method = "find_value" if value else "find_node"
     loop = asyncio.get_running_loop()
 
@@ -111,8 +115,10 @@ async def lookup(
             for found in _contacts(body.get("nodes")):
                 if found.id != own_id and found.id not in known:
                     known[found.id] = found
-            if value:
-                _collect(body, target, result)
+            if value and _collect(body, target, result):
+                holding += 1
+        if holders is not None and holding >= holders:
+            break
     result.closest = [c for c in ranked() if c.id in answered]
     return result
 
@@ -129,10 +135,12 @@ def _contacts(nodes: Any) -> list[Contact]:
     return found
 
 
-def _collect(body: dict[str, Any], key: bytes, result: LookupResult) -> None:
+def _collect(body: dict[str, Any], key: bytes, result: LookupResult) -> bool:
+    """Add the answer's valid-looking entries to ``result``; True when there was any."""
     entries = body.get("entries")
     if not isinstance(entries, list):
-        return
+        return False
+    before = len(result.entries)
     if body.get("truncated") is True:
         result.truncated = True
     for obj in entries:
@@ -140,3 +148,4 @@ def _collect(body: dict[str, Any], key: bytes, result: LookupResult) -> None:
             result.entries.append(DHTEntry.from_wire(key, obj))
         except DHTError as e:
             logger.debug("ignoring a malformed entry in an answer: %s", e)
+    return len(result.entries) > before

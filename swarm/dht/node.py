@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024  # bursts of answers must not overflow the socket
 DEFAULT_KSIZE = 20
 DEFAULT_ALPHA = 3
+DEFAULT_GET_QUORUM = 5
 _VERIFIED_CACHE = 16384
 
 
@@ -48,6 +49,9 @@ class DHTNode:
         membership: who may talk to this node (open, swarm key, allow-list).
         ksize: k from the paper: contacts per bucket and nodes that store each key.
         alpha: requests in flight per lookup.
+        get_quorum: a get ends once this many nodes answered with entries (asked closest to the
+            key first) or when the k closest have all answered; a store writes to all k closest,
+            so any few hold every entry, and merging several covers one that missed a store.
         request_timeout: seconds before a silent node counts as failed; raise it on slow links.
         refresh_interval: seconds between routing-table refreshes (a lookup of our own id and of
             a random id), which also drop expired entries.
@@ -62,18 +66,20 @@ class DHTNode:
         *,
         ksize: int = DEFAULT_KSIZE,
         alpha: int = DEFAULT_ALPHA,
+        get_quorum: int = DEFAULT_GET_QUORUM,
         request_timeout: float = 3.0,
         refresh_interval: float = 600.0,
         client: bool = False,
     ):
-        if ksize < 1 or alpha < 1:
-            raise ConfigError("ksize and alpha must be at least 1")
+        if ksize < 1 or alpha < 1 or get_quorum < 1:
+            raise ConfigError("ksize, alpha and get_quorum must be at least 1")
         if not request_timeout > 0:
             raise ConfigError("request_timeout must be positive")
         self.identity = identity
         self.membership = membership
         self.ksize = ksize
         self.alpha = alpha
+        self.get_quorum = min(get_quorum, ksize)
         self.request_timeout = request_timeout
         self.refresh_interval = refresh_interval
         self.client = client
@@ -209,13 +215,21 @@ class DHTNode:
         return stored
 
     async def get(self, key: str) -> dict[tuple[PeerID, str], DHTEntry]:
-        """Read the live entries of ``key``, merged from the k closest nodes and our own storage.
+        """Read the live entries of ``key``, merged from the ``get_quorum`` closest nodes and our
+        own storage.
 
         Returns:
             ``{(owner, subkey): entry}`` with only verified, unexpired entries, the latest per slot.
         """
         digest = key_digest(key)
-        found = await lookup(self._protocol, digest, ksize=self.ksize, alpha=self.alpha, value=True)
+        found = await lookup(
+            self._protocol,
+            digest,
+            ksize=self.ksize,
+            alpha=self.alpha,
+            value=True,
+            holders=self.get_quorum,
+        )
         if found.truncated:
             logger.warning("%r holds more entries than one answer carries; some are missing", key)
         now = time.time()

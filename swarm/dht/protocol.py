@@ -53,9 +53,10 @@ MAX_RESPONSE_BYTES = 60_000  # UDP carries up to 65,507; keep room for the envel
 MAX_ENTRIES_PER_STORE = 64
 EVICT_AFTER_FAILURES = 2
 MIN_TIMEOUT_S = 1.0
-MIN_STALL_S = 0.25
+MIN_STALL_S = 0.1
 SUSPECT_FOR_S = 60.0  # a node that failed to answer is skipped by lookups this long
 _MAX_SUSPECTS = 4096
+REPLICATE_BATCH_S = 0.5  # newcomers met within this long get their records in one pass
 _ENVELOPE_OVERHEAD = 400
 _METHODS = ("ping", "store", "find_node", "find_value")
 
@@ -89,7 +90,11 @@ class SwarmProtocol(KademliaProtocol):
         self._rtt = RttEstimator(min(MIN_TIMEOUT_S, request_timeout), request_timeout)
         self._pending: dict[bytes, tuple[asyncio.Future[Any], Any]] = {}
         self._failures: dict[bytes, int] = {}
-        self._suspects: dict[bytes, float] = {}  # node id -> monotonic time of its last failure
+        self._suspects: dict[bytes, float] = {}  # node id -> monotonic time of last failure
+        self._newcomers: dict[bytes, Contact] = {}
+        self._replicator: asyncio.Task[Any] | None = (
+            None  # node id -> monotonic time of its last failure
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refusals = RateLimitedWarning(logger)
         self.closed = False
@@ -195,7 +200,7 @@ class SwarmProtocol(KademliaProtocol):
         return {"nodes": nodes, "entries": entries, "truncated": truncated}
 
     def _neighbours(self, target: bytes, sender: Contact) -> list[Any]:
-        found = self.router.closest(target, self.router.ksize, exclude=sender.id)
+        found = self.router.closest(target, self.router.ksize, exclude=(sender.id,))
         return [c.to_wire() for c in found]
 
     # ---- calls out: (contact, answer) or None when it did not answer in time
@@ -289,28 +294,39 @@ class SwarmProtocol(KademliaProtocol):
     def welcome_if_new(self, node: Contact) -> None:
         """Add ``node`` to the routing table; when it is new, hand it the records it should hold.
 
-        Per section 2.5 of the paper: for each stored key, if the new node is closer to the key
-        than the furthest of our k closest contacts and we are the closest of them, we send it our
-        entries for that key.
+        Per section 2.5 of the paper: for each stored key, if the new node is among the k closest
+        to the key and we are closer than any other contact we know, we send it our entries for
+        that key. Newcomers are handled in batches, off the path of the answer that met them.
         """
         if node.id == self.source_node.id or node.client:
             return
         self._suspects.pop(node.id, None)
-        if not self.router.is_new_node(node):
-            self.router.add_contact(node)  # refreshes its position (and a changed address)
+        is_new = self.router.is_new_node(node)
+        self.router.add_contact(node)  # for a known node: refreshes its position and address
+        if not is_new:
             return
         logger.debug("new DHT contact %s", node)
-        for key, entries in self.storage:
-            neighbours = self.router.closest(key, self.router.ksize)
+        if len(self.storage) == 0:
+            return
+        self._newcomers[node.id] = node
+        if self._replicator is None or self._replicator.done():
+            self._replicator = self.spawn(self._replicate_to_newcomers())
+
+    async def _replicate_to_newcomers(self) -> None:
+        await asyncio.sleep(REPLICATE_BATCH_S)
+        newcomers, self._newcomers = self._newcomers, {}
+        ksize = self.router.ksize
+        own = self.source_node.long_id
+        for key, entries in list(self.storage):
             goal = int.from_bytes(key, "big")
-            if neighbours:
-                furthest = neighbours[-1].long_id ^ goal
-                nearest = neighbours[0].long_id ^ goal
-                new_is_close = (node.long_id ^ goal) < furthest
-                we_are_closest = (self.source_node.long_id ^ goal) < nearest
-            if not neighbours or (new_is_close and we_are_closest):
-                self.spawn(self.send_entries(node, key, entries))
-        self.router.add_contact(node)
+            before = self.router.closest(key, ksize, exclude=newcomers.keys())
+            if before and (own ^ goal) > (before[0].long_id ^ goal):
+                continue  # a closer node than us replicates this key
+            furthest = before[-1].long_id ^ goal if len(before) >= ksize else None
+            for node in newcomers.values():
+                if furthest is None or (node.long_id ^ goal) < furthest:
+                    self.spawn(self.send_entries(node, key, entries))
+            await asyncio.sleep(0)  # many keys: let answers through between them
 
     async def send_entries(self, contact: Contact, key: bytes, entries: list[DHTEntry]) -> int:
         """Store ``entries`` on ``contact`` in as many requests as needed; returns how many it

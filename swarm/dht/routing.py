@@ -15,9 +15,11 @@ Fixes over kademlia 2.2.3's :class:`~kademlia.routing.RoutingTable`:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import ipaddress
+from collections.abc import Collection
 from typing import Any
 
 from kademlia.node import Node
@@ -70,23 +72,31 @@ class Contact(Node):
             raise DHTError("contact signature must be 64 bytes")
         if not isinstance(ip, str) or len(ip) > MAX_HOST_CHARS:
             raise DHTError("contact host must be an IP address")
-        try:
-            ipaddress.ip_address(ip)
-        except ValueError as e:
-            raise DHTError(f"contact host {ip!r} is not an IP address") from e
+        if not _is_ip(ip):
+            raise DHTError(f"contact host {ip!r} is not an IP address")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise DHTError("contact port must be 1..65535")
         return cls(SenderKeys(public, agreement, signature), ip, port)
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 class SwarmRoutingTable(RoutingTable):
     """kademlia's k-buckets with a complete :meth:`closest` and tracked head pings."""
 
-    def closest(self, target: bytes, k: int | None = None, exclude: bytes | None = None) -> list:
-        """The ``k`` contacts closest to ``target`` (a 20-byte id) by XOR distance."""
+    def closest(self, target: bytes, k: int | None = None, exclude: Collection[bytes] = ()) -> list:
+        """The ``k`` contacts closest to ``target`` (a 20-byte id) by XOR distance, leaving out
+        the ids in ``exclude``."""
         k = k or self.ksize
         goal = int.from_bytes(target, "big")
-        contacts = (c for b in self.buckets for c in b.nodes.values() if c.id != exclude)
+        contacts = (c for b in self.buckets for c in b.nodes.values() if c.id not in exclude)
         return heapq.nsmallest(k, contacts, key=lambda c: c.long_id ^ goal)
 
     def find_neighbors(self, node: Node, k: int | None = None, exclude: Node | None = None) -> list:
