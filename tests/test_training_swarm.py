@@ -194,12 +194,14 @@ def test_killed_peer_is_survived_and_late_joiner_catches_up(workers, tmp_path) -
     assert after and sum(r["averaged"] for r in after) >= len(after) - 1, first.rounds()
     late_first = late.rounds()[0]
     assert late_first["averaged"], late.rounds()
-    same_round = next(r for r in first.rounds() if r["round"] == late_first["round"])
-    # in one group, the late joiner and peer 0 hold the same averaged model; in different
-    # groups (matchmaking is racy with a newcomer) they differ by one round of local drift
-    both_in_full_group = late_first["group"] == same_round["group"] == 3
-    tolerance = 0.05 if both_in_full_group else 0.25
-    assert abs(late_first["loss"] - same_round["loss"]) <= tolerance * same_round["loss"]
+    # the late joiner averaged with at least one survivor, so after that round it holds the same
+    # model as its group: compare with the closest of the two survivors (a racy matchmaking may
+    # have grouped it with only one of them)
+    same_round = [
+        next(r for r in w.rounds() if r["round"] == late_first["round"]) for w in (first, second)
+    ]
+    gap = min(abs(late_first["loss"] - r["loss"]) / r["loss"] for r in same_round)
+    assert gap <= 0.05, (late_first, same_round)
     fresh_loss = float(first.wait_for(r"^START \d+ (\S+)")[1])
     assert late_first["loss"] < 0.5 * fresh_loss  # it trains from the swarm's state, not anew
 
