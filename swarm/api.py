@@ -120,6 +120,8 @@ class AsyncSwarm:
                 min_group_size=cfg.min_group_size,
                 target_group_size=cfg.target_group_size,
                 matchmaking_timeout=cfg.matchmaking_timeout_s,
+                # every step is a round in lockstep: peers arrive together, a long wait is waste
+                gather_window=0.05 if cfg.mode == "gradients" else None,
             )
             if cfg.sync_on_join and cfg.peer.initial_peers:
                 await self._join()
