@@ -4,6 +4,9 @@
 - :mod:`swarm.averaging.group`: declarations, the leader rule, the agreed group (sans-I/O)
 - :mod:`swarm.averaging.reducer`: weighted reduction of one part (sans-I/O)
 - :mod:`swarm.averaging.feedback`: error feedback over slices of the flat vector
+- :mod:`swarm.averaging.coordinates`: Vivaldi network coordinates (sans-I/O)
+- :mod:`swarm.averaging.regions`: regions, near and cross rounds: group keys (sans-I/O)
+- :mod:`swarm.averaging.prober`: RTT probes that keep this peer's coordinate published
 - :mod:`swarm.averaging.matchmaking`: forming a group through the DHT and the join RPC
 - :mod:`swarm.averaging.allreduce`: the streams of one all-reduce
 - :mod:`swarm.averaging.averager`: :class:`Averager`, the public entry point

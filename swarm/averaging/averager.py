@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from swarm.averaging import regions
 from swarm.averaging.allreduce import AllReduceRunner, AllReduceSettings
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
 from swarm.averaging.matchmaking import Matchmaker
 from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash
+from swarm.averaging.prober import Prober
 from swarm.averaging.reducer import check_weight
 from swarm.averaging.result import Fault, RoundResult
 from swarm.compression import Codec, get_codec
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _UNKNOWN_GROUP_WAIT_S = 5.0  # a member may start streaming before we heard the group closed
 _RECENT_GROUPS = 64
+GROUPINGS = ("latency", "random", "fixed")
 
 
 class Averager:
@@ -62,7 +65,18 @@ class Averager:
         stall_timeout_min: a sender is never dropped sooner than this after its last chunk;
             beyond it, the limit is ``stall_factor`` chunk-times at the rate measured so far.
         stall_factor: see ``stall_timeout_min``; increase both on very jittery links.
-        group_key: default matchmaking key (the latency-aware layer passes its own per round).
+        group_key: matchmaking key prefix: averagers with different keys never group.
+        grouping: how groups are chosen each round. ``latency`` (default): near peers by
+            Vivaldi coordinates in regular rounds, regions mixed every ``cross_every``-th round
+            (:mod:`swarm.averaging.regions`); ``random``: the same group sizes, random members
+            (a baseline); ``fixed``: every peer declares under ``group_key`` alone.
+        cross_every: period of cross-region rounds; None never mixes regions (experiments only:
+            regions then never agree).
+        region_rtt: seconds; peers within this predicted RTT of each other form a region.
+        probe_period: seconds between rounds of RTT probes (``latency``/``random`` only).
+        probes_per_period: peers pinged per probe round (see :class:`Prober`).
+        prober: a started :class:`Prober` to share (several averagers on one peer); default: this
+            averager starts its own (and closes it).
         name: route prefix (``{name}.join``, ``{name}.part``), to run several averagers on one peer.
         fault: misbehaviour for tests (:class:`Fault`).
         threads: worker threads for compression and reduction.
@@ -81,6 +95,12 @@ class Averager:
         stall_timeout_min: float = 3.0,
         stall_factor: float = 8.0,
         group_key: str = "default",
+        grouping: str = "latency",
+        cross_every: int | None = 4,
+        region_rtt: float = 0.05,
+        probe_period: float = 5.0,
+        probes_per_period: int = 4,
+        prober: Prober | None = None,
         name: str = "avg",
         fault: Fault = Fault.NONE,
         threads: int = 2,
@@ -99,6 +119,15 @@ class Averager:
             raise ConfigError("group_key must be a non-empty string without '/'")
         if threads < 1:
             raise ConfigError("threads must be >= 1")
+        if grouping not in GROUPINGS:
+            raise ConfigError(f"grouping must be one of {GROUPINGS}, not {grouping!r}")
+        self.grouping = grouping
+        self.grouping_config = regions.GroupingConfig(
+            min_group_size, target_group_size, cross_every=cross_every, region_rtt=region_rtt
+        )
+        # a leader waits this long for the members its plan expects (latency/random grouping)
+        self.patience = matchmaking_timeout / 2
+        self.rounds_started = 0  # average() calls, the round number when the caller gives none
         self.peer = peer
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.min_group_size = min_group_size
@@ -132,6 +161,11 @@ class Averager:
         self._result: torch.Tensor | None = None
         self._feedback: FlatFeedback | None = None
         self._saved_feedback: dict[str, Any] | None = None
+        self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
+        self._own_prober = prober is None and grouping != "fixed"
+        if self._own_prober:
+            self.prober = Prober(peer, period=probe_period, probes=probes_per_period)
+            self.prober.start()
         self._closed = False
 
     # ---- public API
@@ -142,6 +176,7 @@ class Averager:
         weight: float = 1.0,
         *,
         group_key: str | None = None,
+        round_: int | None = None,
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -149,7 +184,11 @@ class Averager:
             tensors: contiguous float tensors (any device); the same shapes and dtypes on every
                 peer that should group with this one.
             weight: this peer's weight in the mean, e.g. samples processed since the last round.
-            group_key: matchmaking key of this round (default: the averager's ``group_key``).
+            group_key: matchmaking key of this round; overrides the averager's ``grouping``.
+            round_: the round number, the same on every peer (e.g. the training round): it
+                decides which rounds mix regions and is part of the keys, so peers of different
+                rounds never group. Default: this averager's count of calls, which is not
+                part of the keys (peers that joined at different times still group).
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -162,17 +201,43 @@ class Averager:
         weight = check_weight(weight)
         if self._closed:
             raise AveragingError("the averager is closed")
-        key_name = group_key or self.group_key
         numel = sum(t.numel() for t in tensors)
         async with self._lock:
             started = time.monotonic()
+            key_name, expected = (group_key, 0) if group_key else await self._round_key(round_)
             key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, self.codec.spec))
-            group = await self.matchmaker.form_group(key, self.matchmaking_timeout)
+            group = await self.matchmaker.form_group(
+                key, self.matchmaking_timeout, expected=expected, patience=self.patience
+            )
             matchmaking_s = time.monotonic() - started
             if isinstance(group, str):
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
             return await self._allreduce(tensors, numel, weight, group, matchmaking_s)
+
+    async def _round_key(self, round_: int | None) -> tuple[str, int]:
+        """This round's group key under ``grouping``, from the prober's view of the peers, and
+        the group size planned under it (0: unknown)."""
+        shared = round_ is not None
+        number = round_ if round_ is not None else self.rounds_started
+        self.rounds_started += 1
+        if self.prober is None or self.grouping == "fixed":
+            return self.group_key, 0
+        try:  # one fresh read per round: peers that start a round together see the same peers
+            await asyncio.wait_for(self.prober.refresh(), self.matchmaking_timeout / 4)
+        except asyncio.TimeoutError:
+            logger.debug("reading the peer records timed out: grouping with the last view")
+        view, me = self.prober.view(), self.peer.peer_id
+        if me not in view:  # cannot happen: the view always holds this peer
+            return self.group_key, 0
+        plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
+        plan = plan_of(view, number, self.grouping_config)
+        key = plan.key_of(me)
+        expected = len(plan.groups[key])
+        logger.debug("round %d: %s group %s of %d", number, plan.kind, key, expected)
+        if not shared:
+            key = regions.without_round(key)
+        return f"{self.group_key}.{key}", expected
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state, for checkpoints."""
@@ -188,6 +253,8 @@ class Averager:
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
+        if self.prober is not None and self._own_prober:
+            await self.prober.close()
         await self.matchmaker.close()
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
 

@@ -40,6 +40,8 @@ _CLOSE_MARGIN_S = 0.3  # a leader closes this long before the earliest member de
 class _Round:
     key: str
     deadline: float  # wall clock
+    expected: int = 0  # members the caller planned for (0: unknown)
+    patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
     role: str = "candidate"  # candidate | leader | joining | closed
     followers: dict[PeerID, tuple[PeerRecord, float]] = field(default_factory=dict)
     closed: asyncio.Future[GroupInfo | None] = field(
@@ -87,13 +89,21 @@ class Matchmaker:
     def peer_id(self) -> PeerID:
         return self.peer.peer_id
 
-    async def form_group(self, key: str, timeout: float) -> GroupInfo | str:
+    async def form_group(
+        self, key: str, timeout: float, *, expected: int = 0, patience: float = 0.0
+    ) -> GroupInfo | str:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
+
+        ``expected``: how many members the caller planned under ``key`` (e.g. latency-aware
+        groups); a leader then closes early, when every candidate it sees has joined, only once
+        that many joined or ``patience`` seconds passed, so that a member a little late (a far
+        peer whose DHT reads are slower) is not left alone for the whole round.
 
         Returns:
             The agreed group, or a short reason why none formed (never raises for that).
         """
-        rnd = _Round(key, time.time() + timeout)
+        now = time.time()
+        rnd = _Round(key, now + timeout, expected, now + min(patience, timeout))
         self._round = rnd
         group: GroupInfo | str = "matchmaking did not finish"
         try:
@@ -132,7 +142,9 @@ class Matchmaker:
                 waiting_for = [
                     p for p, d in view.items() if not d.leading and p not in rnd.followers
                 ]
-                if size >= self.min_group_size and not waiting_for and rnd.role == "leader":
+                patient = size < rnd.expected and now < rnd.patient_until
+                ready = size >= self.min_group_size and not waiting_for and not patient
+                if ready and rnd.role == "leader":
                     return self._close(rnd)
                 await self._wait(rnd, self.poll_interval)
                 continue

@@ -18,7 +18,9 @@ decided:
    the target and are at least ``target_group_size // 2`` (so keep ``min_group_size`` at or
    below that, or some rounds plan groups too small to average).
    Key: ``r{round}.n.{anchor}.{i}``, ``anchor`` being the region's smallest PeerID.
-3. **Cross rounds** (every ``cross_every``-th round): Moshpit-style mixing. The regions (before
+3. **Cross rounds** (every ``cross_every``-th round, when there are several regions; with one
+   region the round is a near round, so peers that disagree on the round number still meet):
+   Moshpit-style mixing. The regions (before
    small ones are merged, so a lone peer still takes part) are concatenated, each in its hashed
    order, and dealt round-robin into ``ceil(n / target_group_size)`` groups: consecutive members
    of a region go to different groups, so every group holds a peer of each region that has at
@@ -63,19 +65,24 @@ class GroupingConfig:
 
     min_group_size: int = 2  # smaller groups cannot average (same as the averager's)
     target_group_size: int = 8  # no group is planned larger than this
-    cross_every: int = 4  # round r is a cross-region round when r % cross_every == cross_every - 1
+    cross_every: int | None = 4  # round r mixes regions when r % cross_every == cross_every - 1
     region_rtt: float = 0.05  # seconds: largest predicted RTT between two peers of one region
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_group_size <= self.target_group_size:
             raise ConfigError("grouping needs 2 <= min_group_size <= target_group_size")
-        if self.cross_every < 1:
-            raise ConfigError("cross_every must be >= 1 (1: every round mixes regions)")
+        if self.cross_every is not None and self.cross_every < 1:
+            raise ConfigError("cross_every must be >= 1 (1: every round mixes regions) or None")
         if not (math.isfinite(self.region_rtt) and self.region_rtt > 0):
             raise ConfigError("region_rtt must be a positive number of seconds")
 
     def is_cross_round(self, round_: int) -> bool:
-        """True when round ``round_`` mixes regions instead of grouping near peers."""
+        """True when round ``round_`` mixes regions instead of grouping near peers.
+
+        ``cross_every=None`` never mixes: regions stay apart (for experiments, not for training).
+        """
+        if self.cross_every is None:
+            return False
         return round_ % self.cross_every == self.cross_every - 1
 
 
@@ -151,7 +158,7 @@ def plan_groups(
         AveragingError: coordinates of different dimension counts.
     """
     regions = find_regions(view, config.region_rtt)
-    if config.is_cross_round(round_):
+    if config.is_cross_round(round_) and len(regions) > 1:  # one region: nothing to mix
         order = [p for region in regions for p in _hashed(region, round_, CROSS)]
         groups = {_key(round_, CROSS, None, i): g for i, g in enumerate(_deal(order, config))}
         return GroupPlan(round_, CROSS, regions, groups)
@@ -196,6 +203,12 @@ def group_key(
     key = plan.key_of(me)
     logger.debug("round %d: %s group %s of %d", round_, plan.kind, key, len(plan.groups[key]))
     return key
+
+
+def without_round(key: str) -> str:
+    """``key`` without its round number, for callers whose round numbers may differ between
+    peers (e.g. counted locally): near groups of a region then still meet."""
+    return key.split(".", 1)[1]
 
 
 def _hashed(peers: Sequence[PeerID], round_: int, kind: str) -> list[PeerID]:

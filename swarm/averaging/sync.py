@@ -29,6 +29,7 @@ class SyncAverager:
         weight: float = 1.0,
         *,
         group_key: str | None = None,
+        round_: int | None = None,
         timeout: float | None = None,
     ) -> RoundResult:
         """Like :meth:`Averager.average`; blocks the calling thread (never the loop's).
@@ -37,6 +38,6 @@ class SyncAverager:
             TimeoutError: ``timeout`` seconds passed (the round goes on in the background).
         """
         future = asyncio.run_coroutine_threadsafe(
-            self.averager.average(tensors, weight, group_key=group_key), self.loop
+            self.averager.average(tensors, weight, group_key=group_key, round_=round_), self.loop
         )
         return future.result(timeout)

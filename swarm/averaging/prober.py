@@ -1,0 +1,206 @@
+"""Network coordinates of this peer: RTT probes to known peers, Vivaldi, published in the record.
+
+Every ``period`` seconds the :class:`Prober` reads the peer records of the run (one DHT read),
+sends one ``/ping`` (:meth:`swarm.net.transport.Transport.ping`) to each of at most ``probes``
+peers, feeds every answer to :class:`~swarm.averaging.coordinates.Vivaldi` together with the
+coordinate that peer published, and publishes the new coordinate under ``extra["vc"]`` of this
+peer's :class:`~swarm.net.record.PeerRecord` (re-announced at once, not at the next heartbeat).
+
+Which peers: half of the probes go to the peers predicted nearest (Vivaldi is most accurate where
+it is sampled, and near peers are the ones grouping depends on), the rest to a random sample of
+the others, so distant regions stay measured and a peer that moved is found. The cost is bounded:
+``probes`` pings of 64 bytes and one DHT read and store per period, whatever the swarm size.
+
+:meth:`Prober.view` is the input of :func:`swarm.averaging.regions.group_key`: the coordinate of
+every live peer as its own record says (this peer's local one when its record is not out yet); a
+peer that publishes none (not probing yet, or an invalid one) sits at the origin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from typing import Any
+
+from swarm.averaging.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
+from swarm.errors import ConfigError, SwarmError
+from swarm.identity import PeerID
+from swarm.net.record import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+COORDINATE_FIELD = "vc"  # key of the coordinate in PeerRecord.extra
+
+
+def coordinate_of(record: PeerRecord, dims: int) -> Coordinate | None:
+    """The coordinate a record publishes, or None (none, malformed, other dimension count)."""
+    raw = record.extra.get(COORDINATE_FIELD)
+    if raw is None:
+        return None
+    try:
+        coordinate = Coordinate.from_wire(raw)
+    except SwarmError as e:
+        logger.debug("ignoring the coordinate of %s: %s", record.peer_id.short, e)
+        return None
+    return coordinate if coordinate.dims == dims else None
+
+
+class Prober:
+    """Keeps this peer's Vivaldi coordinate up to date and published.
+
+    Args:
+        peer: a started :class:`swarm.peer.Peer`.
+        period: seconds between probe rounds.
+        probes: peers pinged per period (at most).
+        vivaldi: tuning of the coordinate system; every peer of a run uses the same ``dims``.
+        ping_timeout: a probe not answered by then is dropped (no sample).
+        rng: peer choice and Vivaldi's random directions (seed it for reproducible tests).
+
+    Attributes:
+        vivaldi: the coordinate state (``vivaldi.coordinate`` is this peer's current one).
+        records: the peer records read last (every live peer of the run, this one included).
+        samples: RTT samples taken so far.
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        *,
+        period: float = 5.0,
+        probes: int = 4,
+        vivaldi: VivaldiConfig | None = None,
+        ping_timeout: float = 2.0,
+        rng: random.Random | None = None,
+    ):
+        if not period > 0 or not ping_timeout > 0:
+            raise ConfigError("probe period and ping_timeout must be positive")
+        if probes < 1:
+            raise ConfigError("probes per period must be >= 1")
+        self.peer = peer
+        self.period = period
+        self.probes = probes
+        self.ping_timeout = ping_timeout
+        self.rng = rng or random.Random()
+        self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
+        self.records: dict[PeerID, PeerRecord] = {}
+        self.samples = 0
+        self.refreshed_at = -math.inf  # time.monotonic() of the last refresh
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def coordinate(self) -> Coordinate:
+        return self.vivaldi.coordinate
+
+    def start(self) -> None:
+        """Start probing in the background (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="swarm-probe")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def refresh(self) -> dict[PeerID, PeerRecord]:
+        """Read the peer records now (one DHT read) and merge them into :attr:`records`.
+
+        A DHT read may miss some entries (it asks a quorum, not every node), and a peer whose
+        view lacks a peer may compute other group keys than the rest; so a record stays until
+        it would have expired in the DHT (``record_ttl_s`` after it was signed), the newest
+        record of each peer wins.
+        """
+        try:
+            fresh = await self.peer.known_peers()
+        except SwarmError as e:
+            logger.debug("reading peer records failed: %s", e)
+            fresh = {}
+        ttl = float(self.peer.config.record_ttl_s or 0)
+        oldest = time.time() - ttl
+        merged = {pid: r for pid, r in self.records.items() if r.timestamp > oldest}
+        for pid, record in fresh.items():
+            known = merged.get(pid)
+            if known is None or record.timestamp >= known.timestamp:
+                merged[pid] = record
+        self.records = merged
+        self.refreshed_at = time.monotonic()
+        return merged
+
+    def view(self) -> dict[PeerID, Coordinate]:
+        """The coordinate of every peer in :attr:`records`, and this peer's own."""
+        dims = self.vivaldi.config.dims
+        origin = Coordinate.origin(dims)
+        view = {pid: coordinate_of(r, dims) or origin for pid, r in self.records.items()}
+        me = self.peer.peer_id
+        if view.get(me, origin) == origin:
+            view[me] = self.coordinate
+        return view
+
+    async def probe_once(self) -> int:
+        """One period's work: read records, ping, update and publish; returns samples taken."""
+        records = await self.refresh()
+        targets = self._choose({pid: r for pid, r in records.items() if pid != self.peer.peer_id})
+        rtts = await asyncio.gather(*(self._ping(r) for r in targets))
+        taken = 0
+        dims = self.vivaldi.config.dims
+        for record, rtt in zip(targets, rtts, strict=True):
+            remote = coordinate_of(record, dims) or Coordinate.origin(dims)
+            if rtt is None:
+                continue
+            try:
+                self.vivaldi.observe(rtt, remote, record.peer_id)
+            except SwarmError as e:
+                logger.debug("RTT sample to %s rejected: %s", record.peer_id.short, e)
+                continue
+            taken += 1
+        self.samples += taken
+        if taken:
+            await self._publish()
+        return taken
+
+    def _choose(self, others: dict[PeerID, PeerRecord]) -> list[PeerRecord]:
+        if len(others) <= self.probes:
+            return list(others.values())
+        dims = self.vivaldi.config.dims
+        here = self.coordinate
+
+        def predicted(pid: PeerID) -> float:
+            there = coordinate_of(others[pid], dims)
+            return predict_rtt(here, there) if there is not None else float("inf")
+
+        near = sorted(others, key=lambda pid: (predicted(pid), pid.digest))[: self.probes // 2]
+        rest = [pid for pid in others if pid not in near]
+        chosen = near + self.rng.sample(rest, self.probes - len(near))
+        return [others[pid] for pid in chosen]
+
+    async def _ping(self, record: PeerRecord) -> float | None:
+        try:
+            return await self.peer.transport.ping(record.address, timeout=self.ping_timeout)
+        except (SwarmError, OSError, asyncio.TimeoutError) as e:
+            logger.debug("probe to %s failed: %s", record.peer_id.short, e)
+            return None
+
+    async def _publish(self) -> None:
+        transport = self.peer.transport
+        extra = {**transport.record().extra, COORDINATE_FIELD: self.coordinate.to_wire()}
+        transport.update_record(extra=extra)
+        try:
+            await self.peer.announce()
+        except SwarmError as e:
+            logger.debug("publishing the coordinate failed: %s", e)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            try:
+                await self.probe_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not end probing for good
+                logger.exception("probe round failed")
+            due = max(due + self.period, loop.time())
+            await asyncio.sleep(due - loop.time())

@@ -1,0 +1,63 @@
+"""Latency-aware groups on an emulated WAN: 8 in-process peers in 2 regions behind tests/wan.py.
+
+One-way delay 2 ms inside a region and 60 ms between regions (RTT 4 ms / 120 ms); every peer
+binds its own loopback address, so DHT datagrams, probes and all-reduce streams all cross the
+emulated links. Probes every 0.3 s (4 peers each), so coordinates settle in a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import wan_swarm as ws
+from wan import WanEmulator
+
+DELAYS = {("a", "a"): 0.002, ("b", "b"): 0.002, ("a", "b"): 0.060}
+PROBE_PERIOD = 0.3
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_near_groups_coordinates_and_consensus() -> None:
+    async with WanEmulator(delays=DELAYS) as wan:
+        swarm = await ws.start_swarm(wan, ["a"] * 4 + ["b"] * 4, probe_period=PROBE_PERIOD)
+        try:
+            await ws.wait_for_coordinates(swarm, samples=24, timeout=30)
+            await ws.wait_for_regions(swarm, timeout=30)
+            errors = await ws.rtt_prediction_errors(swarm)
+            assert ws.median(errors) < 0.25, sorted(errors)
+
+            # regular and cross-region rounds: rounds 1, 3, 5 mix the regions
+            ws.add_averagers(swarm, "mixed", cross_every=2)
+            mixed = await ws.average_until(swarm, "mixed", rounds=6, seed=1)
+            assert all(r.averaged for v in mixed.results.values() for _, r in v)
+            assert ws.single_region_fraction(swarm, mixed, {0, 2, 4}) >= 0.9
+            assert ws.single_region_fraction(swarm, mixed, {1, 3, 5}) == 0.0  # they do mix
+            assert mixed.final_error <= 1e-3, mixed.final_error
+
+            # the same without cross-region rounds: each region agrees on its own mean only
+            ws.add_averagers(swarm, "apart", cross_every=None)
+            apart = await ws.average_until(swarm, "apart", rounds=6, seed=1)
+            assert ws.single_region_fraction(swarm, apart, set(range(6))) >= 0.9
+            assert apart.final_error > 1e-2, apart.final_error
+        finally:
+            await swarm.close()
+
+
+async def test_a_peer_that_moves_is_regrouped_with_its_new_neighbours() -> None:
+    async with WanEmulator(delays=DELAYS) as wan:
+        swarm = await ws.start_swarm(wan, ["a"] * 3 + ["b"] * 3, probe_period=PROBE_PERIOD)
+        try:
+            await ws.wait_for_regions(swarm, timeout=30)
+            mover = swarm.members[0]
+            b_ids = {m.peer.peer_id for m in swarm.members[3:]}
+            wan.move(mover.node, "b")
+            # every peer (the mover and its old and new neighbours) sees the new regions
+            took = await ws.wait_for_regions(swarm, timeout=20 * PROBE_PERIOD)
+            print(f"regrouped after {took / PROBE_PERIOD:.1f} probe periods")
+
+            ws.add_averagers(swarm, "after", cross_every=None)
+            progress = await ws.average_until(swarm, "after", rounds=1)
+            result = progress.results[0][0][1]
+            assert result.averaged, result
+            assert set(result.members) == b_ids | {mover.peer.peer_id}
+        finally:
+            await swarm.close()
