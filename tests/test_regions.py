@@ -52,8 +52,15 @@ def _view(
 
 
 def _check_partition(plan: GroupPlan, view: dict[PeerID, Coordinate]) -> None:
-    members = [p for g in plan.groups.values() for p in g]
+    members = [p for g in plan.groups.values() for p in g] + list(plan.idle)
     assert sorted(members, key=lambda p: p.digest) == sorted(view, key=lambda p: p.digest)
+    # only a region too small to average sits out, and only in a regular round (a random plan
+    # idles as many peers, drawn at random)
+    if plan.kind == NEAR:
+        idle = set(plan.idle)
+        assert all(len(r) < CONFIG.min_group_size for r in plan.regions if set(r) & idle)
+    if plan.kind == CROSS:
+        assert not plan.idle
     for key, group in plan.groups.items():
         assert key and "/" not in key and key.startswith(f"r{plan.round}.")
         assert len(group) <= CONFIG.target_group_size
@@ -122,7 +129,8 @@ def test_lone_peer_takes_part() -> None:
     lone = next(p for p, r in truth.items() if r == "asia")
     near = plan_groups(view, 0, CONFIG)
     assert len(near.regions) == 2
-    _check_partition(near, view)  # merged into eu: never a group of one
+    _check_partition(near, view)  # never a group of one
+    assert near.idle == (lone,) and near.key_of(lone) is None  # no slow near group for it
     cross = plan_groups(view, 2, CONFIG)
     assert len(cross.groups[cross.key_of(lone)]) >= 2
 

@@ -205,6 +205,9 @@ class Averager:
         async with self._lock:
             started = time.monotonic()
             key_name, expected = (group_key, 0) if group_key else await self._round_key(round_)
+            if key_name is None:
+                reason = "alone in its region: sits regular rounds out until a cross-region one"
+                return RoundResult(False, reason, matchmaking_s=time.monotonic() - started)
             key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, self.codec.spec))
             group = await self.matchmaker.form_group(
                 key, self.matchmaking_timeout, expected=expected, patience=self.patience
@@ -215,9 +218,9 @@ class Averager:
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
             return await self._allreduce(tensors, numel, weight, group, matchmaking_s)
 
-    async def _round_key(self, round_: int | None) -> tuple[str, int]:
-        """This round's group key under ``grouping``, from the prober's view of the peers, and
-        the group size planned under it (0: unknown)."""
+    async def _round_key(self, round_: int | None) -> tuple[str | None, int]:
+        """This round's group key under ``grouping``, from the prober's view of the peers (None:
+        sit this round out), and the group size planned under it (0: unknown)."""
         shared = round_ is not None
         number = round_ if round_ is not None else self.rounds_started
         self.rounds_started += 1
@@ -233,6 +236,8 @@ class Averager:
         plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
         plan = plan_of(view, number, self.grouping_config)
         key = plan.key_of(me)
+        if key is None:
+            return None, 0
         expected = len(plan.groups[key])
         logger.debug("round %d: %s group %s of %d", number, plan.kind, key, expected)
         if not shared:

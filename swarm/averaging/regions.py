@@ -94,9 +94,10 @@ class GroupPlan:
     kind: str  # NEAR, CROSS or RANDOM
     regions: tuple[tuple[PeerID, ...], ...]  # clusters by predicted RTT, before merging
     groups: Mapping[str, tuple[PeerID, ...]] = field(hash=False)  # group key -> members
+    idle: tuple[PeerID, ...] = ()  # peers without a group this round (alone in their region)
 
-    def key_of(self, peer: PeerID) -> str:
-        """The group key of ``peer``.
+    def key_of(self, peer: PeerID) -> str | None:
+        """The group key of ``peer``; None when it sits this round out.
 
         Raises:
             AveragingError: ``peer`` was not in the view.
@@ -104,6 +105,8 @@ class GroupPlan:
         for key, members in self.groups.items():
             if peer in members:
                 return key
+        if peer in self.idle:
+            return None
         raise AveragingError(f"{peer.short} is not in the view of round {self.round}")
 
 
@@ -162,12 +165,20 @@ def plan_groups(
         order = [p for region in regions for p in _hashed(region, round_, CROSS)]
         groups = {_key(round_, CROSS, None, i): g for i, g in enumerate(_deal(order, config))}
         return GroupPlan(round_, CROSS, regions, groups)
+    able = [r for r in regions if len(r) >= config.min_group_size]
+    if not able:  # no region can average alone (a scattered swarm): mix everyone
+        order = [p for region in regions for p in _hashed(region, round_, CROSS)]
+        groups = {_key(round_, CROSS, None, i): g for i, g in enumerate(_deal(order, config))}
+        return GroupPlan(round_, CROSS, regions, groups)
     groups = {}
-    for region in _merge_small(view, regions, config.min_group_size):
+    for region in able:
         anchor = region[0]  # regions are sorted by PeerID
         dealt = _deal(_hashed(region, round_, NEAR), config)
         groups.update({_key(round_, NEAR, anchor, i): g for i, g in enumerate(dealt)})
-    return GroupPlan(round_, NEAR, regions, groups)
+    # a region too small to average sits regular rounds out rather than slow a near group down
+    # with its long links; it takes part in every cross-region round
+    idle = tuple(p for r in regions if len(r) < config.min_group_size for p in r)
+    return GroupPlan(round_, NEAR, regions, groups, idle)
 
 
 def random_plan(
@@ -181,7 +192,7 @@ def random_plan(
     for i, size in enumerate(sorted(sizes, reverse=True)):
         groups[_key(round_, RANDOM, None, i)] = tuple(order[start : start + size])
         start += size
-    return GroupPlan(round_, RANDOM, plan.regions, groups)
+    return GroupPlan(round_, RANDOM, plan.regions, groups, tuple(order[start:]))
 
 
 def group_key(
@@ -191,8 +202,9 @@ def group_key(
     config: GroupingConfig,
     *,
     randomized: bool = False,
-) -> str:
-    """This peer's matchmaking key for ``round_`` (see :func:`plan_groups`, :func:`random_plan`).
+) -> str | None:
+    """This peer's matchmaking key for ``round_`` (see :func:`plan_groups`, :func:`random_plan`);
+    None when it sits the round out (alone in its region in a regular round).
 
     Raises:
         AveragingError: ``me`` is not in ``view``, or coordinates cannot be compared.
@@ -201,7 +213,8 @@ def group_key(
         raise AveragingError(f"the view of round {round_} must include this peer ({me.short})")
     plan = (random_plan if randomized else plan_groups)(view, round_, config)
     key = plan.key_of(me)
-    logger.debug("round %d: %s group %s of %d", round_, plan.kind, key, len(plan.groups[key]))
+    size = len(plan.groups[key]) if key is not None else 1
+    logger.debug("round %d: %s group %s of %d", round_, plan.kind, key, size)
     return key
 
 
@@ -221,27 +234,6 @@ def _deal(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID,
     """Round-robin into ``ceil(n / target)`` groups: balanced sizes, none above the target."""
     count = max(1, math.ceil(len(order) / config.target_group_size))
     return [tuple(order[i::count]) for i in range(count) if order[i::count]]
-
-
-def _merge_small(
-    view: Mapping[PeerID, Coordinate],
-    regions: Sequence[tuple[PeerID, ...]],
-    min_size: int,
-) -> list[tuple[PeerID, ...]]:
-    """Merge each region smaller than ``min_size`` into its nearest region (complete linkage)."""
-    merged = [list(r) for r in regions]
-    while len(merged) > 1:
-        small = [i for i, r in enumerate(merged) if len(r) < min_size]
-        if not small:
-            break
-        i = small[0]
-        others = [j for j in range(len(merged)) if j != i]
-        far = [
-            max(predict_rtt(view[a], view[b]) for a in merged[i] for b in merged[j]) for j in others
-        ]
-        j = others[int(np.argmin(far))]
-        merged[j].extend(merged.pop(i))
-    return [tuple(sorted(r, key=lambda p: p.digest)) for r in merged]
 
 
 def _key(round_: int, kind: str, anchor: PeerID | None, index: int) -> str:
