@@ -366,9 +366,11 @@ class AllReduceRunner:
             self.bytes_received += len(payload)
             self._part_bytes += len(payload)
             self._part_chunks += 1
+            # counted before the add starts: a sender dropped (its task cancelled) while the worker
+            # thread adds its chunk must taint the part, since the add completes regardless
+            reducer.chunk_added(sender)
             async with self._locks[index]:
                 await self._in_thread(reducer.add_chunk, sender, index, payload)
-            reducer.chunk_added(sender)
             self._activity[sender] = self._last_byte = time.monotonic()
 
     async def _reply(self, reply: ReplyStream, attempt: int) -> None:

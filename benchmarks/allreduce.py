@@ -1,0 +1,221 @@
+"""Butterfly all-reduce of N peer processes on loopback: time, bytes and memory per round.
+
+Prints one JSON object per line and configuration::
+
+    {"n": peers, "numel": elements, "codec": ..., "setting": "loopback",
+     "matchmaking_s": ..., "allreduce_s": ..., "bytes_sent_per_peer": ...,
+     "peak_rss_mb": ..., "efficiency": null, "rounds": ...}
+
+Every peer is its own process (this script with ``--peer``) bound to its own 127.0.0.x address,
+with one :class:`~swarm.averaging.Averager` (``grouping="fixed"``, min = target = N, gather
+window ``--gather-window``, 0.2 s by default: with 50 ms, 8 peers sometimes split into two
+groups that both miss min = N and the round fails after the matchmaking timeout). Each runs a
+warm-up round, then ``--rounds`` timed rounds of one float32 tensor.
+``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
+of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
+``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included). Rounds
+in which some peer did not average (matchmaking split the peers) are left out and counted in
+``failed_rounds``.
+
+``efficiency`` = ideal / measured with ideal = 2 (N-1)/N x payload bytes / link rate. On
+loopback there is no link rate: all peers share this machine's cores, and the figure that limits
+a round is CPU (AEAD, copies, reduction), so it is reported as null. The ``tbf100`` setting
+(peers in network namespaces behind 100 Mbit/s token-bucket links) is not implemented yet;
+asking for it prints a note on stderr and skips it.
+
+    python benchmarks/allreduce.py [--n 2 4 8] [--numel 4M 25M] [--rounds 5]
+        [--codecs none fp16 int8 topk 1bit] [--settings loopback] [--configs 4:25M:none ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CODECS = {"none": "none", "fp16": "fp16", "int8": "int8", "topk": "topk:0.01", "1bit": "1bit"}
+
+
+def parse_numel(text: str) -> int:
+    units = {"K": 1_000, "M": 1_000_000}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+# ---- one peer process
+
+
+async def peer_main(args: argparse.Namespace) -> None:
+    import torch
+
+    from swarm.averaging import Averager
+    from swarm.config import PeerConfig
+    from swarm.peer import Peer
+
+    torch.set_num_threads(1)
+    config = PeerConfig(
+        run_id="bench-allreduce",
+        listen=args.listen,
+        initial_peers=tuple(args.initial_peers),
+        heartbeat_s=5.0,
+    )
+    peer = await Peer.start(config)
+    print(json.dumps({"address": str(peer.address)}), flush=True)
+    averager = Averager(
+        peer,
+        codec=CODECS.get(args.codec, args.codec),
+        min_group_size=args.n,
+        target_group_size=args.n,
+        matchmaking_timeout=5.0,
+        allreduce_timeout=300.0,
+        gather_window=args.gather_window,
+        grouping="fixed",
+        threads=2,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(await peer.known_peers()) < args.n and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        g = torch.Generator().manual_seed(args.seed)
+        tensor = torch.randn(args.numel, generator=g)
+        for rnd in range(args.rounds + 1):
+            result = await averager.average([tensor], weight=1.0)
+            row = {
+                "round": rnd,
+                "averaged": result.averaged,
+                "reason": result.reason,
+                "matchmaking_s": result.matchmaking_s,
+                "allreduce_s": result.allreduce_s,
+                "bytes_sent": result.bytes_sent,
+            }
+            print(json.dumps(row), flush=True)
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps({"peak_rss_mb": rss_mb}), flush=True)
+        await asyncio.sleep(0.5)  # let the others read their last replies
+    finally:
+        await averager.close()
+        await peer.close()
+
+
+# ---- the coordinator
+
+
+def run_config(n: int, numel: int, codec: str, rounds: int, gather_window: float) -> dict:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    common = [
+        sys.executable,
+        __file__,
+        "--peer",
+        *("--n", str(n), "--numel", str(numel), "--codec", codec, "--rounds", str(rounds)),
+        *("--gather-window", str(gather_window)),
+    ]
+    procs: list[subprocess.Popen] = []
+    try:
+        first = subprocess.Popen(
+            [*common, "--listen", "127.0.0.60:0", "--seed", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        procs.append(first)
+        assert first.stdout is not None
+        address = json.loads(first.stdout.readline())["address"]
+        for i in range(1, n):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *common,
+                        "--listen",
+                        f"127.0.0.{60 + i}:0",
+                        "--seed",
+                        str(i),
+                        "--initial-peers",
+                        address,
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = [
+        [json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outputs
+    ]
+    per_round = [[r for r in peer_rows if "round" in r and r["round"] > 0] for peer_rows in rows]
+    if any(len(r) != rounds for r in per_round):
+        raise RuntimeError("a peer process did not report every round")
+    # a round counts when every peer averaged in it (a split matchmaking fails the round)
+    ok = [i for i in range(rounds) if all(rs[i]["averaged"] for rs in per_round)]
+    if not ok:
+        raise RuntimeError(f"every round failed: {per_round[0][0]['reason']}")
+    slowest = [max(rs[i]["allreduce_s"] for rs in per_round) for i in ok]
+    matchmaking = [max(rs[i]["matchmaking_s"] for rs in per_round) for i in ok]
+    sent = statistics.mean(rs[i]["bytes_sent"] for rs in per_round for i in ok)
+    rss = max(r["peak_rss_mb"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
+    return {
+        "n": n,
+        "numel": numel,
+        "codec": codec,
+        "setting": "loopback",
+        "matchmaking_s": round(statistics.median(matchmaking), 4),
+        "allreduce_s": round(statistics.median(slowest), 4),
+        "bytes_sent_per_peer": int(sent),
+        "peak_rss_mb": round(rss, 1),
+        "efficiency": None,
+        "rounds": len(ok),
+        "failed_rounds": rounds - len(ok),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--numel", nargs="+", default=["4M", "25M"])
+    p.add_argument("--codecs", nargs="+", default=list(CODECS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--settings", nargs="+", default=["loopback"])
+    p.add_argument("--gather-window", type=float, default=0.2, help="matchmaking gather window")
+    p.add_argument("--configs", nargs="*", default=[], help="explicit N:NUMEL:CODEC triples")
+    # peer-process options (internal)
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--codec", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--listen", default="127.0.0.1:0", help=argparse.SUPPRESS)
+    p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.peer:
+        args.n, args.numel = args.n[0], parse_numel(args.numel[0])
+        asyncio.run(peer_main(args))
+        return
+    for setting in args.settings:
+        if setting != "loopback":
+            print(f"setting {setting!r} is not implemented: skipped", file=sys.stderr)
+    if "loopback" not in args.settings:
+        return
+    if args.configs:
+        configs = [c.split(":") for c in args.configs]
+        configs = [(int(n), parse_numel(m), c) for n, m, c in configs]
+    else:
+        configs = list(itertools.product(args.n, [parse_numel(m) for m in args.numel], args.codecs))
+    for n, numel, codec in configs:
+        print(json.dumps(run_config(n, numel, codec, args.rounds, args.gather_window)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

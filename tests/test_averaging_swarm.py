@@ -1,0 +1,500 @@
+"""Group averaging on loopback: exact means, codec error bounds, a SIGKILLed member, hostile
+streams, concurrent groups and a bandwidth-0 member.
+
+The first tests run each peer as its own process (tests/averaging_worker.py) on its own loopback
+address; the hostile-stream and grouping tests run several peers on one event loop (real sockets,
+real transport) because they inject requests through the transport and stream API directly.
+Every check is made against what :class:`~swarm.averaging.RoundResult` says was applied: part
+``j`` equals the weighted mean over the peers listed in ``parts[j]``, a missing part keeps this
+peer's own values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import torch
+
+from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
+from swarm.averaging import Averager, PartPlan, RoundResult
+from swarm.config import PeerConfig
+from swarm.errors import TransportError
+from swarm.net import wire
+from swarm.net.frames import DATA, END, HEADER, TO_SERVER, Sealer, make_aead
+from swarm.peer import Peer
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = [sys.executable, str(HERE / "averaging_worker.py")]
+
+
+def _load_worker_module():
+    spec = importlib.util.spec_from_file_location("averaging_worker", HERE / "averaging_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_tensor = _load_worker_module().make_tensor
+
+
+# ---- worker processes
+
+
+class Worker:
+    """An averaging_worker process whose stdout lines are collected by a thread."""
+
+    def __init__(self, seed: int, weight: float, *args: str):
+        self.seed, self.weight = seed, weight
+        self.proc = subprocess.Popen(
+            [*WORKER, "--seed", str(seed), "--weight", str(weight), *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            },
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := regex.search(line):
+                    return m
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"{pattern!r} not seen; output:\n" + "\n".join(self.lines))
+
+    def rounds(self) -> list[dict]:
+        return [json.loads(line[6:]) for line in list(self.lines) if line.startswith("ROUND ")]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def swarm_of(tmp_path):
+    """``swarm_of(n, *args, weights=..., extra={rank: args})``: n workers, rank 0 first."""
+    started: list[Worker] = []
+
+    def start(
+        n: int,
+        *args: str,
+        weights: Sequence[float] | None = None,
+        extra: dict[int, Sequence[str]] | None = None,
+    ) -> list[Worker]:
+        weights = weights or [1.0] * n
+        common = ["--wait-peers", str(n), "--min-group", str(n), "--target-group", str(n), *args]
+        workers: list[Worker] = []
+        address = ""
+        for rank in range(n):
+            own = [
+                "--listen",
+                f"127.0.0.{20 + rank}:0",
+                "--out",
+                str(tmp_path / f"peer{rank}.pt"),
+                *(extra or {}).get(rank, ()),
+            ]
+            if workers:
+                own += ["--initial-peers", address]
+            w = Worker(rank + 1, weights[rank], *common, *own)
+            started.append(w)
+            workers.append(w)
+            if rank == 0:
+                address = w.wait_for(r"^ADDRESS (\S+)")[1]
+        return workers
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+def expected_result(report: dict, values: dict[str, tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """What ``report`` says this peer applied: the weighted mean per averaged part, its own
+    values elsewhere. ``values``: peer id -> (original tensor, weight)."""
+    out = values[report["me"]][0].clone()
+    for part, ids in report["parts"].items():
+        start, end = report["ranges"][int(part)]
+        total = sum(values[i][1] for i in ids)
+        acc = sum(values[i][1] * values[i][0][start:end].double() for i in ids)
+        out[start:end] = (acc / total).float()
+    return out
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def originals(workers: Sequence[Worker], numel: int) -> dict[str, tuple[torch.Tensor, float]]:
+    return {w.wait_for(r"^ID (\S+)")[1]: (make_tensor(w.seed, numel), w.weight) for w in workers}
+
+
+# ---- processes: exact mean, codecs, a killed member
+
+
+@pytest.mark.slow
+def test_four_peers_exact_weighted_mean_10m(swarm_of, tmp_path) -> None:
+    numel = 10_000_000
+    workers = swarm_of(4, "--numel", str(numel), weights=[1.0, 2.0, 3.0, 0.5])
+    for w in workers:
+        w.wait_for("^DONE", 90)
+    values = originals(workers, numel)
+    want = sum(w * x.double() for x, w in values.values()) / sum(w for _, w in values.values())
+    members = None
+    for rank, w in enumerate(workers):
+        (report,) = w.rounds()
+        assert report["averaged"] and not report["reason"], report
+        assert len(report["parts"]) == 4 and all(len(p) == 4 for p in report["parts"].values())
+        members = members or report["members"]
+        assert report["members"] == members  # one agreed, ordered group
+        got = torch.load(tmp_path / f"peer{rank}.pt")["none"]["last"]
+        assert got.dtype == torch.float32 and got.shape == (numel,)
+        diff = (got.double() - want).abs()
+        assert float((diff / want.abs().clamp_min(1e-3)).max()) <= 1e-6 or float(
+            diff.max()
+        ) <= 1e-6 * float(want.abs().max())
+        assert rel_error(got, want) <= 1e-6
+
+
+# per-codec bound of one round's relative L2 error against the exact mean with 4 peers (measured:
+# int8 0.005, topk:0.1 0.92, 1bit 0.22; the owner's own share is exact, so topk stays below 1)
+CODEC_BOUNDS = {"int8": 0.01, "topk:0.1": 0.96, "1bit": 0.3}
+
+
+@pytest.mark.slow
+def test_lossy_codecs_within_bounds_and_feedback_converges(swarm_of, tmp_path) -> None:
+    numel, rounds = 1 << 20, 8
+    workers = swarm_of(
+        4,
+        *("--numel", str(numel), "--rounds", str(rounds), "--gather-window", "0.05"),
+        *("--codecs", *CODEC_BOUNDS),
+        weights=[1.0, 3.0, 2.0, 1.0],
+    )
+    for w in workers:
+        w.wait_for("^DONE", 90)
+    values = originals(workers, numel)
+    want = sum(w * x.double() for x, w in values.values()) / sum(w for _, w in values.values())
+    for rank, w in enumerate(workers):
+        saved = torch.load(tmp_path / f"peer{rank}.pt")
+        for codec, bound in CODEC_BOUNDS.items():
+            reports = [r for r in w.rounds() if r["codec"] == codec]
+            assert len(reports) == rounds and all(r["averaged"] for r in reports), reports
+            assert all(len(p) == 4 for r in reports for p in r["parts"].values())
+            first = rel_error(saved[codec]["first"], want)
+            mean = rel_error(saved[codec]["mean"], want)
+            assert torch.isfinite(saved[codec]["last"]).all()
+            assert first <= bound, (codec, first)
+            # error feedback: what one round loses is sent in later rounds, so the running mean
+            # of the results approaches the exact mean (measured: int8 8x, 1bit and topk 1.4x
+            # closer after 8 rounds)
+            assert mean <= (first / 4 if codec == "int8" else 0.85 * first), (codec, first, mean)
+        if rank:  # owners apply what they send: every member ends each round with the same values
+            first_peer = torch.load(tmp_path / "peer0.pt")
+            for codec in CODEC_BOUNDS:
+                assert torch.equal(saved[codec]["last"], first_peer[codec]["last"]), codec
+
+
+@pytest.mark.slow
+def test_sigkill_mid_stream_the_others_finish(swarm_of, tmp_path) -> None:
+    numel, timeout = 4 << 20, 20.0
+    workers = swarm_of(
+        4,
+        *("--numel", str(numel), "--allreduce-timeout", str(timeout)),
+        weights=[1.0, 2.0, 3.0, 4.0],
+        extra={3: ["--fault", "stall"]},  # stops halfway through every part it sends
+    )
+    victim, survivors = workers[3], workers[:3]
+    victim.wait_for("^STALLED", 60)
+    victim.kill()
+    killed_at = time.monotonic()
+    for w in survivors:
+        w.wait_for("^DONE", 60)
+    finished_in = time.monotonic() - killed_at
+    values = originals(workers, numel)
+    dead = victim.wait_for(r"^ID (\S+)")[1]
+    for rank, w in enumerate(survivors):
+        (report,) = w.rounds()
+        assert report["averaged"], report
+        assert report["allreduce_s"] < timeout and finished_in < timeout, (report, finished_in)
+        owners = report["members"]
+        for part, ids in report["parts"].items():
+            if owners[int(part)] != dead:  # a live owner never counts a half-sent part
+                assert dead not in ids and len(ids) == 3, report
+        got = torch.load(tmp_path / f"peer{rank}.pt")["none"]["last"]
+        assert torch.isfinite(got).all()
+        assert rel_error(got, expected_result(report, values)) <= 1e-6
+
+
+# ---- in-process peers: hostile streams, concurrent groups, a bandwidth-0 member
+
+
+async def start_peers(
+    hosts: Sequence[int], bandwidths: Sequence[float] | None = None
+) -> list[Peer]:
+    """One peer per ``127.0.0.{host}``, all bootstrapping from the first."""
+    peers: list[Peer] = []
+    try:
+        for i, host in enumerate(hosts):
+            config = PeerConfig(
+                run_id="avg-inproc",
+                listen=f"127.0.0.{host}:0",
+                initial_peers=(str(peers[0].address),) if peers else (),
+                bandwidth=bandwidths[i] if bandwidths else 1e6,
+                heartbeat_s=2.0,
+            )
+            peers.append(await Peer.start(config))
+    except BaseException:
+        await asyncio.gather(*(p.close() for p in peers))
+        raise
+    return peers
+
+
+def averager(peer: Peer, n: int, key: str = "test", target: int | None = None) -> Averager:
+    return Averager(
+        peer,
+        min_group_size=min(n, target or n),
+        target_group_size=target or n,
+        matchmaking_timeout=8.0,
+        allreduce_timeout=20.0,
+        gather_window=0.1,
+        group_key=key,
+        grouping="fixed",
+        threads=1,
+    )
+
+
+def check_applied(
+    result: RoundResult,
+    got: torch.Tensor,
+    values: dict[Any, tuple[torch.Tensor, float]],
+    me: Any,
+    ranges: Sequence[tuple[int, int]],
+) -> None:
+    """``got`` holds the weighted mean over ``parts[j]`` in every part j, our values elsewhere."""
+    want = values[me][0].clone()
+    for part, ids in result.parts.items():
+        start, end = ranges[part]
+        total = sum(values[i][1] for i in ids)
+        want[start:end] = (sum(values[i][1] * values[i][0][start:end] for i in ids) / total).float()
+    assert torch.isfinite(got).all()
+    assert rel_error(got, want) <= 1e-6, (result, rel_error(got, want))
+
+
+def sealed_request(
+    sender: Peer, owner: Any, header: dict[str, Any], frames: list[tuple[int, bytes]]
+) -> tuple[dict[str, str], list[bytes]]:
+    """Auth headers and the sealed frames (one bytes per frame) of a stream ``sender`` -> owner."""
+    path = "/stream/avg.part"
+    auth = RequestAuth.create(
+        sender.identity,
+        sender.config.membership,
+        target=owner.peer_id.digest,
+        method="POST",
+        path=path,
+        cipher="aes-256-gcm",
+    )
+    key = derive_stream_key(
+        sender.identity,
+        sender.config.membership,
+        peer_public_key=owner.public_key,
+        peer_agreement_key=owner.agreement_key,
+        initiator=True,
+        stream_id=auth.nonce,
+        cipher=auth.cipher,
+    )
+    sealer = Sealer(make_aead(auth.cipher, key), auth.nonce, TO_SERVER)
+    sealed = [b"".join(sealer.seal(kind, data)) for kind, data in frames]
+    return {AUTH_HEADER: auth.encode()}, sealed
+
+
+class HostileMember:
+    """Replaces one member's part streams with hand-made requests (through its transport).
+
+    To ``modes[owner id]``: ``tamper`` flips a byte of the second chunk, ``replay-chunk`` sends
+    the first chunk's frame twice, ``replay-request`` sends an honest stream, then the same
+    request again. Each stream then fails on the member's side (it keeps its own values). An
+    ``outsider`` peer also opens a part stream of this group before the first hostile stream.
+    """
+
+    def __init__(self, peer: Peer, modes: dict[Any, str], outsider: Peer):
+        self.peer, self.modes, self.outsider = peer, modes, outsider
+        self.statuses: dict[str, list[int | str]] = {}
+        self._stream = peer.transport.stream
+        peer.transport.stream = self.stream  # type: ignore[method-assign]
+
+    def stream(self, owner, name, header, chunks, *, timeout):
+        if name != "avg.part":
+            return self._stream(owner, name, header, chunks, timeout=timeout)
+        return _Injected(self, owner, header, chunks)
+
+    async def post(self, session, owner, headers: dict[str, str], body: bytes) -> int | str:
+        url = owner.address.url + "/stream/avg.part"
+        try:
+            async with session.post(url, headers=headers, data=body) as r:
+                await r.read()
+                return r.status
+        except aiohttp.ClientError as e:  # the server may cut an upload it refused
+            return type(e).__name__
+
+    async def attack(self, owner, header: dict[str, Any], payloads: list[bytes]) -> None:
+        mode = self.modes[owner.peer_id]
+        if "outsider" not in self.statuses:
+            self.statuses["outsider"] = [await self.intrude(owner, header)]
+        frames = [(HEADER, wire.pack(header)), *((DATA, p) for p in payloads), (END, b"")]
+        headers, sealed = sealed_request(self.peer, owner, header, frames)
+        if mode == "tamper":
+            frame = bytearray(sealed[2])
+            frame[len(frame) // 2] ^= 0x40
+            sealed[2] = bytes(frame)
+        elif mode == "replay-chunk":
+            sealed.insert(2, sealed[1])
+        async with aiohttp.ClientSession() as session:
+            statuses = [await self.post(session, owner, headers, b"".join(sealed))]
+            if mode == "replay-request":
+                statuses.append(await self.post(session, owner, headers, b"".join(sealed)))
+        self.statuses[mode] = statuses
+
+    async def intrude(self, owner, header: dict[str, Any]) -> int | str:
+        async def nothing() -> AsyncIterator[bytes]:
+            return
+            yield b""
+
+        try:
+            async with self.outsider.transport.stream(
+                owner, "avg.part", header, nothing(), timeout=10
+            ):
+                return 200
+        except TransportError as e:
+            return e.status or str(e)
+
+
+class _Injected:
+    def __init__(self, member: HostileMember, owner, header, chunks):
+        self.member, self.owner, self.header, self.chunks = member, owner, header, chunks
+
+    async def __aenter__(self):
+        payloads = [p async for p in self.chunks]
+        await self.member.attack(self.owner, self.header, payloads)
+        raise TransportError("hostile stream sent", status=499)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+
+@pytest.mark.timeout(60)
+async def test_tampered_replayed_and_outsider_streams_refused() -> None:
+    numel = 4 * 600_000  # parts of 3 chunks
+    peers = await start_peers([41, 42, 43, 44, 45])
+    members, outsider = peers[:4], peers[4]
+    averagers = [averager(p, 4) for p in members]
+    try:
+        honest, hostile = members[:3], members[3]
+        modes = dict(
+            zip(
+                (p.peer_id for p in honest),
+                ["tamper", "replay-chunk", "replay-request"],
+                strict=True,
+            )
+        )
+        injector = HostileMember(hostile, modes, outsider)
+        values = {
+            p.peer_id: (make_tensor(i + 1, numel), float(i + 1)) for i, p in enumerate(members)
+        }
+        tensors = [values[p.peer_id][0].clone() for p in members]
+        results = await asyncio.gather(
+            *(
+                a.average([t], weight=values[p.peer_id][1])
+                for a, t, p in zip(averagers, tensors, members, strict=True)
+            )
+        )
+        assert injector.statuses["outsider"] == [401], injector.statuses
+        assert injector.statuses["tamper"][0] in (401, "ClientOSError", "ServerDisconnectedError")
+        assert injector.statuses["replay-chunk"][0] in (
+            401,
+            "ClientOSError",
+            "ServerDisconnectedError",
+        )
+        assert injector.statuses["replay-request"][0] == 200
+        assert injector.statuses["replay-request"][1] in (401, "ClientOSError"), injector.statuses
+        order = results[0].members
+        ranges = [tuple(r) for r in PartPlan.create(numel, [1.0] * 4, 1).ranges]
+        for peer, result, got in zip(members, results, tensors, strict=True):
+            assert result.averaged and result.members == order, result
+            check_applied(result, got, values, peer.peer_id, ranges)
+        for peer, result in zip(honest, results[:3], strict=True):
+            own = order.index(peer.peer_id)
+            expected = set(order) - (
+                {hostile.peer_id} if modes[peer.peer_id] != "replay-request" else set()
+            )
+            assert set(result.parts[own]) == expected, (modes[peer.peer_id], result)
+            assert outsider.peer_id not in {i for ids in result.parts.values() for i in ids}
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+@pytest.mark.timeout(60)
+async def test_concurrent_groups_never_mix_and_a_bandwidth_zero_member_takes_part() -> None:
+    numel = 1 << 20
+    # group x: three peers, one with bandwidth 0 (owns no part); group y: two peers
+    peers = await start_peers([51, 52, 53, 54, 55], bandwidths=[1e6, 0.0, 1e6, 1e6, 1e6])
+    keys = ["x", "x", "x", "y", "y"]
+    averagers = [averager(p, keys.count(k), key=k) for p, k in zip(peers, keys, strict=True)]
+    try:
+        values = {p.peer_id: (make_tensor(i + 1, numel), float(i + 2)) for i, p in enumerate(peers)}
+        tensors = [values[p.peer_id][0].clone() for p in peers]
+        results = await asyncio.gather(
+            *(
+                a.average([t], weight=values[p.peer_id][1])
+                for a, t, p in zip(averagers, tensors, peers, strict=True)
+            )
+        )
+        groups = {
+            k: {p.peer_id for p, kk in zip(peers, keys, strict=True) if kk == k} for k in "xy"
+        }
+        assert results[0].group_id != results[3].group_id
+        for key, result, got in zip(keys, results, tensors, strict=True):
+            assert result.averaged and set(result.members) == groups[key], result
+            ids = groups[key]
+            want = sum(values[i][1] * values[i][0].double() for i in ids)
+            want = want / sum(values[i][1] for i in ids)
+            assert rel_error(got, want) <= 1e-6, (key, rel_error(got, want))
+        zero = results[1]
+        assert len(zero.parts) == 2 and zero.members.index(peers[1].peer_id) not in zero.parts
+        assert all(set(ids) == groups["x"] for ids in zero.parts.values())
+        assert zero.bytes_sent > 0 and zero.bytes_received > 0
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
