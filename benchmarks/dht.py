@@ -95,8 +95,11 @@ async def _serve(conn: Any, seed: int) -> None:
                         ok = await node.store(key, value, time.time() + 600) > 0
                     else:
                         ok = value in [e.value for e in (await node.get(key)).values()]
-                except Exception:  # a benchmark counts failures, it does not stop on them
+                except Exception as e:  # a benchmark counts failures, it does not stop on them
+                    print(f"{cmd} {key}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     ok = False
+                if not ok and cmd == "get":
+                    print(f"get {key}: not found", file=sys.stderr, flush=True)
                 results.append((ok, (time.perf_counter() - started) * 1000))
             conn.send(results)
         elif cmd == "stop":
