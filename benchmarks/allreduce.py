@@ -17,20 +17,25 @@ of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per r
 in which some peer did not average (matchmaking split the peers) are left out and counted in
 ``failed_rounds``.
 
-``efficiency`` = ideal / measured with ideal = 2 (N-1)/N x payload bytes / link rate. On
-loopback there is no link rate: all peers share this machine's cores, and the figure that limits
-a round is CPU (AEAD, copies, reduction), so it is reported as null. The ``tbf100`` setting
-(peers in network namespaces behind 100 Mbit/s token-bucket links) is not implemented yet;
-asking for it prints a note on stderr and skips it.
+``efficiency`` = ideal / measured with ideal = 2 (N-1)/N x payload bytes / link rate, i.e. the
+bytes a peer streams in a round over its link rate. On loopback there is no link rate: all peers
+share this machine's cores, and the figure that limits a round is CPU (AEAD, copies, reduction),
+so it is reported as null.
+
+``tbf100`` (Linux, as root): every peer runs in its own network namespace, joined to the others
+through a veth pair on one bridge; both directions of each veth are limited by ``tc ... tbf`` to
+100 Mbit/s, like a home connection with a symmetric 100 Mbit/s line. The namespaces are removed
+afterwards, also on errors.
 
     python benchmarks/allreduce.py [--n 2 4 8] [--numel 4M 25M] [--rounds 5]
-        [--codecs none fp16 int8 topk 1bit] [--settings loopback] [--configs 4:25M:none ...]
+        [--codecs none fp16 int8 topk 1bit] [--settings loopback tbf100] [--configs 4:25M:none]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -43,6 +48,58 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CODECS = {"none": "none", "fp16": "fp16", "int8": "int8", "topk": "topk:0.01", "1bit": "1bit"}
+TBF_RATE_BITS = 100_000_000
+_NS, _BRIDGE, _SUBNET = "swarm-bench-", "swbench0", "10.77.0."
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def rate_limited_namespaces(n: int, rate_bits: int):
+    """``n`` namespaces on one bridge, each behind a veth limited both ways to ``rate_bits``/s.
+
+    Yields the command prefix and address of each peer: (["ip", "netns", "exec", NAME], IP).
+    """
+    tbf = ["tbf", "rate", f"{rate_bits // 1_000_000}mbit", "burst", "128kb", "latency", "100ms"]
+    try:
+        _sh("ip", "link", "add", _BRIDGE, "type", "bridge")
+        _sh("ip", "link", "set", _BRIDGE, "up")
+        peers = []
+        for i in range(n):
+            ns, outer, inner, ip = f"{_NS}{i}", f"swbv{i}", f"swbp{i}", f"{_SUBNET}{i + 1}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            _sh("ip", "link", "set", inner, "netns", ns)
+            _sh("ip", "link", "set", outer, "master", _BRIDGE, "up")
+            run = ["ip", "netns", "exec", ns]
+            _sh(*run, "ip", "addr", "add", f"{ip}/24", "dev", inner)
+            _sh(*run, "ip", "link", "set", inner, "up")
+            _sh(*run, "ip", "link", "set", "lo", "up")
+            _sh(*run, "tc", "qdisc", "add", "dev", inner, "root", *tbf)  # peer -> network
+            _sh("tc", "qdisc", "add", "dev", outer, "root", *tbf)  # network -> peer
+            peers.append((run, ip))
+        yield peers
+    finally:
+        for i in range(n):
+            subprocess.run(["ip", "netns", "del", f"{_NS}{i}"], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"swbv{i}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", _BRIDGE], capture_output=True)
+
+
+def tbf_available() -> str | None:
+    """None when the tbf100 setting can run here, else why not."""
+    if not sys.platform.startswith("linux"):
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root (ip netns, tc)"
+    try:
+        _sh("ip", "netns", "list")
+        _sh("tc", "qdisc", "show")
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"ip/tc unavailable: {e}"
+    return None
 
 
 def parse_numel(text: str) -> int:
@@ -108,7 +165,25 @@ async def peer_main(args: argparse.Namespace) -> None:
 # ---- the coordinator
 
 
-def run_config(n: int, numel: int, codec: str, rounds: int, gather_window: float) -> dict:
+def run_config(
+    n: int, numel: int, codec: str, rounds: int, gather_window: float, setting: str = "loopback"
+) -> dict:
+    if setting == "tbf100":
+        with rate_limited_namespaces(n, TBF_RATE_BITS) as places:
+            return _run_config(n, numel, codec, rounds, gather_window, setting, places)
+    places = [([], f"127.0.0.{60 + i}") for i in range(n)]
+    return _run_config(n, numel, codec, rounds, gather_window, setting, places)
+
+
+def _run_config(
+    n: int,
+    numel: int,
+    codec: str,
+    rounds: int,
+    gather_window: float,
+    setting: str,
+    places: list[tuple[list[str], str]],
+) -> dict:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -123,7 +198,7 @@ def run_config(n: int, numel: int, codec: str, rounds: int, gather_window: float
     procs: list[subprocess.Popen] = []
     try:
         first = subprocess.Popen(
-            [*common, "--listen", "127.0.0.60:0", "--seed", "0"],
+            [*places[0][0], *common, "--listen", f"{places[0][1]}:0", "--seed", "0"],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -135,9 +210,10 @@ def run_config(n: int, numel: int, codec: str, rounds: int, gather_window: float
             procs.append(
                 subprocess.Popen(
                     [
+                        *places[i][0],
                         *common,
                         "--listen",
-                        f"127.0.0.{60 + i}:0",
+                        f"{places[i][1]}:0",
                         "--seed",
                         str(i),
                         "--initial-peers",
@@ -172,12 +248,16 @@ def run_config(n: int, numel: int, codec: str, rounds: int, gather_window: float
         "n": n,
         "numel": numel,
         "codec": codec,
-        "setting": "loopback",
+        "setting": setting,
         "matchmaking_s": round(statistics.median(matchmaking), 4),
         "allreduce_s": round(statistics.median(slowest), 4),
         "bytes_sent_per_peer": int(sent),
         "peak_rss_mb": round(rss, 1),
-        "efficiency": None,
+        "efficiency": (
+            round(sent * 8 / TBF_RATE_BITS / statistics.median(slowest), 3)
+            if setting == "tbf100"
+            else None
+        ),
         "rounds": len(ok),
         "failed_rounds": rounds - len(ok),
     }
@@ -203,18 +283,21 @@ def main() -> None:
         args.n, args.numel = args.n[0], parse_numel(args.numel[0])
         asyncio.run(peer_main(args))
         return
-    for setting in args.settings:
-        if setting != "loopback":
-            print(f"setting {setting!r} is not implemented: skipped", file=sys.stderr)
-    if "loopback" not in args.settings:
-        return
+    settings = [x for x in args.settings if x in ("loopback", "tbf100")]
+    for unknown in set(args.settings) - set(settings):
+        print(f"unknown setting {unknown!r}: use loopback or tbf100", file=sys.stderr)
+    if "tbf100" in settings and (why := tbf_available()) is not None:
+        print(f"tbf100 skipped: {why}", file=sys.stderr)
+        settings.remove("tbf100")
     if args.configs:
         configs = [c.split(":") for c in args.configs]
         configs = [(int(n), parse_numel(m), c) for n, m, c in configs]
     else:
         configs = list(itertools.product(args.n, [parse_numel(m) for m in args.numel], args.codecs))
-    for n, numel, codec in configs:
-        print(json.dumps(run_config(n, numel, codec, args.rounds, args.gather_window)), flush=True)
+    for setting in settings:
+        for n, numel, codec in configs:
+            row = run_config(n, numel, codec, args.rounds, args.gather_window, setting)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
