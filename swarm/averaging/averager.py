@@ -127,6 +127,7 @@ class Averager:
         )
         # a leader waits this long for the members its plan expects (latency/random grouping)
         self.patience = matchmaking_timeout / 2
+        self._idle_reason = ""  # why the last planned round had no group for this peer
         self.rounds_started = 0  # average() calls, the round number when the caller gives none
         self.peer = peer
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -206,8 +207,9 @@ class Averager:
             started = time.monotonic()
             key_name, expected = (group_key, 0) if group_key else await self._round_key(round_)
             if key_name is None:
-                reason = "alone in its region: sits regular rounds out until a cross-region one"
-                return RoundResult(False, reason, matchmaking_s=time.monotonic() - started)
+                return RoundResult(
+                    False, self._idle_reason, matchmaking_s=time.monotonic() - started
+                )
             key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, self.codec.spec))
             group = await self.matchmaker.form_group(
                 key, self.matchmaking_timeout, expected=expected, patience=self.patience
@@ -233,10 +235,14 @@ class Averager:
         view, me = self.prober.view(), self.peer.peer_id
         if me not in view:  # cannot happen: the view always holds this peer
             return self.group_key, 0
+        if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
+            self._idle_reason = "no other peer announced in this run"
+            return None, 0
         plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
         plan = plan_of(view, number, self.grouping_config)
         key = plan.key_of(me)
         if key is None:
+            self._idle_reason = "alone in its region: sits regular rounds out until a cross one"
             return None, 0
         expected = len(plan.groups[key])
         logger.debug("round %d: %s group %s of %d", number, plan.kind, key, expected)
