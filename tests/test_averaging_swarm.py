@@ -13,13 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -28,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from processes import OutputProcess
 
 from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
 from swarm.averaging import Averager, PartPlan, RoundResult
@@ -55,51 +50,12 @@ make_tensor = _load_worker_module().make_tensor
 # ---- worker processes
 
 
-class Worker:
-    """An averaging_worker process whose stdout lines are collected by a thread."""
+class Worker(OutputProcess):
+    """An averaging_worker process."""
 
     def __init__(self, seed: int, weight: float, *args: str):
         self.seed, self.weight = seed, weight
-        self.proc = subprocess.Popen(
-            [*WORKER, "--seed", str(seed), "--weight", str(weight), *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={
-                **os.environ,
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            },
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := regex.search(line):
-                    return m
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.02)
-        raise AssertionError(f"{pattern!r} not seen; output:\n" + "\n".join(self.lines))
-
-    def rounds(self) -> list[dict]:
-        return [json.loads(line[6:]) for line in list(self.lines) if line.startswith("ROUND ")]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        super().__init__([*WORKER, "--seed", str(seed), "--weight", str(weight), *args])
 
 
 @pytest.fixture

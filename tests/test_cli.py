@@ -8,11 +8,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+from processes import OutputProcess
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="uses POSIX signals")
 
@@ -20,45 +20,14 @@ RUN_ID = "cli-test"
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 
 
-class PeerProcess:
-    """A swarm-peer child process whose output is collected by a reader thread."""
+class PeerProcess(OutputProcess):
+    """A swarm-peer child process."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: re.Pattern[str], timeout: float = 30.0) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := pattern.search(line):
-                    return m
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"{pattern.pattern!r} not seen; output:\n" + "\n".join(self.lines))
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
+        super().__init__([sys.executable, "-m", "swarm.cli", *args], env=env)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        self._reader.join(timeout=5)
+        self.kill()
 
 
 @pytest.fixture

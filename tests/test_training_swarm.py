@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import re
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from processes import OutputProcess
 
 # The network stack (swarm.net, swarm.dht, swarm.averaging) is written by other workers; skip
 # cleanly until it is importable rather than failing collection.
@@ -38,50 +34,11 @@ _worker = _load_worker_module()
 full_loss, make_model, task = _worker.full_loss, _worker.make_model, _worker.task
 
 
-class Worker:
-    """A training_worker process whose stdout lines are collected by a thread."""
+class Worker(OutputProcess):
+    """A training_worker process."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen(
-            [*WORKER, *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={
-                **os.environ,
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            },
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := regex.search(line):
-                    return m
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"{pattern!r} not seen; output:\n" + "\n".join(self.lines))
-
-    def rounds(self) -> list[dict]:
-        return [json.loads(line[6:]) for line in list(self.lines) if line.startswith("ROUND ")]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
+        super().__init__([*WORKER, *args])
 
 
 @pytest.fixture
@@ -153,7 +110,7 @@ def test_four_peers_reach_single_process_loss_and_agree(workers, tmp_path) -> No
     reached = next(r["round"] for r in rounds if r["loss"] < target)
     swarm_samples = reached * inner * batch * peers
     assert swarm_samples <= 1.1 * baseline, (swarm_samples, baseline, rounds)
-    final = [json.loads(w.wait_for(r"^FINAL (.*)")[1]) for w in [first, *others]]
+    final = [json.loads(w.wait_for(r"^FINAL (.*)", 120)[1]) for w in [first, *others]]
     assert all(f["averaged"] and f["group"] == peers for f in final), final
     states = [torch.load(tmp_path / f"p{r}.pt") for r in range(peers)]
     for state in states[1:]:
