@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--heartbeat",
         type=float,
-        default=float(_env("HEARTBEAT", "10")),
+        default=_env("HEARTBEAT", "10"),  # argparse applies type=float: a clear error
         metavar="SECONDS",
         help="re-announce period; a dead peer vanishes after 3 periods "
         "(env SWARM_HEARTBEAT, default %(default)s)",
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bandwidth",
         type=float,
-        default=float(_env("BANDWIDTH", "100")),
+        default=_env("BANDWIDTH", "100"),
         metavar="MBIT",
         help="upload rate in Mbit/s others may plan for; 0 = client-only, e.g. behind NAT "
         "(env SWARM_BANDWIDTH, default %(default)s)",

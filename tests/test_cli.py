@@ -165,3 +165,15 @@ def test_console_script_help():
     assert out.returncode == 0
     for flag in ("--initial-peers", "--listen", "--announce", "--identity", "--swarm-key"):
         assert flag in out.stdout
+
+
+def test_malformed_environment_value_is_a_usage_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "--run-id", RUN_ID],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SWARM_HEARTBEAT": "soon"},
+    )
+    assert result.returncode == 2
+    assert "--heartbeat: invalid float value: 'soon'" in result.stderr

@@ -7,11 +7,11 @@ from typing import Any
 
 import aiohttp
 
-from swarm.auth import AUTH_HEADER, Membership, RequestAuth, derive_stream_key
+from swarm.auth import AUTH_HEADER, Membership, RequestAuth
 from swarm.errors import TransportError
 from swarm.identity import Identity
 from swarm.net.address import PeerAddress
-from swarm.net.frames import TO_CLIENT, TO_SERVER, Opener, Sealer, make_aead
+from swarm.net.frames import TO_CLIENT, TO_SERVER, Opener, Sealer, stream_aead
 from swarm.net.record import PeerRecord
 from swarm.net.streams import FrameReader, FrameWriter, OutboundStream
 
@@ -83,17 +83,14 @@ class Client:
         path = f"/stream/{name}"
         auth, headers = self._auth_headers(peer.peer_id.digest, "POST", path)
         label = f"{peer.peer_id.short}@{peer.address}"
-        aead = make_aead(
-            self.cipher,
-            derive_stream_key(
-                self.identity,
-                self.membership,
-                peer_public_key=peer.public_key,
-                peer_agreement_key=peer.agreement_key,
-                initiator=True,
-                stream_id=auth.nonce,
-                cipher=self.cipher,
-            ),
+        aead = stream_aead(
+            self.identity,
+            self.membership,
+            peer_public_key=peer.public_key,
+            peer_agreement_key=peer.agreement_key,
+            initiator=True,
+            stream_id=auth.nonce,
+            cipher=self.cipher,
         )
         client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
 

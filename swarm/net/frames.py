@@ -35,7 +35,9 @@ from typing import Final
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
+from swarm.auth import Membership, derive_stream_key
 from swarm.errors import AuthError, ConfigError, TransportError
+from swarm.identity import Identity
 
 CIPHERS: Final = {"aes-256-gcm": AESGCM, "chacha20-poly1305": ChaCha20Poly1305}
 DEFAULT_CIPHER: Final = "aes-256-gcm"
@@ -63,6 +65,34 @@ def make_aead(cipher: str, key: bytes) -> AESGCM | ChaCha20Poly1305:
         return CIPHERS[cipher](key)
     except KeyError:
         raise ConfigError(f"unknown cipher {cipher!r}; choose one of {sorted(CIPHERS)}") from None
+
+
+def stream_aead(
+    identity: Identity,
+    membership: Membership,
+    *,
+    peer_public_key: bytes,
+    peer_agreement_key: bytes,
+    initiator: bool,
+    stream_id: bytes,
+    cipher: str,
+) -> AESGCM | ChaCha20Poly1305:
+    """The AEAD of one stream, keyed by :func:`swarm.auth.derive_stream_key` (both ends).
+
+    Raises:
+        ConfigError: unknown cipher name.
+        AuthError: the peer's agreement key is invalid.
+    """
+    key = derive_stream_key(
+        identity,
+        membership,
+        peer_public_key=peer_public_key,
+        peer_agreement_key=peer_agreement_key,
+        initiator=initiator,
+        stream_id=stream_id,
+        cipher=cipher,
+    )
+    return make_aead(cipher, key)
 
 
 class Sealer:

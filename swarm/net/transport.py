@@ -39,13 +39,20 @@ from swarm.auth import (
     RateLimitedWarning,
     ReplayGuard,
     RequestAuth,
-    derive_stream_key,
 )
 from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
 from swarm.identity import Identity, PeerID
 from swarm.net.address import PeerAddress
 from swarm.net.client import Client, empty_body
-from swarm.net.frames import DEFAULT_CIPHER, TO_CLIENT, TO_SERVER, Opener, Sealer, make_aead
+from swarm.net.frames import (
+    DEFAULT_CIPHER,
+    TO_CLIENT,
+    TO_SERVER,
+    Opener,
+    Sealer,
+    make_aead,
+    stream_aead,
+)
 from swarm.net.record import MAX_RECORD_BYTES, PeerRecord
 from swarm.net.streams import (
     FrameReader,
@@ -312,17 +319,14 @@ class Transport:
             request.remote or "",
         )
         try:
-            aead = make_aead(
-                auth.cipher,
-                derive_stream_key(
-                    self.identity,
-                    self.membership,
-                    peer_public_key=auth.public_key,
-                    peer_agreement_key=auth.agreement_key,
-                    initiator=False,
-                    stream_id=auth.nonce,
-                    cipher=auth.cipher,
-                ),
+            aead = stream_aead(
+                self.identity,
+                self.membership,
+                peer_public_key=auth.public_key,
+                peer_agreement_key=auth.agreement_key,
+                initiator=False,
+                stream_id=auth.nonce,
+                cipher=auth.cipher,
             )
         except ConfigError as e:
             return self._refuse(request, 400, e)
