@@ -26,6 +26,8 @@ from processes import OutputProcess
 
 from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
 from swarm.averaging import Averager, PartPlan, RoundResult
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.matchmaking import Matchmaker
 from swarm.config import PeerConfig
 from swarm.errors import TransportError
 from swarm.net import wire
@@ -453,4 +455,50 @@ async def test_concurrent_groups_never_mix_and_a_bandwidth_zero_member_takes_par
     finally:
         for a in averagers:
             await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+class StaleViewMatchmaker(Matchmaker):
+    """Does not see ``hidden`` peers' declarations until ``until`` (monotonic): a DHT read
+    that missed them, as happens to a late peer or right after a store."""
+
+    def __init__(self, peer: Peer, hidden: set, until: float, **kwargs: Any):
+        super().__init__(peer, **kwargs)
+        self.hidden, self.until = hidden, until
+
+    async def _candidates(self, rnd: Any) -> dict:
+        view = await super()._candidates(rnd)
+        if time.monotonic() < self.until:
+            view = {p: d for p, d in view.items() if p not in self.hidden}
+        return view
+
+
+async def test_leaders_of_a_split_merge_into_one_group() -> None:
+    peers = await start_peers([61, 62, 63, 64])
+    peers.sort(key=lambda p: p.peer_id.digest)
+    low, high = {p.peer_id for p in peers[:2]}, {p.peer_id for p in peers[2:]}
+    until = time.monotonic() + 1.5
+    makers = [
+        StaleViewMatchmaker(
+            p,
+            high if p.peer_id in low else low,
+            until,
+            rpc_name="mm.join",
+            min_group_size=2,
+            target_group_size=4,
+            gather_window=0.1,
+        )
+        for p in peers
+    ]
+    try:
+        # each half sees only itself at first: peers[0] and peers[2] both start leading a pair
+        groups = await asyncio.gather(
+            *(m.form_group("split-test", 8.0, expected=4, patience=4.0) for m in makers)
+        )
+        assert all(isinstance(g, GroupInfo) for g in groups), groups
+        assert {g.group_id for g in groups} == {groups[0].group_id}
+        assert set(groups[0].peer_ids) == low | high
+    finally:
+        for m in makers:
+            await m.close()
         await asyncio.gather(*(p.close() for p in peers))

@@ -134,7 +134,7 @@ def records():
 
 
 def test_declaration_round_trip_and_owner_check(records):
-    decl = Declaration(records[0], time.time() + 5, busy=False, leading=True)
+    decl = Declaration(records[0], time.time() + 5, busy=False, leading=True, size=3)
     back = Declaration.parse(decl.serialize(), records[0].peer_id)
     assert back == decl
     with pytest.raises(AveragingError):
@@ -158,6 +158,14 @@ def test_declaration_round_trip_and_owner_check(records):
 def test_declaration_rejects_hostile_values(junk, records):
     with pytest.raises(AveragingError):
         Declaration.parse(junk, records[0].peer_id)
+
+
+@pytest.mark.parametrize("size", [0, -1, 10**6, "3", 2.0, True, None])
+def test_declaration_rejects_a_bad_group_size(size, records):
+    good = {"r": records[0].serialize(), "d": time.time() + 5.0, "b": False, "l": True}
+    assert Declaration.parse(msgpack.packb({**good, "n": 2}), records[0].peer_id).size == 2
+    with pytest.raises(AveragingError):
+        Declaration.parse(msgpack.packb({**good, "n": size}), records[0].peer_id)
 
 
 @given(data=st.binary(max_size=300))

@@ -118,17 +118,38 @@ def test_a_sure_node_still_moves() -> None:
     assert predict_rtt(node.coordinate, remote) > before
 
 
-def test_median_filter_damps_one_spike() -> None:
+def test_percentile_filter_damps_spikes() -> None:
     filtered, raw = Vivaldi(rng=random.Random(0)), Vivaldi(rng=random.Random(0))
     remote = Coordinate((0.05, 0.0, 0.0, 0.0), MIN_HEIGHT, 0.1)
-    for rtt in (0.05, 0.05, 2.0):
+    for rtt in (0.05, 0.05, 2.0, 1.5):  # a loaded host: two of four samples inflated
         filtered.observe(rtt, remote, peer="b")
         raw.observe(rtt, remote)
     assert predict_rtt(filtered.coordinate, remote) < predict_rtt(raw.coordinate, remote) / 2
 
 
+def test_percentile_filter_follows_a_longer_path_within_its_window() -> None:
+    node = Vivaldi(rng=random.Random(0))
+    window = node.config.filter_size
+    remote = Coordinate((0.0,) * 4, MIN_HEIGHT, 0.1)
+    for _ in range(40):
+        node.observe(0.01, remote, peer="b")
+    for _ in range(window - 1):  # the peer moved away: the old low samples still rule
+        node.observe(0.2, remote, peer="b")
+    assert predict_rtt(node.coordinate, remote) < 0.05
+    for _ in range(40):
+        node.observe(0.2, remote, peer="b")
+    assert abs(predict_rtt(node.coordinate, remote) - 0.2) < 0.02
+
+
 def test_config_checks() -> None:
-    for bad in ({"dims": 0}, {"dims": MAX_DIMS + 1}, {"cc": 0}, {"ce": 2}, {"min_rtt": 0}):
+    for bad in (
+        {"dims": 0},
+        {"dims": MAX_DIMS + 1},
+        {"cc": 0},
+        {"ce": 2},
+        {"min_rtt": 0},
+        {"filter_percentile": 1.5},
+    ):
         with pytest.raises(ConfigError):
             VivaldiConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import statistics
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -131,7 +130,8 @@ class VivaldiConfig:
     ce: float = 0.25  # c_e: weight of a new sample in the moving average of the error
     min_rtt: float = 1e-5  # seconds: smaller samples are clamped up (loopback, clock quantum)
     max_rtt: float = 10.0  # seconds: larger samples are rejected (a stalled peer, not a path)
-    filter_size: int = 3  # RTT samples per peer whose median is used (1 = no filter)
+    filter_size: int = 4  # recent RTT samples kept per peer (1 = no filter)
+    filter_percentile: float = 0.25  # which of them is used: 0 = the lowest, 0.5 = the median
     max_filtered_peers: int = 1024  # peers whose recent samples are kept (oldest forgotten)
 
     def __post_init__(self) -> None:
@@ -143,6 +143,8 @@ class VivaldiConfig:
             raise ConfigError(f"vivaldi needs 0 < min_rtt < max_rtt <= {MAX_COMPONENT}")
         if self.filter_size < 1 or self.max_filtered_peers < 1:
             raise ConfigError("vivaldi filter_size and max_filtered_peers must be >= 1")
+        if not 0 <= self.filter_percentile <= 1:
+            raise ConfigError("vivaldi filter_percentile must be in [0, 1]")
 
 
 class Vivaldi:
@@ -183,8 +185,11 @@ class Vivaldi:
             rtt: measured round-trip time in seconds; values below ``config.min_rtt`` are
                 clamped up to it.
             remote: the peer's coordinate (validated, e.g. by :meth:`Coordinate.from_wire`).
-            peer: the peer's identity: when given, the median of its last ``filter_size``
-                samples is used instead of ``rtt`` alone, which damps queueing spikes.
+            peer: the peer's identity: when given, a low percentile (``filter_percentile``) of
+                its last ``filter_size`` samples is used instead of ``rtt`` alone. Queues and a
+                busy event loop (a training step holding the CPU) only ever add delay, so the
+                low end of recent samples tracks the path (Ledlie et al., "Network Coordinates
+                in the Wild", NSDI 2007: a moving percentile filter).
 
         Returns:
             The new coordinate.
@@ -235,7 +240,8 @@ class Vivaldi:
                 del self._samples[next(iter(self._samples))]
         window.append(rtt)
         self._samples[peer] = window
-        return statistics.median(window)
+        ordered = sorted(window)
+        return ordered[int(self.config.filter_percentile * (len(ordered) - 1))]
 
     def _random_unit(self) -> list[float]:
         while True:

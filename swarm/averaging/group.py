@@ -14,6 +14,12 @@ group:
   so no peer is both a member of one group and the leader of another;
 - a leader closes no later than the earliest deadline of its members, so it answers every
   follower while that follower still waits.
+
+Two leaders may still start under one key when their views missed each other (a late peer, a
+DHT read that did not see a declaration yet). A leader that sees a leader with a smaller PeerID
+whose group has room for its own disbands before closing: it answers its followers "no group"
+(they read the key again and find the smaller leader) and joins that leader itself. So the
+halves of a split merge instead of averaging apart.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Declaration:
     deadline: float  # wall-clock time at which it stops looking (= the entry's expiration)
     busy: bool = False  # already in a group: do not wait for it
     leading: bool = False  # has followers: it will not join anyone, join it instead
+    size: int = 1  # members so far, the peer included (a leader's group size)
 
     def serialize(self) -> bytes:
         return wire.pack(
@@ -55,6 +62,7 @@ class Declaration:
                 "d": float(self.deadline),
                 "b": self.busy,
                 "l": self.leading,
+                "n": self.size,
             }
         )
 
@@ -76,12 +84,17 @@ class Declaration:
                 raise TransportError("declaration: deadline must be a finite float")
             if not isinstance(busy, bool) or not isinstance(leading, bool):
                 raise TransportError("declaration: busy and leading must be bools")
+            size = obj.get("n", 1)
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TransportError("declaration: size must be an int")
+            if not 1 <= size <= MAX_GROUP_SIZE:
+                raise TransportError(f"declaration: size {size} is outside [1, {MAX_GROUP_SIZE}]")
             record = PeerRecord.parse(obj["r"])
         except (TransportError, AuthError) as e:
             raise AveragingError(f"invalid matchmaking declaration: {e}") from e
         if record.peer_id != owner:
             raise AveragingError("matchmaking declaration carries another peer's record")
-        return cls(record, deadline, busy, leading)
+        return cls(record, deadline, busy, leading, size)
 
 
 def choose_leader(

@@ -43,6 +43,7 @@ class _Round:
     expected: int = 0  # members the caller planned for (0: unknown)
     patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
     role: str = "candidate"  # candidate | leader | joining | closed
+    declared: int = 0  # declarations stored this round (each one expires a little later)
     followers: dict[PeerID, tuple[PeerRecord, float]] = field(default_factory=dict)
     closed: asyncio.Future[GroupInfo | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -139,6 +140,15 @@ class Matchmaker:
                         return self._close(rnd)
                     return f"only {size} of the {self.min_group_size} peers needed joined"
                 view = await self._candidates(rnd)
+                size = len(rnd.followers) + 1
+                merge_into = self._smaller_leader(view, size, refused)
+                if merge_into is not None and size < self.target_group_size:
+                    logger.debug("merging a group of %d into %s's", size, merge_into.short)
+                    self._disband(rnd)
+                    outcome = await self._follow(rnd, view[merge_into], refused)
+                    if outcome is not None:
+                        return outcome
+                    continue
                 waiting_for = [
                     p for p, d in view.items() if not d.leading and p not in rnd.followers
                 ]
@@ -159,17 +169,46 @@ class Matchmaker:
             if leader is None or leader == self.peer_id:
                 await self._wait(rnd, self.poll_interval)
                 continue
-            rnd.role = "joining"
-            outcome = await self._join(rnd, view[leader])
-            if isinstance(outcome, GroupInfo):
-                rnd.role = "closed"
+            outcome = await self._follow(rnd, view[leader], refused)
+            if outcome is not None:
                 return outcome
-            if outcome is None:
-                refused.add(leader)
-                rnd.role = "candidate"
-                continue
-            rnd.role = "closed"
-            return outcome
+
+    async def _follow(
+        self, rnd: _Round, leader: Declaration, refused: set[PeerID]
+    ) -> GroupInfo | str | None:
+        """Join ``leader``: the group, the reason to give up the round, or None when refused
+        (``leader`` is then added to ``refused`` and this peer is a candidate again)."""
+        rnd.role = "joining"
+        outcome = await self._join(rnd, leader)
+        if outcome is None:
+            refused.add(leader.record.peer_id)
+            rnd.role = "candidate"
+            return None
+        rnd.role = "closed"
+        return outcome
+
+    def _smaller_leader(
+        self, view: dict[PeerID, Declaration], size: int, refused: set[PeerID]
+    ) -> PeerID | None:
+        """The smallest leader below this peer's PeerID whose group has room for ours."""
+        fits = [
+            p
+            for p, d in view.items()
+            if d.leading
+            and p not in refused
+            and p.digest < self.peer_id.digest
+            and d.size + size <= self.target_group_size
+        ]
+        return min(fits, key=lambda p: p.digest) if fits else None
+
+    def _disband(self, rnd: _Round) -> None:
+        """Stop leading before closing: waiting followers hear "no group formed" and look
+        again (they find the leader this peer is about to join)."""
+        rnd.closed.set_result(None)
+        rnd.closed = asyncio.get_running_loop().create_future()
+        rnd.followers.clear()
+        rnd.role = "joining"
+        self._declare(rnd)
 
     def _close(self, rnd: _Round) -> GroupInfo:
         rnd.role = "closed"
@@ -259,12 +298,10 @@ class Matchmaker:
             return {"ok": False, "why": "record does not match the sender"}
         if deadline <= time.time():
             return {"ok": False, "why": "deadline passed"}
-        first = not rnd.followers
         rnd.followers[sender.peer_id] = (record, deadline)
         rnd.role = "leader"
         rnd.changed.set()
-        if first:
-            self._declare(rnd, leading=True)
+        self._declare(rnd, leading=True)  # with the new size, for leaders that may merge
         try:
             group = await asyncio.shield(rnd.closed)
         except asyncio.CancelledError:
@@ -278,9 +315,11 @@ class Matchmaker:
 
     def _declare(self, rnd: _Round, *, busy: bool = False, leading: bool = False) -> None:
         """Store our declaration in the background (tracked, cancelled on close)."""
-        decl = Declaration(self.peer.transport.record(), rnd.deadline, busy, leading)
+        size = len(rnd.followers) + 1 if leading else 1
+        decl = Declaration(self.peer.transport.record(), rnd.deadline, busy, leading, size)
         # a later expiration wins per subkey, so each update outlives the previous one
-        bump = 2e-3 if busy else (1e-3 if leading else 0.0)
+        bump = rnd.declared * 1e-3
+        rnd.declared += 1
 
         async def store() -> None:
             try:
