@@ -256,6 +256,28 @@ def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
     torch.testing.assert_close(acc, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_reducer_chunks_are_ready_in_order_as_every_sender_delivers_them():
+    codec = get_codec("none")
+    n, chunks = 90, _chunks(90, 30)
+    own, a, b = torch.full((n,), 1.0), torch.full((n,), 4.0), torch.full((n,), 10.0)
+    acc = torch.empty(n)
+    r = PartReducer(acc, chunks, [1, 2, 3])
+    r.begin(own, 1.0)
+    r.accept(1, 1.0)
+    r.accept(2, 2.0)
+    assert not r.chunk_ready(0)  # sender 3 has not even started
+    r.fail(3)  # never started: does not taint
+    for i, (s, e) in enumerate(chunks[:2]):
+        r.add_chunk(1, i, codec.encode(a[s:e]))
+        r.chunk_added(1)
+    r.add_chunk(2, 0, codec.encode(b[0:30]))
+    r.chunk_added(2)
+    assert r.chunk_ready(0) and not r.chunk_ready(1) and not r.chunk_ready(2)
+    assert r.chunk_total(0) == 4.0
+    torch.testing.assert_close(r.finish_chunk(0, r.chunk_total(0)), torch.full((30,), 6.25))
+    assert not r.tainted and not r.settled()
+
+
 def test_reducer_taint_and_restart_excludes_partial_sender():
     codec = get_codec("none")
     n, chunks = 100, _chunks(100, 30)

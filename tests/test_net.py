@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from swarm.auth import AUTH_HEADER, Membership, RequestAuth, derive_stream_key
 from swarm.errors import AuthError, ConfigError, TransportError
 from swarm.identity import Identity
+from swarm.net import wire
 from swarm.net.address import PeerAddress
 from swarm.net.frames import DATA, END, HEADER, TO_SERVER, Sealer, make_aead
 from swarm.net.record import CONTEXT, PeerRecord
-from swarm.net.streams import InboundStream, ReplyStream
+from swarm.net.streams import MAX_HEADER_BYTES, InboundStream, ReplyStream
 from swarm.net.transport import Transport
 
 KEY = Membership.with_key("the swarm key of the tests")
@@ -289,6 +290,53 @@ async def test_reply_stream_and_cipher_choice(cipher: str) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_reply_flows_before_the_request_ends_and_its_trailer_comes_last(
+    pair: tuple[Transport, Transport],
+) -> None:
+    """Full duplex: each chunk is answered while the client is still sending the next one."""
+    a, b = pair
+    answered = asyncio.Event()
+
+    async def echo(request: InboundStream, reply: ReplyStream) -> None:
+        await reply.prepare({"ok": True})
+        count = 0
+        async for chunk in request:
+            await reply.write(chunk.upper())
+            count += 1
+        reply.set_trailer({"count": count})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first"
+        await asyncio.wait_for(answered.wait(), 10)  # the reply arrives before the body ends
+        yield b"second"
+
+    b.add_stream("echo", echo)
+    async with a.stream(b.record(), "echo", {}, chunks(), timeout=30) as s:
+        got = []
+        async for chunk in s:
+            got.append(chunk)
+            assert s.trailer == {}  # not before the end
+            answered.set()
+    assert got == [b"FIRST", b"SECOND"] and s.trailer == {"count": 2}
+    with pytest.raises(TransportError):
+        ReplyStream(None, None).set_trailer({"big": b"x" * (MAX_HEADER_BYTES + 1)})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("trailer", [wire.pack([1, 2]), b"\xc1", wire.pack({"x": b"y" * 70_000})])
+async def test_malformed_trailer_is_an_error(pair: tuple[Transport, Transport], trailer) -> None:
+    a, b = pair
+
+    async def hostile(request: InboundStream, reply: ReplyStream) -> None:
+        await reply.prepare({})
+        await reply.write(b"data")
+        reply._trailer = trailer  # what a hostile peer could seal into its END frame
+
+    b.add_stream("hostile", hostile)
+    with pytest.raises(TransportError):
+        async with a.stream(b.record(), "hostile", {}, _nothing(), timeout=30) as s:
+            assert [c async for c in s] == [b"data"]
 
 
 async def test_many_concurrent_streams_both_ways_with_held_replies(

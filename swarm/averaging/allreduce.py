@@ -2,10 +2,14 @@
 
 Member ``i`` opens one stream per part owner ``j`` (route ``{name}.part``) and streams its
 compressed values of part ``j`` in chunks; owner ``j`` adds each chunk into its accumulator as it
-arrives (:class:`~swarm.averaging.reducer.PartReducer`), and once every sender has finished or
-been dropped it divides by the total weight, compresses the averaged part chunk by chunk (with its
-own error feedback) and writes it back as the reply of each stream. All of a member's streams are
-in flight at once; encoding, decoding and reduction run in a thread pool.
+arrives (:class:`~swarm.averaging.reducer.PartReducer`). As soon as every sender has delivered
+chunk ``c`` (or been dropped), the owner divides it by its total weight, compresses it (with its
+own error feedback) and writes it back on the reply of each stream, while later chunks still
+arrive: the all-gather is pipelined with the reduce-scatter chunk by chunk, so no link idles
+while an owner waits for the last bytes of its part. The reply's trailer (sent with its END
+frame) gives the outcome; receivers stage averaged chunks and apply a part only after an ``ok``
+trailer. All of a member's streams are in flight at once; encoding, decoding and reduction run in
+a thread pool.
 
 Failures:
 
@@ -13,14 +17,16 @@ Failures:
   this part (``stall_factor`` times the time a chunk takes at that rate, at least
   ``stall_timeout_min``); a stream that fails authentication or carries a malformed chunk is
   dropped at once;
-- a dropped sender whose chunks were already added *taints* the part: the owner resets it and
-  answers ``retry`` to the complete senders, which send the part again (once);
+- a dropped sender whose chunks were already added *taints* the part: the owner stops sending
+  averaged chunks, resets the part and answers ``retry`` to the complete senders, which discard
+  what they staged and send the part again (once);
 - a part whose owner fails, times out or answers ``ok: false`` keeps this member's own values;
   averaged values land in a staging buffer and are applied only for parts received completely.
 
 Stream header (request): ``{"g": group id, "p": part, "a": attempt, "w": weight}``.
-Reply header: ``{"ok": true, "c": [member indices averaged]}``, ``{"retry": true}`` or
-``{"ok": false, "why": ...}``.
+Reply header: ``{"ok": true}`` (the stream was accepted), then the averaged chunks; reply trailer:
+``{"ok": true, "c": [member indices averaged]}``, ``{"retry": true}`` or ``{"ok": false, "why":
+...}``.
 """
 
 from __future__ import annotations
@@ -113,12 +119,12 @@ class AllReduceRunner:
         rel = tuple((s - start, e - start) for s, e in plan.chunks(me))
         senders = [i for i in range(len(group.members)) if i != me]
         self.reducer = PartReducer(result[start:end], rel, senders) if end > start else None
-        self._locks = [asyncio.Lock() for _ in rel]
+        self._adding = [0] * len(rel)  # adds into each chunk submitted and not finished
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._begun = asyncio.Event()
         self._changed = asyncio.Event()
         self._outcomes: dict[int, asyncio.Future[tuple[str, Any]]] = {}
-        self._averaged: list[asyncio.Future[bytes]] = []
+        self._averaged: list[asyncio.Future[bytes | None]] = []  # None: the attempt stopped
         self._readers: dict[int, asyncio.Task[None]] = {}
         self._dropped: set[int] = set()
         self._activity: dict[int, float] = {}
@@ -172,7 +178,8 @@ class AllReduceRunner:
         if self.reducer is not None:
             start, end = self.plan.ranges[self.me]
             await self._in_thread(self.reducer.begin, self.flat[start:end], self.weight)
-            self._reset_timing()
+            self.feedback.prepare_owner(start, end)
+            self._new_attempt()
             self._begun.set()
             tasks.append(asyncio.create_task(self._own_part(), name="swarm-own-part"))
         for j in self.plan.owned():
@@ -185,9 +192,7 @@ class AllReduceRunner:
         for fut in self._outcomes.values():
             if not fut.done():
                 fut.set_result(("failed", "the round ended"))
-        for chunk in self._averaged:
-            if not chunk.done():
-                _fail(chunk, AveragingError("the round ended"))
+        self._stop_chunks()
         await self._close_replies()
         await self._drain()
         parts: dict[int, tuple[int, ...]] = {}
@@ -209,48 +214,81 @@ class AllReduceRunner:
 
     # ---- owner side
 
+    def _new_attempt(self) -> None:
+        self._reset_timing()
+        loop = asyncio.get_running_loop()
+        assert self.reducer is not None
+        self._averaged = [loop.create_future() for _ in self.reducer.chunks]
+
+    def _stop_chunks(self) -> None:
+        """Reply writers waiting for averaged chunks of this attempt stop (they get None)."""
+        for chunk in self._averaged:
+            if not chunk.done():
+                chunk.set_result(None)
+
     async def _own_part(self) -> tuple[int, tuple[int, ...] | None, str]:
         reducer = self.reducer
         assert reducer is not None  # run() only starts this task with a part to own
         while True:
             attempt = reducer.attempt
-            while not reducer.settled():
-                self._changed.clear()
-                self._watchdog()
-                if reducer.settled():
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):  # a watchdog tick
-                    await asyncio.wait_for(self._changed.wait(), _TICK_S)
+            sent = await self._average_chunks()
             await self._drain()
             contributors = reducer.contributors()
             retry_ok = attempt + 1 < MAX_ATTEMPTS and self._remaining() > 0
             if reducer.tainted and retry_ok and contributors:
                 logger.debug("part %d tainted by %s: retrying", self.me, reducer.failed())
+                self._stop_chunks()
+                for s, e in reducer.chunks[:sent]:  # nobody applies what went out: no residual
+                    self.feedback.forget_owned(s, e - s)
                 await self._in_thread(reducer.restart)
-                self._reset_timing()
+                self._new_attempt()
                 self._resolve(attempt, "retry", None)
                 continue
-            if reducer.tainted or not contributors:
+            if reducer.tainted or not contributors or sent < len(reducer.chunks):
+                self._stop_chunks()
                 why = "a sender failed twice" if reducer.tainted else "no sender finished"
+                if not reducer.tainted and contributors:
+                    why = "the averaged part could not be encoded"
                 self._resolve(attempt, "failed", why)
                 return self.me, None, f"own part {self.me}: {why}"
-            await self._in_thread(reducer.finish)
             averaged = tuple(sorted((self.me, *contributors)))
-            start, end = self.plan.ranges[self.me]
-            self.feedback.prepare_owner(start, end)
-            loop = asyncio.get_running_loop()
-            self._averaged = [loop.create_future() for _ in reducer.chunks]
             self._resolve(attempt, "ok", averaged)
-            for i, (s, e) in enumerate(reducer.chunks):
-                try:
-                    payload = await self._in_thread(self.feedback.encode_owned, reducer.acc[s:e], s)
-                except CompressionError as exc:
-                    for fut in self._averaged[i:]:
-                        _fail(fut, AveragingError(f"cannot encode the average: {exc}"))
-                    return self.me, None, f"own part {self.me}: {exc}"
-                self._averaged[i].set_result(payload)
             note = f"part {self.me}: dropped {list(reducer.failed())}" if reducer.failed() else ""
             return self.me, averaged, note
+
+    async def _average_chunks(self) -> int:
+        """Average and encode chunks in order as every sender delivers them, until the part is
+        settled; returns how many went out (all of them, unless tainted or an encoding failed)."""
+        reducer = self.reducer
+        assert reducer is not None
+        sent, n = 0, len(reducer.chunks)
+        while True:
+            self._changed.clear()
+            self._watchdog()
+            while sent < n and not reducer.tainted and self._chunk_ready(sent):
+                total = reducer.chunk_total(sent)
+                try:
+                    payload = await self._in_thread(self._finish_chunk, sent, total)
+                except CompressionError as e:
+                    logger.warning("part %d: cannot encode the average: %s", self.me, e)
+                    return sent
+                self._averaged[sent].set_result(payload)
+                sent += 1
+            if reducer.settled() and (reducer.tainted or sent == n):
+                return sent
+            if reducer.settled() and not reducer.contributors():
+                return sent  # every sender failed before sending: nothing to average
+            with contextlib.suppress(asyncio.TimeoutError):  # a watchdog tick
+                await asyncio.wait_for(self._changed.wait(), _TICK_S)
+
+    def _chunk_ready(self, index: int) -> bool:
+        assert self.reducer is not None
+        return self._adding[index] == 0 and self.reducer.chunk_ready(index)
+
+    def _finish_chunk(self, index: int, total: float) -> bytes:
+        assert self.reducer is not None
+        values = self.reducer.finish_chunk(index, total)
+        return self.feedback.encode_owned(values, self.reducer.chunks[index][0])
 
     def _watchdog(self) -> None:
         """Drop senders that stalled, judged by the rate this part has been receiving at."""
@@ -326,16 +364,22 @@ class AllReduceRunner:
         self._activity[sender] = time.monotonic()
         reader = asyncio.create_task(self._consume(request, sender))
         self._readers[sender] = reader
+        writer: asyncio.Task[bool] | None = None
+        if self.settings.fault is not Fault.SKIP_REPLY:
+            await reply.prepare({"ok": True})
+            writer = asyncio.create_task(self._write_chunks(reply, self._averaged))
         try:
             await reader
             reducer.complete(sender)
         except asyncio.CancelledError:
+            await _cancel(writer)
             if sender in self._dropped and reader.cancelled():
                 raise TransportError("dropped: stopped sending", status=408) from None
             reducer.fail(sender)
             self._changed.set()
             raise
         except _FAILURES as e:
+            await _cancel(writer)
             logger.info("part %d: stream from member %d failed: %s", self.me, sender, e)
             reducer.fail(sender)
             self._changed.set()
@@ -350,10 +394,38 @@ class AllReduceRunner:
         if task is not None:
             self._replies.add(task)
         try:
-            await self._reply(reply, attempt)  # type: ignore[arg-type]
+            await self._finish_reply(reply, writer, attempt)  # type: ignore[arg-type]
         finally:
             if task is not None:
                 self._replies.discard(task)
+
+    async def _write_chunks(
+        self, reply: ReplyStream, averaged: list[asyncio.Future[bytes | None]]
+    ) -> bool:
+        """Write the averaged chunks of one attempt as they come; False when it stopped."""
+        for chunk in averaged:
+            payload = await asyncio.shield(chunk)  # shared by every writer: never cancel it
+            if payload is None:
+                return False
+            await reply.write(payload)
+            self.bytes_sent += len(payload)
+        return True
+
+    async def _finish_reply(
+        self, reply: ReplyStream, writer: asyncio.Task[bool] | None, attempt: int
+    ) -> None:
+        kind, value = await self._outcome(attempt)
+        if writer is None:  # Fault.SKIP_REPLY: an owner that never answers
+            self.fault_triggered.set()
+            await asyncio.sleep(_FAULT_SLEEP_S)
+            return
+        complete = await writer
+        if kind == "retry":
+            reply.set_trailer({"retry": True})
+        elif kind == "ok" and complete:
+            reply.set_trailer({"ok": True, "c": list(value)})
+        else:
+            reply.set_trailer({"ok": False, "why": str(value)})
 
     async def _consume(self, request: InboundStream, sender: int) -> None:
         reducer = self.reducer
@@ -369,26 +441,16 @@ class AllReduceRunner:
             # counted before the add starts: a sender dropped (its task cancelled) while the worker
             # thread adds its chunk must taint the part, since the add completes regardless
             reducer.chunk_added(sender)
-            async with self._locks[index]:
-                await self._in_thread(reducer.add_chunk, sender, index, payload)
+            self._adding[index] += 1
+            cf = self.pool.submit(reducer.add_chunk, sender, index, payload)
+            self._inflight.add(cf)
+            cf.add_done_callback(self._inflight.discard)
+            try:
+                await asyncio.wrap_future(cf)
+            finally:
+                self._adding[index] -= 1  # once the add finished, even if we were cancelled
+                self._changed.set()
             self._activity[sender] = self._last_byte = time.monotonic()
-
-    async def _reply(self, reply: ReplyStream, attempt: int) -> None:
-        kind, value = await self._outcome(attempt)
-        if self.settings.fault is Fault.SKIP_REPLY:
-            self.fault_triggered.set()
-            await asyncio.sleep(_FAULT_SLEEP_S)
-        if kind == "retry":
-            await reply.prepare({"retry": True})
-            return
-        if kind != "ok":
-            await reply.prepare({"ok": False, "why": str(value)})
-            return
-        await reply.prepare({"ok": True, "c": list(value)})
-        for fut in self._averaged:
-            payload = await fut
-            await reply.write(payload)
-            self.bytes_sent += len(payload)
 
     # ---- sender side
 
@@ -442,23 +504,24 @@ class AllReduceRunner:
         name = self.settings.stream_name
         timeout = max(1.0, self._remaining())
         async with self.transport.stream(owner, name, header, body, timeout=timeout) as s:
-            reply = s.header
-            if reply.get("retry") is True:
-                return None
-            if reply.get("ok") is not True:
-                raise AveragingError(f"owner gave up: {reply.get('why')!s:.200}")
-            contributors = self._check_contributors(reply.get("c"), j)
+            if s.header.get("ok") is not True:
+                raise AveragingError(f"owner refused: {s.header.get('why')!s:.200}")
             received = 0
-            async for payload in s:
+            async for payload in s:  # staged in ``result``; applied after an ok trailer only
                 if received >= len(chunks):
                     raise AveragingError("owner sent more chunks than the part has")
                 cs, ce = chunks[received]
                 await self._in_thread(self._apply_chunk, payload, cs, ce)
                 self.bytes_received += len(payload)
                 received += 1
-            if received != len(chunks):
-                raise AveragingError(f"owner sent {received} of {len(chunks)} chunks")
-            return contributors
+            outcome = s.trailer
+        if outcome.get("retry") is True:
+            return None
+        if outcome.get("ok") is not True:
+            raise AveragingError(f"owner gave up: {outcome.get('why')!s:.200}")
+        if received != len(chunks):
+            raise AveragingError(f"owner sent {received} of {len(chunks)} chunks")
+        return self._check_contributors(outcome.get("c"), j)
 
     def _check_contributors(self, value: Any, j: int) -> tuple[int, ...]:
         n = len(self.group.members)
@@ -482,7 +545,7 @@ class AllReduceRunner:
         decode_into(payload, out, 1.0)
 
 
-def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    """Fail a future that nobody may be waiting for, without a 'never retrieved' warning."""
-    fut.set_exception(exc)
-    fut.exception()  # marks it retrieved; waiters still get the exception
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

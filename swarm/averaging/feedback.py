@@ -73,6 +73,14 @@ class FlatFeedback:
         r.sub_(values)  # r = e - D(c)
         return payload
 
+    def forget_owned(self, offset: int, n: int) -> None:
+        """Clear the owner residual of ``n`` elements from ``offset``: what :meth:`encode_owned`
+        sent there was discarded by its receivers (the part was retried), so the error it
+        accounted for never happened; the previous residual is lost with it (a small, one-off
+        loss of compensation, never a wrong value)."""
+        if self._owner is not None:
+            self._owner[offset : offset + n].zero_()
+
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.spec, "sender": self._sender}
 

@@ -1,21 +1,24 @@
 """Reduction of one part (sans-I/O): weighted contributions accumulated chunk by chunk.
 
 The owner of a part starts from its own weighted values, adds every sender's decoded chunks as
-they arrive (``acc += w * D(chunk)``, no temporary), and divides by the sum of the weights of the
-senders whose whole stream arrived. A sender whose stream breaks after some of its chunks were
-added *taints* the part: its partial contribution cannot be taken back, so the owner resets the
-part and asks the complete senders for their values again (:meth:`PartReducer.restart`). Nothing
-half-received reaches the result.
+they arrive (``acc += w * D(chunk)``, no temporary), and divides each chunk by the sum of the
+weights of the senders that delivered it as soon as every sender has delivered it or been dropped
+(:meth:`PartReducer.chunk_ready`), so the averaged chunk can go back while later chunks still
+arrive. A sender whose stream breaks after some of its chunks were added *taints* the part: its
+partial contribution cannot be taken back, so the owner resets the part and asks the complete
+senders for their values again (:meth:`PartReducer.restart`); receivers stage averaged chunks
+and apply a part only once its owner confirmed it, so nothing half-received reaches the result.
 
-The tensor work (:meth:`PartReducer.begin`, :meth:`add_chunk`, :meth:`finish`) is meant for a
-worker thread; the bookkeeping methods are cheap and belong to the event loop. Two threads may
-add into different chunks at once; callers serialize additions into the same chunk.
+The tensor work (:meth:`PartReducer.begin`, :meth:`add_chunk`, :meth:`finish_chunk`) is meant
+for a worker thread; the bookkeeping methods are cheap and belong to the event loop. Work on one
+chunk is serialized by a lock per chunk (a cancelled caller does not stop a running add).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -73,6 +76,7 @@ class PartReducer:
         self.own_weight = 0.0
         self._own: torch.Tensor | None = None
         self._senders: dict[int, _Sender] = {}
+        self._locks = [threading.Lock() for _ in chunks]
         self.attempt = 0
         self.tainted = False
 
@@ -93,20 +97,27 @@ class PartReducer:
         header = read_header(payload, max_numel=end - start)
         if header.numel != end - start:
             raise CompressionError(f"chunk {index} holds {header.numel}, expected {end - start}")
-        decode_into(payload, self.acc[start:end], self._senders[sender].weight)
+        with self._locks[index]:
+            decode_into(payload, self.acc[start:end], self._senders[sender].weight)
 
-    def finish(self) -> tuple[int, ...]:
-        """Divide by the total weight of the complete contributions; returns the contributors.
+    def finish_chunk(self, index: int, total: float) -> torch.Tensor:
+        """Divide chunk ``index`` by ``total`` (:meth:`chunk_total`); returns the chunk.
 
         When the weights sum to 0 the owner's own values are restored (nothing to average).
         """
-        contributors = self.contributors()
-        total = self.own_weight + sum(self._senders[s].weight for s in contributors)
-        if total > 0:
-            self.acc.div_(total)
-        elif self._own is not None:
-            self.acc.copy_(self._own)
-        return contributors
+        start, end = self.chunks[index]
+        with self._locks[index]:
+            if total > 0:
+                self.acc[start:end].div_(total)
+            elif self._own is not None:
+                self.acc[start:end].copy_(self._own[start:end])
+        return self.acc[start:end]
+
+    def finish(self) -> tuple[int, ...]:
+        """Divide every chunk by its total weight (all senders settled); returns contributors."""
+        for index in range(len(self.chunks)):
+            self.finish_chunk(index, self.chunk_total(index))
+        return self.contributors()
 
     def restart(self) -> tuple[int, ...]:
         """Reset to the owner's values for a new attempt with the complete senders only.
@@ -184,6 +195,23 @@ class PartReducer:
         """Every expected sender is complete or failed."""
         done = (SenderState.COMPLETE, SenderState.FAILED)
         return all(self.state(s) in done for s in self.expected)
+
+    def chunk_ready(self, index: int) -> bool:
+        """Every expected sender delivered chunk ``index`` (its add may still run) or failed."""
+        for x in self.expected:
+            s = self._senders.get(x)
+            if s is None or (s.state is not SenderState.FAILED and s.next_chunk <= index):
+                return False
+        return True
+
+    def chunk_total(self, index: int) -> float:
+        """The weight chunk ``index`` holds: the owner's plus that of the live senders that
+        delivered it (a failed one that delivered it taints the part instead)."""
+        return self.own_weight + sum(
+            s.weight
+            for s in self._senders.values()
+            if s.state is not SenderState.FAILED and s.next_chunk > index
+        )
 
     def contributors(self) -> tuple[int, ...]:
         return tuple(s for s in self.expected if self.state(s) is SenderState.COMPLETE)

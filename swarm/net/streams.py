@@ -65,6 +65,7 @@ class FrameReader:
         self._max_stream_bytes = max_stream_bytes
         self._peer = peer
         self.bytes_received = 0
+        self.trailer: dict[str, Any] = {}
 
     async def read(self) -> tuple[int, bytes]:
         """Return the next ``(kind, plaintext)``.
@@ -104,10 +105,11 @@ class FrameReader:
         return header
 
     async def read_chunk(self) -> bytes | None:
-        """The next data chunk, or None at the END frame.
+        """The next data chunk, or None at the END frame (whose trailer lands in ``trailer``).
 
         Raises:
-            TransportError: the sender aborted the stream (ERROR frame), or see :meth:`read`.
+            TransportError: the sender aborted the stream (ERROR frame), a malformed trailer,
+                or see :meth:`read`.
         """
         if self._opener.ended:
             return None
@@ -117,6 +119,11 @@ class FrameReader:
         if kind == ERROR:
             reason = plaintext[:MAX_ERROR_CHARS].decode("utf-8", "replace")
             raise TransportError(f"sender aborted the stream: {reason}", peer=self._peer)
+        if plaintext:
+            trailer = wire.unpack(plaintext, max_bytes=MAX_HEADER_BYTES, what="stream trailer")
+            if not isinstance(trailer, dict):
+                raise TransportError("a stream trailer must be a dict", peer=self._peer)
+            self.trailer = trailer
         return None
 
 
@@ -190,7 +197,17 @@ class ReplyStream:
     def __init__(self, request: web.Request, writer: FrameWriter):
         self._request = request
         self._writer = writer
+        self._trailer = b""
         self.response: web.StreamResponse | None = None
+
+    def set_trailer(self, trailer: dict[str, Any]) -> None:
+        """A small dict sealed into the END frame, sent after the last chunk: what the client
+        reads as ``stream.trailer`` once it reached the end (e.g. an outcome known only then).
+
+        Raises:
+            TransportError: not a small msgpack-able dict.
+        """
+        self._trailer = _pack_header(trailer)
 
     @property
     def prepared(self) -> bool:
@@ -232,7 +249,7 @@ class ReplyStream:
         """End the reply (framework use, after the handler returned)."""
         if self.response is None:
             await self.prepare({})
-        await self._send(END, b"")
+        await self._send(END, self._trailer)
         await self._prepared_response().write_eof()
 
     async def abort(self, exc: BaseException) -> None:
@@ -339,6 +356,11 @@ class OutboundStream:
     @property
     def bytes_received(self) -> int:
         return 0 if self._reader is None else self._reader.bytes_received
+
+    @property
+    def trailer(self) -> dict[str, Any]:
+        """The reply's trailer (:meth:`ReplyStream.set_trailer`); ``{}`` until the END frame."""
+        return {} if self._reader is None else self._reader.trailer
 
     async def __aexit__(self, *exc_info: object) -> None:
         complete = self._reader is not None and self._reader._opener.ended
