@@ -8,9 +8,10 @@ Prints one JSON object per line and configuration::
 
 Every peer is its own process (this script with ``--peer``) bound to its own 127.0.0.x address,
 with one :class:`~swarm.averaging.Averager` (``grouping="fixed"``, min = target = N, gather
-window ``--gather-window``, 0.2 s by default: with 50 ms, 8 peers sometimes split into two
-groups that both miss min = N and the round fails after the matchmaking timeout). Each runs a
-warm-up round, then ``--rounds`` timed rounds of one float32 tensor.
+window ``--gather-window``, 50 ms by default: peers whose first DHT reads missed each other
+start two leaders, and the larger leader merges into the smaller, so a short window no longer
+splits the group). Each runs a warm-up round, then ``--rounds`` timed rounds of one float32
+tensor.
 ``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
 of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
 ``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included). Rounds
@@ -270,7 +271,7 @@ def main() -> None:
     p.add_argument("--codecs", nargs="+", default=list(CODECS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--settings", nargs="+", default=["loopback"])
-    p.add_argument("--gather-window", type=float, default=0.2, help="matchmaking gather window")
+    p.add_argument("--gather-window", type=float, default=0.05, help="matchmaking gather window")
     p.add_argument("--configs", nargs="*", default=[], help="explicit N:NUMEL:CODEC triples")
     # peer-process options (internal)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
