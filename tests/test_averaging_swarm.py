@@ -508,3 +508,30 @@ async def test_leaders_of_a_split_merge_into_one_group() -> None:
         for m in makers:
             await m.close()
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_planned_leader_is_joined_directly_and_a_wrong_plan_falls_back() -> None:
+    peers = await start_peers([71, 72, 73, 74])
+    peers.sort(key=lambda p: p.peer_id.digest)
+    makers = [
+        Matchmaker(p, rpc_name="mm.join", min_group_size=2, target_group_size=4, gather_window=0.3)
+        for p in peers
+    ]
+    try:
+        leader = peers[0].transport.record()
+        planned = await asyncio.gather(
+            *(m.form_group("planned", 8.0, expected=4, leader=leader) for m in makers)
+        )
+        assert all(isinstance(g, GroupInfo) for g in planned), planned
+        assert {g.group_id for g in planned} == {planned[0].group_id}
+        # a plan naming a peer that does not look for this key: the DHT path still groups
+        absent = peers[3].transport.record()
+        fallback = await asyncio.gather(
+            *(m.form_group("fallback", 8.0, expected=3, leader=absent) for m in makers[:3])
+        )
+        assert all(isinstance(g, GroupInfo) for g in fallback), fallback
+        assert set(fallback[0].peer_ids) == {p.peer_id for p in peers[:3]}
+    finally:
+        for m in makers:
+            await m.close()
+        await asyncio.gather(*(p.close() for p in peers))

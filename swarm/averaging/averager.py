@@ -36,6 +36,7 @@ from swarm.averaging.reducer import check_weight
 from swarm.averaging.result import Fault, RoundResult
 from swarm.compression import Codec, get_codec
 from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
+from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, ReplyStream
 
 logger = logging.getLogger(__name__)
@@ -205,14 +206,21 @@ class Averager:
         numel = sum(t.numel() for t in tensors)
         async with self._lock:
             started = time.monotonic()
-            key_name, expected = (group_key, 0) if group_key else await self._round_key(round_)
+            if group_key:
+                key_name, expected, leader = group_key, 0, None
+            else:
+                key_name, expected, leader = await self._round_key(round_)
             if key_name is None:
                 return RoundResult(
                     False, self._idle_reason, matchmaking_s=time.monotonic() - started
                 )
             key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, self.codec.spec))
             group = await self.matchmaker.form_group(
-                key, self.matchmaking_timeout, expected=expected, patience=self.patience
+                key,
+                self.matchmaking_timeout,
+                expected=expected,
+                patience=self.patience,
+                leader=leader,
             )
             matchmaking_s = time.monotonic() - started
             if isinstance(group, str):
@@ -220,35 +228,38 @@ class Averager:
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
             return await self._allreduce(tensors, numel, weight, group, matchmaking_s)
 
-    async def _round_key(self, round_: int | None) -> tuple[str | None, int]:
+    async def _round_key(self, round_: int | None) -> tuple[str | None, int, PeerRecord | None]:
         """This round's group key under ``grouping``, from the prober's view of the peers (None:
-        sit this round out), and the group size planned under it (0: unknown)."""
+        sit this round out), the group size planned under it (0: unknown) and the record of the
+        planned group's leader (its smallest PeerID; None: unknown)."""
         shared = round_ is not None
         number = round_ if round_ is not None else self.rounds_started
         self.rounds_started += 1
         if self.prober is None or self.grouping == "fixed":
-            return self.group_key, 0
+            return self.group_key, 0, None
         try:  # one fresh read per round: peers that start a round together see the same peers
             await asyncio.wait_for(self.prober.refresh(), self.matchmaking_timeout / 4)
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
         view, me = self.prober.view(), self.peer.peer_id
         if me not in view:  # cannot happen: the view always holds this peer
-            return self.group_key, 0
+            return self.group_key, 0, None
         if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
             self._idle_reason = "no other peer announced in this run"
-            return None, 0
+            return None, 0, None
         plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
         plan = plan_of(view, number, self.grouping_config)
         key = plan.key_of(me)
         if key is None:
             self._idle_reason = "alone in its region: sits regular rounds out until a cross one"
-            return None, 0
-        expected = len(plan.groups[key])
-        logger.debug("round %d: %s group %s of %d", number, plan.kind, key, expected)
+            return None, 0, None
+        members = plan.groups[key]
+        logger.debug("round %d: %s group %s of %d", number, plan.kind, key, len(members))
+        leader = min(members, key=lambda p: p.digest)
+        record = self.peer.transport.record() if leader == me else self.prober.records.get(leader)
         if not shared:
             key = regions.without_round(key)
-        return f"{self.group_key}.{key}", expected
+        return f"{self.group_key}.{key}", len(members), record
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state, for checkpoints."""

@@ -6,8 +6,10 @@ One round (see :mod:`swarm.averaging.group` for why stale views cannot split a g
 2. after a short gather window, read the key; join the leader (:func:`choose_leader`) with the
    ``join`` RPC, which the leader answers when it closes the group; or, when this peer is the
    leader, wait for followers;
-3. a leader closes at the target size, when every looking candidate it sees has joined (and the
-   group has the minimum size), or at the earliest deadline of its members;
+   When the caller planned the group (``expected`` members, e.g. latency-aware groups), the
+   window ends as soon as that many have declared;
+3. a leader closes at the target size, at the planned size, when every looking candidate it sees
+   has joined (and the group has the minimum size), or at the earliest deadline of its members;
 4. members re-declare themselves busy, so late peers do not wait for them.
 
 A refused or unreachable leader is skipped; a leader that times out (it may have counted us) ends
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _JOIN_SLACK_S = 3.0  # a follower waits this much past the leader's deadline for its answer
 _CLOSE_MARGIN_S = 0.3  # a leader closes this long before the earliest member deadline
+_GATHER_POLL_S = 0.02  # between DHT reads while gathering the planned members
 
 
 @dataclass
@@ -42,6 +45,7 @@ class _Round:
     deadline: float  # wall clock
     expected: int = 0  # members the caller planned for (0: unknown)
     patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
+    planned_leader: PeerRecord | None = None
     role: str = "candidate"  # candidate | leader | joining | closed
     declared: int = 0  # declarations stored this round (each one expires a little later)
     followers: dict[PeerID, tuple[PeerRecord, float]] = field(default_factory=dict)
@@ -91,7 +95,13 @@ class Matchmaker:
         return self.peer.peer_id
 
     async def form_group(
-        self, key: str, timeout: float, *, expected: int = 0, patience: float = 0.0
+        self,
+        key: str,
+        timeout: float,
+        *,
+        expected: int = 0,
+        patience: float = 0.0,
+        leader: PeerRecord | None = None,
     ) -> GroupInfo | str:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
 
@@ -100,11 +110,17 @@ class Matchmaker:
         that many joined or ``patience`` seconds passed, so that a member a little late (a far
         peer whose DHT reads are slower) is not left alone for the whole round.
 
+        ``leader``: the planned group's leader (its smallest PeerID), when the caller planned the
+        members: a follower then joins it at once instead of waiting for DHT reads (which cross
+        the WAN even for a group of neighbours), and the leader skips the gather window. If that
+        leader does not take it within the gather window (another view, not started yet), the
+        round goes on through the DHT as usual.
+
         Returns:
             The agreed group, or a short reason why none formed (never raises for that).
         """
         now = time.time()
-        rnd = _Round(key, now + timeout, expected, now + min(patience, timeout))
+        rnd = _Round(key, now + timeout, expected, now + min(patience, timeout), leader)
         self._round = rnd
         group: GroupInfo | str = "matchmaking did not finish"
         try:
@@ -127,7 +143,15 @@ class Matchmaker:
 
     async def _match(self, rnd: _Round) -> GroupInfo | str:
         refused: set[PeerID] = set()
-        await self._wait(rnd, min(self.gather_window, max(0.0, rnd.deadline - time.time())))
+        planned = rnd.planned_leader
+        if planned is None:
+            await self._gather(rnd)
+        elif planned.peer_id == self.peer_id:
+            await self._await_planned(rnd)
+        else:
+            outcome = await self._join_planned(rnd, planned)
+            if outcome is not None:
+                return outcome
         seen = 0
         while True:
             now = time.time()
@@ -135,6 +159,8 @@ class Matchmaker:
                 size = len(rnd.followers) + 1
                 if size >= self.target_group_size:
                     return self._close(rnd)
+                if rnd.expected and size >= max(rnd.expected, self.min_group_size):
+                    return self._close(rnd)  # everyone planned under this key is in
                 if now >= rnd.close_by():
                     if size >= self.min_group_size:
                         return self._close(rnd)
@@ -209,6 +235,40 @@ class Matchmaker:
         rnd.followers.clear()
         rnd.role = "joining"
         self._declare(rnd)
+
+    async def _join_planned(self, rnd: _Round, leader: PeerRecord) -> GroupInfo | str | None:
+        """Join the planned leader directly, retrying while it has not started the round;
+        None: it did not take us within the gather window (go on through the DHT)."""
+        end = min(time.time() + self.gather_window, rnd.deadline)
+        declaration = Declaration(leader, rnd.deadline)
+        while rnd.role == "candidate" and time.time() < end:
+            rnd.role = "joining"
+            outcome = await self._join(rnd, declaration)
+            if outcome is not None:
+                rnd.role = "closed"
+                return outcome
+            rnd.role = "candidate"
+            await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
+        return None
+
+    async def _await_planned(self, rnd: _Round) -> None:
+        """As the planned leader: wait (no DHT reads) for the planned members to join, at most
+        the gather window."""
+        end = min(time.time() + self.gather_window, rnd.deadline)
+        while time.time() < end and len(rnd.followers) + 1 < rnd.expected:
+            await self._wait(rnd, end - time.time())
+
+    async def _gather(self, rnd: _Round) -> None:
+        """Wait the gather window, so that peers starting at about the same time see each
+        other; when the caller planned ``expected`` members, only until that many declared."""
+        end = min(time.time() + self.gather_window, rnd.deadline)
+        if rnd.expected <= 1:
+            await self._wait(rnd, end - time.time())
+            return
+        while rnd.role == "candidate" and time.time() < end:
+            if len(await self._candidates(rnd)) + 1 >= rnd.expected:
+                return
+            await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
 
     def _close(self, rnd: _Round) -> GroupInfo:
         rnd.role = "closed"
