@@ -251,9 +251,17 @@ def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
     for s in senders:
         r.complete(s)
     assert r.settled()
-    assert r.finish() == tuple(senders)
+    assert finish(r) == tuple(senders)
     expected = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
     torch.testing.assert_close(acc, expected, rtol=1e-5, atol=1e-5)
+
+
+def finish(r: PartReducer) -> tuple[int, ...]:
+    """Average every chunk, as the owner does once each is ready; returns the contributors."""
+    for index in range(len(r.chunks)):
+        assert r.chunk_ready(index)
+        r.finish_chunk(index, r.chunk_total(index))
+    return r.contributors()
 
 
 def test_reducer_chunks_are_ready_in_order_as_every_sender_delivers_them():
@@ -302,7 +310,7 @@ def test_reducer_taint_and_restart_excludes_partial_sender():
         r.add_chunk(1, i, codec.encode(a[s:e]))
         r.chunk_added(1)
     r.complete(1)
-    assert r.finish() == (1,)
+    assert finish(r) == (1,)
     torch.testing.assert_close(acc, torch.full((n,), 2.0))
 
 
@@ -341,7 +349,7 @@ def test_reducer_zero_total_weight_keeps_own_values():
     r.add_chunk(1, 0, get_codec("none").encode(torch.ones(4)))
     r.chunk_added(1)
     r.complete(1)
-    r.finish()
+    finish(r)
     torch.testing.assert_close(acc, own)
 
 

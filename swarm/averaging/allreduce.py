@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -133,11 +134,16 @@ class AllReduceRunner:
 
     # ---- helpers
 
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Run ``fn`` in the pool, tracked until it finishes (a cancelled caller does not stop
+        it, and it still touches the buffers: see :meth:`_drain`)."""
         cf = self.pool.submit(fn, *args)
         self._inflight.add(cf)
         cf.add_done_callback(self._inflight.discard)
-        return await asyncio.wrap_future(cf)
+        return cf
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._submit(fn, *args))
 
     async def _drain(self) -> None:
         """Wait for thread work started by cancelled tasks (it still touches the buffers)."""
@@ -280,6 +286,10 @@ class AllReduceRunner:
                 return sent  # every sender failed before sending: nothing to average
             with contextlib.suppress(asyncio.TimeoutError):  # a watchdog tick
                 await asyncio.wait_for(self._changed.wait(), _TICK_S)
+
+    def _added(self, index: int) -> None:
+        self._adding[index] -= 1
+        self._changed.set()
 
     def _chunk_ready(self, index: int) -> bool:
         assert self.reducer is not None
@@ -424,6 +434,8 @@ class AllReduceRunner:
             reply.set_trailer({"retry": True})
         elif kind == "ok" and complete:
             reply.set_trailer({"ok": True, "c": list(value)})
+        elif kind == "ok":
+            reply.set_trailer({"ok": False, "why": "the round ended before the part was sent"})
         else:
             reply.set_trailer({"ok": False, "why": str(value)})
 
@@ -442,14 +454,12 @@ class AllReduceRunner:
             # thread adds its chunk must taint the part, since the add completes regardless
             reducer.chunk_added(sender)
             self._adding[index] += 1
-            cf = self.pool.submit(reducer.add_chunk, sender, index, payload)
-            self._inflight.add(cf)
-            cf.add_done_callback(self._inflight.discard)
-            try:
-                await asyncio.wrap_future(cf)
-            finally:
-                self._adding[index] -= 1  # once the add finished, even if we were cancelled
-                self._changed.set()
+            cf = self._submit(reducer.add_chunk, sender, index, payload)
+            # counted down when the add finishes, also if this task is cancelled meanwhile
+            cf.add_done_callback(
+                functools.partial(_call_soon, asyncio.get_running_loop(), self._added, index)
+            )
+            await asyncio.wrap_future(cf)
             self._activity[sender] = self._last_byte = time.monotonic()
 
     # ---- sender side
@@ -543,6 +553,11 @@ class AllReduceRunner:
         out = self.result[start:end]
         out.zero_()
         decode_into(payload, out, 1.0)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """For a worker thread's done callback: ``fn(*args)`` on the loop (the future is dropped)."""
+    loop.call_soon_threadsafe(fn, *args[:-1])
 
 
 async def _cancel(task: asyncio.Task[Any] | None) -> None:

@@ -242,12 +242,10 @@ class Matchmaker:
         end = min(time.time() + self.gather_window, rnd.deadline)
         declaration = Declaration(leader, rnd.deadline)
         while rnd.role == "candidate" and time.time() < end:
-            rnd.role = "joining"
-            outcome = await self._join(rnd, declaration)
+            # a refusal here is not final (the leader may not have started): no refused set
+            outcome = await self._follow(rnd, declaration, set())
             if outcome is not None:
-                rnd.role = "closed"
                 return outcome
-            rnd.role = "candidate"
             await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
         return None
 

@@ -113,12 +113,6 @@ class PartReducer:
                 self.acc[start:end].copy_(self._own[start:end])
         return self.acc[start:end]
 
-    def finish(self) -> tuple[int, ...]:
-        """Divide every chunk by its total weight (all senders settled); returns contributors."""
-        for index in range(len(self.chunks)):
-            self.finish_chunk(index, self.chunk_total(index))
-        return self.contributors()
-
     def restart(self) -> tuple[int, ...]:
         """Reset to the owner's values for a new attempt with the complete senders only.
 
