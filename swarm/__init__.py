@@ -1,7 +1,6 @@
 """swarm: train one PyTorch model on many ordinary machines over the internet, no central server."""
 
 from swarm.errors import SwarmError
-
-__version__ = "0.1.0"
+from swarm.version import __version__
 
 __all__ = ["SwarmError", "__version__"]

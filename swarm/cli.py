@@ -20,15 +20,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from swarm import __version__
+from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.config import DEFAULT_LISTEN, PeerConfig
 from swarm.dht import DHTNode
 from swarm.errors import SwarmError
 from swarm.identity import Identity
-from swarm.net.address import PeerAddress
 from swarm.net.record import PeerRecord
 from swarm.peer import Peer, fetch_peer_records
+from swarm.version import __version__
 
 logger = logging.getLogger("swarm.cli")
 

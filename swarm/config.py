@@ -2,95 +2,25 @@
 
 Every knob lives in a frozen dataclass validated in ``__post_init__``: a broken setting or a
 broken combination raises :class:`~swarm.errors.ConfigError` when the config is built, not later
-in the middle of a round.
+in the middle of a round. How a peer joins (:class:`~swarm.peer_config.PeerConfig`) lives beside
+the peer and is importable from here too.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from swarm.auth import Membership
 from swarm.errors import ConfigError
-from swarm.net.address import PeerAddress
+from swarm.peer_config import DEFAULT_BANDWIDTH, DEFAULT_LISTEN, PeerConfig
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-DEFAULT_LISTEN = "0.0.0.0:0"
-DEFAULT_BANDWIDTH = 100e6 / 8  # bytes/s: a typical consumer uplink of 100 Mbit/s
-
-
-def _address(value: PeerAddress | str | None) -> PeerAddress | None:
-    if value is None or isinstance(value, PeerAddress):
-        return value
-    return PeerAddress.parse(value)
-
-
-@dataclass(frozen=True)
-class PeerConfig:
-    """How a peer joins a swarm: addresses, identity, membership and heartbeat.
-
-    Args:
-        run_id: names the training run; peers of different runs ignore each other's records.
-        listen: ``HOST:PORT`` to bind; one port number serves the DHT (UDP) and HTTP (TCP).
-            Port 0 picks a free port. Outgoing connections use this host too.
-        announce: ``HOST:PORT`` others should dial (e.g. the router's public address when the
-            port is forwarded). Defaults to the bound address, or this machine's LAN address when
-            listening on all interfaces.
-        initial_peers: ``HOST:PORT`` of any live peers; empty to start a new swarm.
-        identity_path: key file; created (mode 0600) when missing. None uses a throwaway key.
-        membership: open swarm, swarm key or allow-list (see :class:`swarm.auth.Membership`).
-        bandwidth: upload rate others may plan for, in bytes/s; 0 means client-only (behind NAT:
-            this peer sends and receives but owns no part of an all-reduce).
-        heartbeat_s: how often the peer re-announces itself; its record expires after
-            ``record_ttl_s`` (3 heartbeats by default), so a dead peer vanishes after that.
-        device: what the peer trains on, as shown to others (``cpu``, ``cuda:NAME``).
-    """
-
-    run_id: str = "default"
-    listen: PeerAddress | str = DEFAULT_LISTEN
-    announce: PeerAddress | str | None = None
-    initial_peers: tuple[str, ...] = ()
-    identity_path: Path | str | None = None
-    membership: Membership = field(default_factory=Membership.open)
-    bandwidth: float = DEFAULT_BANDWIDTH
-    heartbeat_s: float = 10.0
-    record_ttl_s: float | None = None
-    device: str = "cpu"
-    dht_request_timeout_s: float = 3.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
-            raise ConfigError(f"run_id {self.run_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
-        object.__setattr__(self, "listen", _address(self.listen))
-        object.__setattr__(self, "announce", _address(self.announce))
-        peers = self.initial_peers
-        if isinstance(peers, str):
-            peers = (peers,)
-        for text in peers:
-            PeerAddress.parse(text)  # raises ConfigError on junk
-        object.__setattr__(self, "initial_peers", tuple(peers))
-        if self.identity_path is not None:
-            object.__setattr__(self, "identity_path", Path(os.path.expanduser(self.identity_path)))
-        if not isinstance(self.membership, Membership):
-            raise ConfigError("membership must be a swarm.auth.Membership")
-        if not self.bandwidth >= 0:
-            raise ConfigError("bandwidth must be >= 0 bytes/s")
-        if not self.heartbeat_s > 0:
-            raise ConfigError("heartbeat_s must be positive")
-        if self.record_ttl_s is None:
-            object.__setattr__(self, "record_ttl_s", 3 * self.heartbeat_s)
-        if not self.record_ttl_s > self.heartbeat_s:
-            raise ConfigError(
-                "record_ttl_s must exceed heartbeat_s, or live peers would blink out between "
-                "heartbeats"
-            )
-        if not self.dht_request_timeout_s > 0:
-            raise ConfigError("dht_request_timeout_s must be positive")
-        if self.announce is not None and self.announce.port == 0:
-            raise ConfigError("announce needs a real port, not 0")
-
+__all__ = [
+    "DEFAULT_BANDWIDTH",
+    "DEFAULT_LISTEN",
+    "SPARSE_CODECS",
+    "TRAINING_MODES",
+    "PeerConfig",
+    "SwarmConfig",
+]
 
 TRAINING_MODES = ("diloco", "local_sgd", "gradients")
 SPARSE_CODECS = ("topk", "1bit")  # lossy in a way that only suits changes, not raw values

@@ -14,18 +14,17 @@ import socket
 import time
 from typing import Any
 
-from swarm.config import PeerConfig
+from swarm.address import PeerAddress
 from swarm.dht import DHTNode
 from swarm.errors import DHTError, SwarmError
 from swarm.identity import Identity, PeerID
-from swarm.net.address import PeerAddress
 from swarm.net.record import PeerRecord
 from swarm.net.transport import Transport
+from swarm.peer_config import PeerConfig
 
 logger = logging.getLogger(__name__)
 
 _BIND_ATTEMPTS = 16
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def peers_key(run_id: str) -> str:
@@ -33,14 +32,14 @@ def peers_key(run_id: str) -> str:
     return f"{run_id}/peers"
 
 
-def guess_announce_host(listen_host: str) -> str:
+def guess_announce_host(listen: PeerAddress) -> str:
     """The address others should dial when we listen on every interface.
 
     Best effort without sending anything: the address this host's name resolves to. Users behind
     a router pass ``--announce`` with their public address instead.
     """
-    if listen_host not in _WILDCARD_HOSTS:
-        return listen_host
+    if not listen.is_wildcard:
+        return listen.host
     try:
         host = socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -157,8 +156,8 @@ class Peer:
                 logger.debug("UDP port %d is taken; trying another port number", port)
                 continue
             self.transport, self.dht = transport, dht
-            if self.config.announce is None and listen.host in _WILDCARD_HOSTS:
-                host = guess_announce_host(listen.host)
+            if self.config.announce is None and listen.is_wildcard:
+                host = guess_announce_host(listen)
                 transport.update_record(address=PeerAddress(host, port))
             return
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.address import PeerAddress
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
 from swarm.averaging.plan import CHUNK_ALIGN, PartPlan, chunk_elems_for, schema_hash, split_parts
@@ -20,7 +21,6 @@ from swarm.averaging.result import RoundResult
 from swarm.compression import decode, get_codec
 from swarm.errors import AveragingError, CompressionError
 from swarm.identity import Identity, PeerID
-from swarm.net.address import PeerAddress
 from swarm.net.record import PeerRecord
 
 bandwidths = st.lists(

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, RequestAuth, derive_stream_key
 from swarm.errors import AuthError, ConfigError, TransportError
 from swarm.identity import Identity
 from swarm.net import wire
-from swarm.net.address import PeerAddress
 from swarm.net.frames import DATA, END, HEADER, TO_SERVER, Sealer, make_aead
 from swarm.net.record import CONTEXT, PeerRecord
 from swarm.net.streams import MAX_HEADER_BYTES, InboundStream, ReplyStream

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.net.address import PeerAddress
+from swarm.address import PeerAddress
 
 logger = logging.getLogger(__name__)
 

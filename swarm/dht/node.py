@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
 from swarm.dht.lookup import lookup
@@ -30,7 +31,6 @@ from swarm.dht.records import DHTEntry, RecordStorage, check_expiration, key_dig
 from swarm.dht.routing import Contact
 from swarm.errors import ConfigError, DHTError
 from swarm.identity import Identity, PeerID
-from swarm.net.address import PeerAddress
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,5 @@
 """Authenticated HTTP transport: addresses, signed peer records, sealed streams.
 
-- :mod:`swarm.net.address`: ``PeerAddress`` (``HOST:PORT``)
 - :mod:`swarm.net.record`: ``PeerRecord``, a peer's signed self-description
 - :mod:`swarm.net.frames`: the sealed frame format (sans-I/O) and the cipher choice
 - :mod:`swarm.net.streams`: both ends of a stream (``InboundStream``, ``ReplyStream``,
@@ -8,7 +7,7 @@
 - :mod:`swarm.net.transport`: ``Transport``, the server and client of one peer
 """
 
-from swarm.net.address import PeerAddress
+from swarm.address import PeerAddress
 from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, OutboundStream, RemotePeer, ReplyStream
 from swarm.net.transport import Transport

@@ -7,10 +7,10 @@ from typing import Any
 
 import aiohttp
 
+from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, RequestAuth
 from swarm.errors import TransportError
 from swarm.identity import Identity
-from swarm.net.address import PeerAddress
 from swarm.net.frames import TO_CLIENT, TO_SERVER, Opener, Sealer, stream_aead
 from swarm.net.record import PeerRecord
 from swarm.net.streams import FrameReader, FrameWriter, OutboundStream

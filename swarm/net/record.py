@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import swarm
+from swarm.address import PeerAddress
 from swarm.errors import AuthError, ConfigError, TransportError
 from swarm.identity import (
     PUBLIC_KEY_BYTES,
@@ -32,7 +32,7 @@ from swarm.identity import (
     verify_signature,
 )
 from swarm.net import wire
-from swarm.net.address import PeerAddress
+from swarm.version import __version__
 
 FORMAT = 1
 CONTEXT = b"swarm/peer-record/v1"
@@ -100,7 +100,7 @@ class PeerRecord:
         run_id: str,
         device: str = "cpu",
         bandwidth: float = 0.0,
-        version: str = swarm.__version__,
+        version: str = __version__,
         extra: dict[str, Any] | None = None,
         timestamp: float | None = None,
     ) -> PeerRecord:

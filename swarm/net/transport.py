@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-import swarm
+from swarm.address import PeerAddress
 from swarm.auth import (
     AUTH_HEADER,
     Membership,
@@ -42,7 +42,6 @@ from swarm.auth import (
 )
 from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
 from swarm.identity import Identity, PeerID
-from swarm.net.address import PeerAddress
 from swarm.net.client import Client, empty_body
 from swarm.net.frames import (
     DEFAULT_CIPHER,
@@ -62,6 +61,7 @@ from swarm.net.streams import (
     RemotePeer,
     ReplyStream,
 )
+from swarm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Transport:
             run_id=run_id,
             device=device,
             bandwidth=bandwidth,
-            version=swarm.__version__,
+            version=__version__,
             extra=dict(extra or {}),
         )
         self._record: PeerRecord | None = None

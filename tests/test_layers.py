@@ -1,0 +1,71 @@
+"""The floors of architecture.md: a module imports only from its package or from lower floors."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "swarm"
+
+# floor -> the top-level units on it (a unit is a module of swarm/ or a subpackage)
+FLOORS: dict[int, tuple[str, ...]] = {
+    0: ("errors",),
+    1: ("version", "address"),  # value types: import nothing of swarm but errors
+    2: ("identity",),
+    3: ("auth",),
+    4: ("compression", "net", "dht", "peer_config"),
+    5: ("peer", "config"),
+    6: ("averaging", "training"),
+    7: ("api", "cli"),
+}
+FLOOR_OF = {unit: floor for floor, units in FLOORS.items() for unit in units}
+
+
+def _unit(module: str) -> str | None:
+    """``swarm.net.record`` -> ``net``; the package root -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every swarm import in a file, lazy ones inside functions included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names if name.split(".")[0] == "swarm"]
+    return found
+
+
+def _library_files() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+def test_every_unit_has_a_floor() -> None:
+    units = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in _library_files()}
+    assert units - set(FLOOR_OF) == set()
+
+
+@pytest.mark.parametrize("path", _library_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_only_go_down(path: Path) -> None:
+    own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    wrong = []
+    for line, module in _imports(path):
+        target = _unit(module)
+        if target is None:
+            wrong.append(f"line {line}: imports the package root (use swarm.version and friends)")
+        elif target != own and FLOOR_OF[target] >= FLOOR_OF[own]:
+            wrong.append(f"line {line}: {own} (floor {FLOOR_OF[own]}) imports {module}")
+    assert wrong == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from swarm.net.record import PeerRecord\n", encoding="utf-8")
+    assert _imports(sample) == [(2, "swarm.net.record")]
