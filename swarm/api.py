@@ -23,17 +23,20 @@ import logging
 import threading
 from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from swarm.config import SPARSE_CODECS, PeerConfig, SwarmConfig
 from swarm.errors import SwarmError, TrainingError
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
-from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine
+from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
 from swarm.training.progress import StepReport
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
+
+if TYPE_CHECKING:
+    from swarm.averaging.result import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +124,7 @@ class AsyncSwarm:
                 target_group_size=cfg.target_group_size,
                 matchmaking_timeout=cfg.matchmaking_timeout_s,
                 # every step is a round in lockstep: peers arrive together, a long wait is waste
-                gather_window=0.05 if cfg.mode == "gradients" else None,
+                gather_window=0.05 if self.engine.mode.averages_gradients else None,
             )
             if cfg.sync_on_join and cfg.peer.initial_peers:
                 await self._join()
@@ -178,18 +181,7 @@ class AsyncSwarm:
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
-        e = self.engine
-        due = e.count(samples)
-        if self.config.mode == "gradients":
-            plan = e.begin_round()
-            report = e.finish_round(plan, await self.average_round(plan))
-            e.inner_step()
-            return report
-        e.inner_step()
-        if not due:
-            return e.local_report()
-        plan = e.begin_round()
-        return e.finish_round(plan, await self.average_round(plan))
+        return await arun_step(self.engine.step(samples), self.average_round)
 
     async def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
@@ -326,18 +318,7 @@ class Swarm:
         Args:
             samples: samples in this step's batch (weights rounds); default 1 per step.
         """
-        e = self.engine
-        due = e.count(samples)
-        if self.config.mode == "gradients":
-            plan = e.begin_round()
-            report = e.finish_round(plan, self._round(plan))
-            e.inner_step()
-            return report
-        e.inner_step()
-        if not due:
-            return e.local_report()
-        plan = e.begin_round()
-        return e.finish_round(plan, self._round(plan))
+        return run_step(self.engine.step(samples), self._round)
 
     def _round(self, plan: RoundPlan) -> RoundOutcome:
         try:
@@ -407,16 +388,14 @@ class Swarm:
         loop.close()
 
 
-def outcome_of(result: Any) -> RoundOutcome:
-    """Adapt the averaging layer's RoundResult to what training needs."""
-    averaged = bool(getattr(result, "averaged", False))
-    members = getattr(result, "members", ()) or ()
+def outcome_of(result: RoundResult) -> RoundOutcome:
+    """What training needs from the averaging layer's :class:`RoundResult`."""
     return RoundOutcome(
-        averaged=averaged,
-        group_size=len(members) if averaged else 0,
-        bytes_sent=int(getattr(result, "bytes_sent", 0) or 0),
-        bytes_received=int(getattr(result, "bytes_received", 0) or 0),
-        reason="" if averaged else str(getattr(result, "reason", "") or "not averaged"),
+        averaged=result.averaged,
+        group_size=result.group_size if result.averaged else 0,
+        bytes_sent=result.bytes_sent,
+        bytes_received=result.bytes_received,
+        reason="" if result.averaged else (result.reason or "not averaged"),
     )
 
 

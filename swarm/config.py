@@ -8,6 +8,7 @@ the peer and is importable from here too.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from swarm.errors import ConfigError
@@ -18,11 +19,42 @@ __all__ = [
     "DEFAULT_LISTEN",
     "SPARSE_CODECS",
     "TRAINING_MODES",
+    "Mode",
     "PeerConfig",
     "SwarmConfig",
 ]
 
-TRAINING_MODES = ("diloco", "local_sgd", "gradients")
+
+class Mode(str, enum.Enum):
+    """What an averaging round averages, and when (``SwarmConfig.mode``).
+
+    A ``str`` enum: ``Mode.DILOCO == "diloco"``, so configs and checkpoints keep their text form.
+    """
+
+    DILOCO = "diloco"  # pseudo-gradient every inner_steps, then an outer Nesterov step
+    LOCAL_SGD = "local_sgd"  # parameter values every inner_steps
+    GRADIENTS = "gradients"  # gradients at every step, before optimizer.step() (like DDP)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def has_outer_step(self) -> bool:
+        """The round feeds an outer optimizer (with momentum) instead of replacing values."""
+        return self is Mode.DILOCO
+
+    @property
+    def averages_values(self) -> bool:
+        """The round averages raw parameter values (sparse codecs would ruin them)."""
+        return self is Mode.LOCAL_SGD
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Every step is a round, run before ``optimizer.step()`` on the averaged gradients."""
+        return self is Mode.GRADIENTS
+
+
+TRAINING_MODES = tuple(m.value for m in Mode)
 SPARSE_CODECS = ("topk", "1bit")  # lossy in a way that only suits changes, not raw values
 
 
@@ -57,7 +89,7 @@ class SwarmConfig:
     """
 
     peer: PeerConfig = field(default_factory=PeerConfig)
-    mode: str = "diloco"
+    mode: Mode | str = Mode.DILOCO
     inner_steps: int = 100
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -77,7 +109,9 @@ class SwarmConfig:
             raise ConfigError("peer must be a PeerConfig")
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"mode {self.mode!r}: use one of {', '.join(TRAINING_MODES)}")
-        if self.mode == "gradients":
+        mode = Mode(self.mode)
+        object.__setattr__(self, "mode", mode)
+        if mode.averages_gradients:
             object.__setattr__(self, "inner_steps", 1)
         if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ConfigError("inner_steps must be an integer >= 1")
@@ -87,7 +121,7 @@ class SwarmConfig:
             raise ConfigError("outer_momentum must be in [0, 1)")
         if not isinstance(self.codec, str) or not self.codec:
             raise ConfigError("codec must be a codec name such as 'int8' or 'topk:0.01'")
-        if self.mode == "local_sgd" and self.codec.split(":")[0] in SPARSE_CODECS:
+        if mode.averages_values and self.codec.split(":")[0] in SPARSE_CODECS:
             raise ConfigError(
                 f"local_sgd averages parameter values, which {self.codec} would mostly zero or "
                 "flatten; use mode='diloco' (it averages changes) or a dense codec (int8, fp16)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import struct
@@ -12,10 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.config import PeerConfig, SwarmConfig
+from swarm.api import outcome_of
+from swarm.averaging.result import RoundResult
+from swarm.config import Mode, PeerConfig, SwarmConfig
 from swarm.errors import CheckpointError, ConfigError, TrainingError
+from swarm.identity import Identity
 from swarm.training.checkpoint import MAGIC, read_checkpoint, write_checkpoint
-from swarm.training.engine import RoundOutcome, TrainingEngine
+from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
 from swarm.training.outer import outer_step
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.snapshot import snapshot_size, unpack_snapshot
@@ -98,6 +102,82 @@ def test_two_engines_agree_after_a_round_including_batchnorm(mode: str) -> None:
         if a[key].is_floating_point():
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
     assert all(r.averaged and r.round == 1 and r.group_size == 2 for r in reports)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_step_asks_for_a_round_exactly_when_one_is_due(mode: Mode) -> None:
+    e = engine(mode)
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    asked: list[int] = []
+
+    def run_round(plan: RoundPlan) -> RoundOutcome:
+        asked.append(e.step_count)
+        if mode.averages_gradients:
+            # the round comes before optimizer.step(): the model is still the one of the last step
+            for p, q in zip(e.model.parameters(), before, strict=True):
+                assert torch.equal(p, q)
+        return RoundOutcome(False, 0, 0, 0, "alone")
+
+    reports = []
+    for _ in range(6):
+        e.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(e.model(x), y).backward()
+        before = [p.detach().clone() for p in e.model.parameters()]
+        reports.append(run_step(e.step(len(x)), run_round))
+    due = [1, 2, 3, 4, 5, 6] if mode.averages_gradients else [3, 6]
+    assert asked == due
+    assert [r.step for r in reports if r.round_due] == due
+    assert [r.round for r in reports] == [sum(d <= s for d in due) for s in range(1, 7)]
+    assert all(r.reason == "alone" for r in reports if r.round_due)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_sync_and_async_steps_are_one_sequence(mode: Mode) -> None:
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    sync_engine, async_engine = engine(mode), engine(mode)
+
+    def solo(plan: RoundPlan) -> RoundOutcome:
+        return RoundOutcome(False, 0, 0, 0, "alone")
+
+    async def asolo(plan: RoundPlan) -> RoundOutcome:
+        return solo(plan)
+
+    async def async_steps() -> list[bool]:
+        due = []
+        for _ in range(4):
+            async_engine.optimizer.zero_grad()
+            torch.nn.functional.mse_loss(async_engine.model(x), y).backward()
+            due.append((await arun_step(async_engine.step(len(x)), asolo)).round_due)
+        return due
+
+    sync_due = []
+    for _ in range(4):
+        sync_engine.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(sync_engine.model(x), y).backward()
+        sync_due.append(run_step(sync_engine.step(len(x)), solo).round_due)
+    assert asyncio.run(async_steps()) == sync_due
+    for p, q in zip(sync_engine.model.parameters(), async_engine.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_mode_is_an_enum_that_reads_as_its_text() -> None:
+    assert SwarmConfig(mode="local_sgd").mode is Mode.LOCAL_SGD
+    assert SwarmConfig(mode=Mode.GRADIENTS).inner_steps == 1
+    assert Mode.DILOCO == "diloco" and str(Mode.DILOCO) == "diloco" and f"{Mode.DILOCO}" == "diloco"
+    with pytest.raises(ConfigError, match="use one of diloco, local_sgd, gradients"):
+        SwarmConfig(mode="fedavg")
+    state = engine("local_sgd").state_dict(None)
+    assert type(state["mode"]) is str and state["mode"] == "local_sgd"
+
+
+def test_outcome_of_reads_a_round_result_by_its_fields() -> None:
+    members = tuple(Identity.generate().peer_id for _ in range(3))
+    done = outcome_of(RoundResult(True, members=members, bytes_sent=10, bytes_received=20))
+    assert done == RoundOutcome(True, 3, 10, 20, "")
+    failed = outcome_of(RoundResult(False, reason="no group", members=members, bytes_sent=5))
+    assert failed == RoundOutcome(False, 0, 5, 0, "no group")
+    assert outcome_of(RoundResult(False)).reason == "not averaged"
 
 
 def test_failed_diloco_round_applies_own_pseudo_gradient() -> None:

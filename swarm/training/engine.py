@@ -1,8 +1,9 @@
 """The training loop's state machine, shared by the sync and async facades.
 
 ``step()`` = (``gradients``: average the gradients) → ``optimizer.step()`` → (every
-``inner_steps``: an averaging round). The facades differ only in how they wait for the round
-(blocking on the loop thread, or ``await``); everything else lives here. Averaging works on fp32
+``inner_steps``: an averaging round). :meth:`TrainingEngine.step` writes that sequence once, as a
+generator that yields the round it needs; the facades differ only in how they wait for the round
+(:func:`run_step` blocks on the loop thread, :func:`arun_step` awaits). Averaging works on fp32
 copies (:class:`~swarm.training.outer.OuterState`), so a failed or cut round never leaves the
 model half-averaged: the peer goes on alone and the step report says why.
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from swarm.config import SPARSE_CODECS, SwarmConfig
+from swarm.config import SPARSE_CODECS, Mode, SwarmConfig
 from swarm.errors import CheckpointError
 from swarm.training.outer import OuterState
 from swarm.training.progress import StepReport, Utilization
@@ -40,12 +42,6 @@ class RoundOutcome:
     reason: str = ""  # why not averaged
 
 
-class RoundRunner(Protocol):
-    """Averages ``tensors`` in place with the swarm (the averaging layer, adapted)."""
-
-    async def __call__(self, tensors: list[torch.Tensor], weight: float) -> RoundOutcome: ...
-
-
 @dataclass(frozen=True)
 class RoundPlan:
     """A round about to run: the fp32 tensors to average in place and this peer's weight."""
@@ -53,6 +49,32 @@ class RoundPlan:
     tensors: list[torch.Tensor]
     weight: float
     started: float  # perf_counter() when the round began
+
+
+StepFlow = Generator[RoundPlan, RoundOutcome, StepReport]
+"""One step in progress: yields each round to run, is sent its outcome, returns the report."""
+
+
+def run_step(flow: StepFlow, run_round: Callable[[RoundPlan], RoundOutcome]) -> StepReport:
+    """Drive :meth:`TrainingEngine.step`, blocking on ``run_round`` for each round it asks for."""
+    try:
+        plan = next(flow)
+        while True:
+            plan = flow.send(run_round(plan))
+    except StopIteration as done:
+        return done.value
+
+
+async def arun_step(
+    flow: StepFlow, run_round: Callable[[RoundPlan], Awaitable[RoundOutcome]]
+) -> StepReport:
+    """Drive :meth:`TrainingEngine.step`, awaiting ``run_round`` for each round it asks for."""
+    try:
+        plan = next(flow)
+        while True:
+            plan = flow.send(await run_round(plan))
+    except StopIteration as done:
+        return done.value
 
 
 class TrainingEngine:
@@ -64,10 +86,17 @@ class TrainingEngine:
         self.model = model
         self.optimizer = optimizer
         self.config = config
+        self.mode = Mode(config.mode)
         dense = config.codec.split(":")[0] not in SPARSE_CODECS
         self.tensors = ModelTensors.of(model, with_buffers=dense)
         self.schema = self.tensors.schema_hash()
-        self.outer = OuterState(self.tensors, keep_momentum=config.mode == "diloco")
+        self.outer = OuterState(self.tensors, keep_momentum=self.mode.has_outer_step)
+        # what a round averages: written into the fp32 slots before it
+        self._load_slots = {
+            Mode.DILOCO: self.outer.load_pseudo_grads,
+            Mode.LOCAL_SGD: self.outer.load_values,
+            Mode.GRADIENTS: self.outer.load_grads,
+        }[self.mode]
         self.step_count = 0  # local optimizer steps
         self.round = 0  # completed averaging rounds (attempted ones count; see finish_round)
         self.steps_in_round = 0
@@ -78,6 +107,28 @@ class TrainingEngine:
         self._last_failure = ""
 
     # -- one step ---------------------------------------------------------------------------
+    def step(self, samples: float | None = None) -> StepFlow:
+        """One ``swarm.step()``: the local step, and the averaging round when one is due.
+
+        Yields the :class:`RoundPlan` of a due round and takes the :class:`RoundOutcome` back
+        (see :func:`run_step`, :func:`arun_step`); returns the :class:`StepReport`.
+
+        Raises:
+            ValueError: ``samples`` is negative or not a number.
+        """
+        due = self.count(samples)
+        if self.mode.averages_gradients:
+            # every step is a round, and optimizer.step() applies the averaged gradients
+            plan = self.begin_round()
+            report = self.finish_round(plan, (yield plan))
+            self.inner_step()
+            return report
+        self.inner_step()
+        if not due:
+            return self.local_report()
+        plan = self.begin_round()
+        return self.finish_round(plan, (yield plan))
+
     def count(self, samples: float | None) -> bool:
         """Count a local step; True when this step ends a round."""
         if samples is not None and not samples >= 0:
@@ -95,13 +146,7 @@ class TrainingEngine:
     def begin_round(self) -> RoundPlan:
         """Fill the fp32 slots with what this mode averages."""
         with self.lock:
-            mode = self.config.mode
-            if mode == "diloco":
-                self.outer.load_pseudo_grads()
-            elif mode == "local_sgd":
-                self.outer.load_values()
-            else:
-                self.outer.load_grads()
+            self._load_slots()
         return RoundPlan(self.outer.slots, max(self.samples_in_round, 1e-6), time.perf_counter())
 
     def finish_round(self, plan: RoundPlan, outcome: RoundOutcome) -> StepReport:
@@ -110,24 +155,22 @@ class TrainingEngine:
         self.utilization.add_wait(waited)
         cfg = self.config
         with self.lock:
-            if not outcome.averaged and cfg.mode != "local_sgd":
-                # A cut round may have half-written the slots: use our own values again.
-                if cfg.mode == "diloco":
-                    self.outer.load_pseudo_grads()
-                else:
-                    self.outer.load_grads()
-            if cfg.mode == "diloco":
-                # Alone, DiLoCo still applies its own pseudo-gradient (DiLoCo with one worker).
-                self.outer.apply_outer(
-                    lr=cfg.outer_lr, beta=cfg.outer_momentum, nesterov=cfg.nesterov
-                )
-            elif cfg.mode == "local_sgd":
+            if self.mode.averages_values:
                 if outcome.averaged:
                     self.outer.apply_values()
                 else:
                     self.outer.reset_anchor()
             else:
-                self.outer.apply_grads()
+                if not outcome.averaged:
+                    # A cut round may have half-written the slots: use our own values again.
+                    self._load_slots()
+                if self.mode.has_outer_step:
+                    # Alone, DiLoCo still applies its own pseudo-gradient (DiLoCo with one worker).
+                    self.outer.apply_outer(
+                        lr=cfg.outer_lr, beta=cfg.outer_momentum, nesterov=cfg.nesterov
+                    )
+                else:
+                    self.outer.apply_grads()
             self.round += 1
             self.steps_in_round = 0
             self.samples_in_round = 0.0
@@ -165,7 +208,7 @@ class TrainingEngine:
             (f"model.{n}", t.numel())
             for n, t in zip(self.tensors.names, self.tensors.all, strict=True)
         ]
-        if self.config.mode == "diloco":
+        if self.mode.has_outer_step:
             layout += [
                 (f"momentum.{n}", t.numel())
                 for n, t in zip(self.tensors.param_names, self.tensors.params, strict=True)
@@ -181,14 +224,14 @@ class TrainingEngine:
         """
         with self.lock:
             values = list(
-                self.tensors.params if self.config.mode == "gradients" else self.outer.anchor
+                self.tensors.params if self.mode.averages_gradients else self.outer.anchor
             )
             values += self.outer.buffer_anchor
-            if self.config.mode == "diloco":
+            if self.mode.has_outer_step:
                 values += self.outer.momentum
             names = [name for name, _ in self.snapshot_layout()]
             named = list(zip(names, values, strict=True))
-            return self.round, pack_snapshot(self.round, self.schema, self.config.mode, named)
+            return self.round, pack_snapshot(self.round, self.schema, self.mode.value, named)
 
     @torch.no_grad()
     def load_snapshot(self, snap: Snapshot, steps_in_round: int) -> None:
@@ -196,7 +239,7 @@ class TrainingEngine:
         with self.lock:
             for name, t in zip(self.tensors.names, self.tensors.all, strict=True):
                 t.copy_(snap.tensors[f"model.{name}"].view(t.shape))
-            if self.config.mode == "diloco":
+            if self.mode.has_outer_step:
                 for name, m in zip(self.tensors.param_names, self.outer.momentum, strict=True):
                     m.copy_(snap.tensors[f"momentum.{name}"].view(m.shape))
             self.outer.reset_anchor()
@@ -211,7 +254,7 @@ class TrainingEngine:
             return {
                 "format": CHECKPOINT_FORMAT,
                 "schema": self.schema,
-                "mode": self.config.mode,
+                "mode": self.mode.value,
                 "round": self.round,
                 "step": self.step_count,
                 "steps_in_round": self.steps_in_round,
@@ -228,10 +271,10 @@ class TrainingEngine:
             raise CheckpointError(f"unsupported checkpoint format {state.get('format')!r}")
         if state.get("schema") != self.schema:
             raise CheckpointError("the checkpoint is of another model (schema hash differs)")
-        if state.get("mode") != self.config.mode:
+        if state.get("mode") != self.mode.value:
             raise CheckpointError(
                 f"the checkpoint was written in mode {state.get('mode')!r}, "
-                f"this swarm runs {self.config.mode!r}"
+                f"this swarm runs {self.mode.value!r}"
             )
         with self.lock:
             try:
