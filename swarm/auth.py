@@ -33,6 +33,7 @@ import msgpack
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from swarm import strict_msgpack
 from swarm.errors import AuthError, ConfigError, IdentityError, ReplayError
 from swarm.identity import (
     PEER_ID_BYTES,
@@ -280,9 +281,9 @@ class RequestAuth:
             raise AuthError(f"{AUTH_HEADER} header of {len(text)} chars is too long")
         try:
             raw = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)
-            values = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
-        except (ValueError, TypeError, binascii.Error, msgpack.UnpackException) as e:
+        except (ValueError, binascii.Error) as e:
             raise AuthError(f"malformed {AUTH_HEADER} header ({type(e).__name__})") from e
+        values = strict_msgpack.unpack(raw, AuthError, f"{AUTH_HEADER} header")
         if not isinstance(values, list) or len(values) != len(_SIGNED_FIELDS) + 2:
             raise AuthError(f"malformed {AUTH_HEADER} header (wrong shape)")
         fields = dict(zip(_SIGNED_FIELDS, values, strict=False))
@@ -324,10 +325,6 @@ _SIGNED_FIELDS = (
     "path",
     "cipher",
 )
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack extension type {code}")
 
 
 def _pack_fields(fields: dict[str, Any]) -> bytes:
@@ -375,14 +372,36 @@ def derive_stream_key(
     Raises:
         AuthError: the peer's agreement key is invalid (e.g. a low-order point).
     """
-    try:
-        shared = identity.agree(peer_agreement_key)
-    except IdentityError as e:
-        raise AuthError(str(e)) from e
     mine = identity.public_key + identity.agreement_key
     theirs = peer_public_key + peer_agreement_key
     ordered = mine + theirs if initiator else theirs + mine
     salt = hashlib.sha256(_SALT_CONTEXT + ordered).digest()
     info = _KEY_CONTEXT + cipher.encode() + b"\0" + stream_id
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=STREAM_KEY_BYTES, salt=salt, info=info)
+    return derive_pairwise_key(
+        identity, membership, peer_agreement_key, salt, info, STREAM_KEY_BYTES
+    )
+
+
+def derive_pairwise_key(
+    identity: Identity,
+    membership: Membership,
+    peer_agreement_key: bytes,
+    salt: bytes,
+    info: bytes,
+    length: int,
+) -> bytes:
+    """A key only this peer and the owner of ``peer_agreement_key`` can derive.
+
+    HKDF-SHA256 over their X25519 secret, plus the swarm key when keyed (so only members can
+    derive it); ``salt`` binds the two identities and ``info`` the key's use. Shared by the HTTP
+    streams (:func:`derive_stream_key`) and the DHT datagrams (:mod:`swarm.dht.envelope`).
+
+    Raises:
+        AuthError: the peer's agreement key is invalid (e.g. a low-order point).
+    """
+    try:
+        shared = identity.agree(peer_agreement_key)
+    except IdentityError as e:
+        raise AuthError(str(e)) from e
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info)
     return hkdf.derive(shared + (membership.swarm_key or b""))

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "swarm"
 # floor -> the top-level units on it (a unit is a module of swarm/ or a subpackage)
 FLOORS: dict[int, tuple[str, ...]] = {
     0: ("errors",),
-    1: ("version", "address"),  # value types: import nothing of swarm but errors
+    1: ("version", "address", "strict_msgpack"),  # import nothing of swarm but errors
     2: ("identity",),
     3: ("auth",),
     4: ("compression", "net", "dht", "peer_config"),
@@ -33,7 +33,9 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every swarm import in a file, lazy ones inside functions included."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "swarm":
+            names = [f"swarm.{alias.name}" for alias in node.names]  # from swarm import x
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -67,5 +69,49 @@ def test_imports_only_go_down(path: Path) -> None:
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
-    sample.write_text("def f():\n    from swarm.net.record import PeerRecord\n", encoding="utf-8")
-    assert _imports(sample) == [(2, "swarm.net.record")]
+    sample.write_text(
+        "import swarm\nfrom swarm import dht\ndef f():\n    from swarm.net import record\n",
+        encoding="utf-8",
+    )
+    assert _imports(sample) == [(1, "swarm"), (2, "swarm.dht"), (4, "swarm.net")]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the swarm modules it imports (``from swarm.pkg import module`` resolved)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    deps.add(full if full in names else node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def test_no_import_cycles_lazy_imports_included() -> None:
+    graph = _module_graph()
+    assert "swarm.compression.registry" in graph["swarm.compression"]
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []

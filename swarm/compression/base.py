@@ -95,9 +95,14 @@ class Codec(ABC):
             CompressionError: the payload is malformed or hostile, claims more than
                 ``max_numel`` elements, or carries another codec's id.
         """
-        from swarm.compression.registry import decode  # the registry imports this module
-
-        return decode(data, device, max_numel, expect=self.name)
+        header, sections = Header.parse(data, max_numel)
+        if header.codec != self.name:
+            raise CompressionError(
+                f"payload was made by codec {header.codec!r}, expected {self.name!r}"
+            )
+        device = torch.device(device)
+        codec, sections = type(self).open(header, sections, device)
+        return codec.decode_new(header, sections, device)
 
     def estimate_size(self, numel: int, ndim: int = 1) -> int:
         """Upper bound of the payload size in bytes for a tensor of ``numel`` elements."""
@@ -131,6 +136,32 @@ class Codec(ABC):
     def from_header(cls, header: Header) -> Codec:
         """A codec instance able to decode payloads like this one."""
 
+    @classmethod
+    def open(
+        cls, header: Header, sections: Sections, device: torch.device
+    ) -> tuple[Codec, Sections]:
+        """The codec of a parsed payload of this class, its header checked, sections on ``device``.
+
+        Raises:
+            CompressionError: the header's settings, section count or lengths are inconsistent.
+        """
+        codec = cls.from_header(header)
+        if len(header.section_lengths) != codec.nsections:
+            raise CompressionError(
+                f"{header.codec} payload has {len(header.section_lengths)} sections, "
+                f"expected {codec.nsections}"
+            )
+        codec._validate(header)
+        if device.type != "cpu":
+            sections = [s.to(device) for s in sections]
+        return codec, sections
+
+    def decode_new(self, header: Header, sections: Sections, device: torch.device) -> torch.Tensor:
+        """D(payload) as a new tensor of the payload's dtype and shape (after :meth:`open`)."""
+        out = torch.empty(header.numel, dtype=header.dtype, device=device)
+        self._decode(header, sections, out, False, 1.0)
+        return out.view(header.shape)
+
     def _prepare(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise CompressionError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -139,6 +170,14 @@ class Codec(ABC):
                 f"dtype {tensor.dtype} is not supported (float32, float16, bfloat16)"
             )
         return tensor.detach().contiguous().view(-1)
+
+    def _as_float32(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` itself when fp32, else an fp32 copy in this thread's scratch."""
+        if flat.dtype == torch.float32:
+            return flat
+        x = self._scratch("x32", flat.numel(), torch.float32, flat.device)
+        x.copy_(flat)
+        return x
 
     def _scratch(
         self, key: str, numel: int, dtype: torch.dtype, device: torch.device
@@ -153,12 +192,6 @@ class Codec(ABC):
             buf = torch.empty(numel, dtype=dtype, device=device)
             store[full] = buf
         return buf[:numel]
-
-    def clear_scratch(self) -> None:
-        """Drop this thread's scratch buffers of this codec (re-created on the next call)."""
-        store = getattr(_SCRATCH, "buffers", {})
-        for full in [k for k in store if k[0] == self.name]:
-            del store[full]
 
 
 def check_finite(flat: torch.Tensor, *stats: torch.Tensor) -> None:

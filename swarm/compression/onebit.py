@@ -16,14 +16,14 @@ import torch
 
 from swarm.compression.base import Codec, Sections, check_finite, section_as
 from swarm.compression.bits import pack_bits, packed_size, padding_is_zero, signs_from_bits
-from swarm.compression.int8 import MAX_BLOCK, MIN_BLOCK, _blocks, check_scales
+from swarm.compression.blocks import MAX_BLOCK, MIN_BLOCK, blocks, check_scales
 from swarm.compression.wire import Header, expect_lengths
 from swarm.errors import CompressionError, ConfigError
 
 
 def block_mean_abs(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """Mean |x| of each block of a flat fp32 tensor (the last block may be short)."""
-    full, tail = _blocks(x, block_size)
+    full, tail = blocks(x, block_size)
     out = torch.empty(math.ceil(x.numel() / block_size), dtype=torch.float32, device=x.device)
     if full.numel():
         # An L1 norm reduces without materializing |x|.
@@ -72,10 +72,7 @@ class OneBitCodec(Codec):
 
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Header, Sections]:
         n, dev = flat.numel(), flat.device
-        x = flat
-        if flat.dtype != torch.float32:
-            x = self._scratch("x32", n, torch.float32, dev)
-            x.copy_(flat)
+        x = self._as_float32(flat)
         scales = block_mean_abs(x, self.block_size)
         check_finite(x, scales)
         mask = self._scratch("mask", n, torch.bool, dev)
@@ -100,7 +97,7 @@ class OneBitCodec(Codec):
             out if direct else self._scratch("dec", 8 * bits.numel(), torch.float32, out.device)
         )
         signs_from_bits(bits, target)
-        full, tail = _blocks(target[:n], self.block_size)
+        full, tail = blocks(target[:n], self.block_size)
         full.mul_(scales[: full.shape[0], None])
         if tail.numel():
             tail.mul_(scales[-1])

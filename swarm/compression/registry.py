@@ -93,15 +93,7 @@ def _parse(
     header, sections = Header.parse(payload, max_numel)
     if expect is not None and header.codec != expect:
         raise CompressionError(f"payload was made by codec {header.codec!r}, expected {expect!r}")
-    codec = _CLASSES[header.codec].from_header(header)
-    if len(header.section_lengths) != codec.nsections:
-        raise CompressionError(
-            f"{header.codec} payload has {len(header.section_lengths)} sections, "
-            f"expected {codec.nsections}"
-        )
-    codec._validate(header)
-    if device.type != "cpu":
-        sections = [s.to(device) for s in sections]
+    codec, sections = _CLASSES[header.codec].open(header, sections, device)
     return header, codec, sections
 
 
@@ -130,9 +122,7 @@ def decode(
     """
     device = torch.device(device)
     header, codec, sections = _parse(payload, max_numel, device, expect)
-    out = torch.empty(header.numel, dtype=header.dtype, device=device)
-    codec._decode(header, sections, out, False, 1.0)
-    return out.view(header.shape)
+    return codec.decode_new(header, sections, device)
 
 
 def decode_into(

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from swarm.compression.base import Codec, Sections, check_finite, section_as
+from swarm.compression.blocks import absmax_dequantize, absmax_quantize, check_scales
 from swarm.compression.indices import (
     FIXED,
     WIDTHS,
@@ -29,7 +30,6 @@ from swarm.compression.indices import (
     encoded_size_bound,
     index_bytes_valid,
 )
-from swarm.compression.int8 import absmax_dequantize, absmax_quantize, check_scales
 from swarm.compression.wire import Header
 from swarm.errors import CompressionError, ConfigError
 

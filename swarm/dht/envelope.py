@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from swarm.auth import NONCE_BYTES, Membership, ReplayGuard
-from swarm.errors import AuthError, DHTError, IdentityError
+from swarm import strict_msgpack
+from swarm.auth import NONCE_BYTES, Membership, ReplayGuard, derive_pairwise_key
+from swarm.errors import AuthError, DHTError
 from swarm.identity import (
     PUBLIC_KEY_BYTES,
     SIGNATURE_BYTES,
@@ -145,13 +144,13 @@ class DatagramAuth:
         """
         if len(data) > MAX_DATAGRAM_BYTES:
             raise DHTError(f"datagram of {len(data)} bytes is too large")
-        outer = _unpack(data)
+        outer = strict_msgpack.unpack(data, DHTError, "datagram")
         if not isinstance(outer, list) or len(outer) != 2:
             raise DHTError("a datagram is [signed, tag]")
         signed, tag = outer
         if not isinstance(signed, bytes) or not isinstance(tag, bytes):
             raise DHTError("a datagram is [signed bytes, tag bytes]")
-        fields = _unpack(signed)
+        fields = strict_msgpack.unpack(signed, DHTError, "datagram header")
         if not isinstance(fields, list) or len(fields) != 10:
             raise DHTError("malformed datagram header")
         version, kind, msg_id, public, agreement, binding, target, ts, nonce, body = fields
@@ -205,30 +204,14 @@ class DatagramAuth:
         if key is not None:
             return key
         self._check_binding(peer)
-        try:
-            shared = self.identity.agree(peer.agreement_key)
-        except IdentityError as e:
-            raise AuthError(str(e)) from e
         ours = self.identity.public_key + self.identity.agreement_key
         theirs = peer.public_key + peer.agreement_key
         salt = hashlib.sha256(_SALT_CONTEXT + min(ours, theirs) + max(ours, theirs)).digest()
-        hkdf = HKDF(algorithm=hashes.SHA256(), length=_MAC_BYTES, salt=salt, info=_KEY_INFO)
-        key = hkdf.derive(shared + (self.membership.swarm_key or b""))
+        key = derive_pairwise_key(
+            self.identity, self.membership, peer.agreement_key, salt, _KEY_INFO, _MAC_BYTES
+        )
         self._pair_keys.put(cache_key, key)
         return key
-
-
-def _unpack(data: bytes) -> Any:
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except DHTError:
-        raise
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
-        raise DHTError(f"malformed msgpack ({type(e).__name__})") from e
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise DHTError(f"msgpack extension type {code} is not accepted")
 
 
 def _check_bytes(value: Any, sizes: tuple[int, ...], name: str) -> None:

@@ -92,9 +92,7 @@ class SwarmProtocol(KademliaProtocol):
         self._failures: dict[bytes, int] = {}
         self._suspects: dict[bytes, float] = {}  # node id -> monotonic time of last failure
         self._newcomers: dict[bytes, Contact] = {}
-        self._replicator: asyncio.Task[Any] | None = (
-            None  # node id -> monotonic time of its last failure
-        )
+        self._replicator: asyncio.Task[Any] | None = None  # sends newcomers their records
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refusals = RateLimitedWarning(logger)
         self.closed = False

@@ -10,11 +10,8 @@ from typing import Any
 
 import msgpack
 
+from swarm import strict_msgpack
 from swarm.errors import TransportError
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise TransportError(f"msgpack extension type {code} is not accepted")
 
 
 def pack(value: Any) -> bytes:
@@ -33,11 +30,4 @@ def unpack(data: bytes, *, max_bytes: int, what: str) -> Any:
         raise TransportError(f"{what}: expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise TransportError(f"{what}: {len(data)} bytes, more than the {max_bytes} allowed")
-    try:
-        return msgpack.unpackb(
-            data, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True
-        )
-    except TransportError:
-        raise
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
-        raise TransportError(f"{what}: malformed msgpack ({type(e).__name__}: {e})") from e
+    return strict_msgpack.unpack(data, TransportError, what)
