@@ -67,6 +67,7 @@ class SwarmConfig:
         mode: ``diloco`` (average the pseudo-gradient every ``inner_steps`` and apply an outer
             Nesterov step), ``local_sgd`` (average parameters every ``inner_steps``) or
             ``gradients`` (average gradients every step, like DDP; for small swarms on fast links).
+            Text or a :class:`Mode`; it reads back as a :class:`Mode`.
         inner_steps: local optimizer steps between averaging rounds (forced to 1 for
             ``gradients``). More steps send fewer bytes; increase it on slow links, decrease it if
             the loss jumps after each round.
