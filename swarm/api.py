@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ import torch
 
 from swarm.config import SPARSE_CODECS, PeerConfig, SwarmConfig
 from swarm.errors import SwarmError, TrainingError
+from swarm.monitor.tracker import RoundFigures
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine
 from swarm.training.progress import StepReport
@@ -38,7 +40,15 @@ from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_PEER_FIELDS = ("listen", "announce", "identity_path", "membership", "bandwidth", "heartbeat_s")
+_PEER_FIELDS = (
+    "listen",
+    "announce",
+    "identity_path",
+    "membership",
+    "bandwidth",
+    "heartbeat_s",
+    "metrics",
+)
 _JOIN_LOOKUPS = 5  # DHT reads while looking for state providers right after joining
 
 
@@ -112,6 +122,7 @@ class AsyncSwarm:
 
         cfg = self.config
         self.peer = await Peer.start(cfg.peer)
+        self.peer.progress.attach(self.engine, cfg.codec)
         try:
             self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
             self.averager = Averager(
@@ -159,25 +170,33 @@ class AsyncSwarm:
 
     async def average_round(self, plan: RoundPlan) -> RoundOutcome:
         """Run one averaging round on ``plan.tensors`` (in place); never raises on failure."""
+        started = time.perf_counter()
         try:
             result = await asyncio.wait_for(
                 self.averager.average(plan.tensors, weight=plan.weight),
                 self.config.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
-            return RoundOutcome(False, 0, 0, 0, f"{type(e).__name__}: {e}")
+            reason = f"{type(e).__name__}: {e}"
+            seconds = time.perf_counter() - started
+            self.peer.record_round(RoundFigures(False, reason, "", 0, 0, 0, seconds, seconds, 0.0))
+            return RoundOutcome(False, 0, 0, 0, reason)
+        self.peer.record_round(round_figures(result, time.perf_counter() - started))
         return outcome_of(result)
 
-    async def step(self, samples: float | None = None) -> StepReport:
+    async def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Args:
             samples: samples in this step's batch; rounds weight peers by samples processed,
                 so faster peers count more. Default: 1 per step.
+            loss: this step's loss (float or scalar tensor), optional; published with the
+                peer's progress for ``swarm-peer status`` and the dashboard.
 
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
+        self.peer.progress.note_loss(loss)
         e = self.engine
         due = e.count(samples)
         if self.config.mode == "gradients":
@@ -316,7 +335,7 @@ class Swarm:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def step(self, samples: float | None = None) -> StepReport:
+    def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Every ``inner_steps`` steps this blocks for an averaging round (at most
@@ -325,7 +344,9 @@ class Swarm:
 
         Args:
             samples: samples in this step's batch (weights rounds); default 1 per step.
+            loss: this step's loss, optional; shown by ``swarm-peer status`` and the dashboard.
         """
+        self.peer.progress.note_loss(loss)
         e = self.engine
         due = e.count(samples)
         if self.config.mode == "gradients":
@@ -417,6 +438,22 @@ def outcome_of(result: Any) -> RoundOutcome:
         bytes_sent=int(getattr(result, "bytes_sent", 0) or 0),
         bytes_received=int(getattr(result, "bytes_received", 0) or 0),
         reason="" if averaged else str(getattr(result, "reason", "") or "not averaged"),
+    )
+
+
+def round_figures(result: Any, seconds: float) -> RoundFigures:
+    """What the monitor counts of one round (from the averaging layer's RoundResult)."""
+    group_id = getattr(result, "group_id", b"") or b""
+    return RoundFigures(
+        averaged=bool(result.averaged),
+        reason=str(result.reason or ""),
+        group=group_id[:4].hex(),
+        group_size=len(result.members),
+        bytes_sent=int(result.bytes_sent),
+        bytes_received=int(result.bytes_received),
+        seconds=seconds,
+        matchmaking_s=float(result.matchmaking_s),
+        allreduce_s=float(result.allreduce_s),
     )
 
 
