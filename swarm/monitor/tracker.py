@@ -81,12 +81,13 @@ class ProgressTracker:
         samples = float(e.samples_seen) if e is not None else 0.0
         then, samples0, in0, out0 = self._mark
         elapsed = now - then
-        if elapsed >= 0.5:  # two snapshots in a row (an announce right after another) keep rates
+        if elapsed > 0.01:
             self._rates = (
                 _rate(samples - samples0, elapsed),
                 _rate(self.bytes_received - in0, elapsed),
                 _rate(self.bytes_sent - out0, elapsed),
             )
+        if elapsed >= 1.0:  # an announce right after another widens the window instead
             self._mark = (now, samples, self.bytes_received, self.bytes_sent)
         last = self.last_round
         utilization = float(e.utilization.value) if e is not None else 1.0
