@@ -149,3 +149,72 @@ class Dashboard:
 def page_html() -> str:
     """The dashboard page, from the package's data."""
     return resources.files("swarm.monitor").joinpath("static/dashboard.html").read_text("utf-8")
+
+
+class DashboardThread:
+    """A dashboard served from a daemon thread with its own loop, for synchronous scripts::
+
+        with DashboardThread(["127.0.0.1:7000"], "my-run") as dashboard:
+            print("dashboard at", dashboard.url)
+            ...  # train
+
+    Args:
+        initial_peers: ``HOST:PORT`` of live peers of the run.
+        run_id: the run to show.
+        http: where to serve the page; port 0 picks a free one.
+        interval: seconds between two reads of the run's records.
+        **reader_options: passed to :class:`~swarm.monitor.status.RunReader` (``membership``).
+    """
+
+    def __init__(
+        self,
+        initial_peers: list[str],
+        run_id: str,
+        *,
+        http: str = "127.0.0.1:0",
+        interval: float = 2.0,
+        **reader_options: Any,
+    ):
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        address = PeerAddress.parse(http)
+        reader = RunReader(
+            initial_peers, run_id, listen_host=address.host or "0.0.0.0", **reader_options
+        )
+        self.dashboard = Dashboard(reader, interval=interval)
+
+        async def start() -> PeerAddress:
+            await reader.__aenter__()
+            await self.dashboard.__aenter__()
+            return await self.dashboard.serve(address)
+
+        try:
+            bound = asyncio.run_coroutine_threadsafe(start(), self._loop).result(60)
+        except BaseException:
+            self.close()
+            raise
+        self.url = f"http://{bound}/"
+
+    def __enter__(self) -> DashboardThread:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop serving and end the thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+
+        async def stop() -> None:
+            await self.dashboard.close()
+            await self.dashboard.reader.close()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        self._loop.close()
