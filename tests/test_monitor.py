@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import shutil
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from processes import ROOT, child_env
+from processes import ROOT, OutputProcess, child_env
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.api import AsyncSwarm
@@ -126,12 +127,17 @@ async def test_status_lists_every_peer_with_round_and_resources_and_drops_a_leav
         assert snap["totals"]["samples_per_s"] > 0
 
         leaver = swarms.pop()
-        address = leaver.address
+        address, gone = leaver.address, leaver.peer.peer_id
         await leaver.close()  # publishes the leave marker
         snap = await status_json(swarms[0].address, "status-run")
         assert {row["address"] for row in snap["peers"]} == {s.address for s in swarms}, (
             f"{address} still listed after close(): the leave marker did not replace its record"
         )
+        # the survivors' next round plans without the leaver instead of waiting for it
+        await train_all(swarms, 2)
+        for s in swarms:
+            assert gone in s.peer.departed
+            assert gone not in s.averager.prober.records
 
 
 async def test_status_hints_when_the_run_id_matches_no_peer() -> None:
@@ -152,6 +158,28 @@ async def test_joins_and_leaves_are_logged(caplog: pytest.LogCaptureFixture) -> 
         await swarms.pop().close()
         await first.peer.known_peers()
         assert f"peer {others[-1]} left (2 peers)" in caplog.text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="stops the peer with SIGINT")
+def test_swarm_peer_logs_joins_leaves_and_a_periodic_status() -> None:
+    argv = [sys.executable, "-m", "swarm.cli", "--listen", "127.0.0.1:0", "--run-id", "cli-log"]
+    argv += ["--heartbeat", "0.5", "--status-interval", "0.5"]
+    first = OutputProcess(argv)
+    second = None
+    try:
+        address = first.wait_for(r"--initial-peers (\S+)", 60)[1]
+        first.wait_for(r"status: run 'cli-log': 1 peer\(s\)", 60)
+        second = OutputProcess([*argv, "--initial-peers", address])
+        short = second.wait_for(r"peer \S+ \((\w+)\) is up", 60)[1]
+        first.wait_for(rf"peer {short} joined \(2 peers\)", 60)
+        first.wait_for(r"status: run 'cli-log': 2 peer\(s\)", 60)
+        second.proc.send_signal(signal.SIGINT)
+        assert second.proc.wait(30) == 0
+        first.wait_for(rf"peer {short} left \(1 peers\)", 60)  # the marker, not the expiry
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
 
 
 def test_watcher_names_newcomers_and_departures(caplog: pytest.LogCaptureFixture) -> None:
