@@ -6,6 +6,7 @@ import contextlib
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -196,7 +197,8 @@ def test_tracker_turns_counters_into_rates() -> None:
     engine.round, engine.step_count, engine.samples_seen = 3, 30, 1000.0
     tracker.note_loss(float("nan"))
     assert tracker.loss is None
-    tracker.note_loss(1.5)
+    tracker.note_loss(torch.tensor(0.75, requires_grad=True) * 2)  # read at the heartbeat
+    assert tracker.loss == 1.5
     tracker.on_round(RoundFigures(True, "", "abcd", 3, 4000, 2000, 1.0, 0.2, 0.8))
     p = tracker.snapshot(reachability="client")
     assert p.role == "trainer" and p.round == 3 and p.step == 30 and p.loss == 1.5

@@ -75,7 +75,10 @@ class Dashboard:
         app.router.add_get("/api/state", self._state)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, address.host, address.port).start()
+        try:
+            await web.TCPSite(self._runner, address.host, address.port).start()
+        except OSError as e:
+            raise SwarmError(f"cannot serve the dashboard on {address}: {e}") from e
         port = self._runner.addresses[0][1]
         return PeerAddress(address.host, port)
 

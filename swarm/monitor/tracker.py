@@ -50,7 +50,7 @@ class ProgressTracker:
         self.started = time.monotonic()
         self.engine: TrainingCounters | None = None
         self.codec = ""
-        self.loss: float | None = None
+        self._loss: Any = None  # last loss given to step(): float or detached tensor
         self.last_round: RoundFigures | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -63,11 +63,25 @@ class ProgressTracker:
         self.codec = codec[:24]
 
     def note_loss(self, loss: Any) -> None:
-        """Remember the script's last loss (a tensor, a float or None; non-finite is dropped)."""
-        if loss is None:
-            return
-        value = float(loss.item() if hasattr(loss, "item") else loss)  # one sync per step
-        self.loss = value if math.isfinite(value) and abs(value) <= MAX_LOSS else None
+        """Remember the script's last loss (a float, a scalar tensor or None).
+
+        A tensor is kept (detached) and read at the next heartbeat, not now: ``.item()`` on a
+        CUDA tensor is a CPU-GPU sync, affordable every few seconds but not every step.
+        """
+        if loss is not None:
+            self._loss = loss.detach() if hasattr(loss, "detach") else loss
+
+    @property
+    def loss(self) -> float | None:
+        """The last loss as a finite float (None when none was given, or it is NaN/inf)."""
+        raw = self._loss
+        if raw is None:
+            return None
+        try:
+            value = float(raw.item() if hasattr(raw, "item") else raw)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        return value if math.isfinite(value) and abs(value) <= MAX_LOSS else None
 
     def on_round(self, figures: RoundFigures) -> None:
         self.last_round = figures
