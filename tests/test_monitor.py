@@ -276,6 +276,26 @@ def test_status_table_has_a_row_per_peer_and_totals() -> None:
     assert "pppppppppp" in text and "run 'r': 1 peer(s)" in text
 
 
+async def test_dashboard_serves_its_page_and_the_run_state() -> None:
+    async with swarm_of(2, "dash-api") as swarms:
+        await train_all(swarms, 2)
+        reader = RunReader([swarms[0].address], "dash-api", listen_host="127.0.0.1")
+        async with reader, Dashboard(reader, interval=3600) as dashboard:
+            address = await dashboard.serve(PeerAddress("127.0.0.1", 0))
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://{address}/") as r:
+                    page = await r.text()
+                async with session.get(f"http://{address}/api/state") as r:
+                    state = await r.json()
+        addresses = {s.address for s in swarms}
+        shorts = sorted(s.peer.peer_id.short for s in swarms)
+    assert 'id="loss-chart"' in page and "<script" in page
+    assert not re.search(r"(src|href)=[\"']https?:", page), "the page must not load anything"
+    assert {row["address"] for row in state["peers"]} == addresses
+    assert len(state["series"]) == 2 and all(s["points"] for s in state["series"])
+    assert state["groups"] and state["groups"][0]["groups"][0] == shorts
+
+
 # ---- the dashboard in a real browser
 
 
