@@ -14,7 +14,9 @@ splits the group). Each runs a warm-up round, then ``--rounds`` timed rounds of 
 tensor.
 ``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
 of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
-``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included). Rounds
+``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included);
+``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
+seconds of all peer processes together per timed round. Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
 ``failed_rounds``.
 
@@ -152,7 +154,10 @@ async def peer_main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         g = torch.Generator().manual_seed(args.seed)
         tensor = torch.randn(args.numel, generator=g)
+        cpu_start = 0.0
         for rnd in range(args.rounds + 1):
+            if rnd == 1:  # after the warm-up round
+                cpu_start = time.process_time()
             started = time.perf_counter()
             result = await averager.average([tensor], weight=1.0)
             if args.status == "on":  # what the training facade does after every round
@@ -167,7 +172,8 @@ async def peer_main(args: argparse.Namespace) -> None:
             }
             print(json.dumps(row), flush=True)
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"peak_rss_mb": rss_mb}), flush=True)
+        cpu = (time.process_time() - cpu_start) / max(args.rounds, 1)
+        print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
         await asyncio.sleep(0.5)  # let the others read their last replies
     finally:
         if scraper is not None:
@@ -280,6 +286,7 @@ def _run_config(
     matchmaking = [max(rs[i]["matchmaking_s"] for rs in per_round) for i in ok]
     sent = statistics.mean(rs[i]["bytes_sent"] for rs in per_round for i in ok)
     rss = max(r["peak_rss_mb"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
+    cpu = sum(r["cpu_s_per_round"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
     return {
         "n": n,
         "numel": numel,
@@ -290,6 +297,7 @@ def _run_config(
         "round_s": round(statistics.median(whole), 4),
         "bytes_sent_per_peer": int(sent),
         "peak_rss_mb": round(rss, 1),
+        "cpu_s_per_round": round(cpu, 4),  # all peer processes together, timed rounds only
         "efficiency": (
             round(sent * 8 / TBF_RATE_BITS / statistics.median(slowest), 3)
             if setting == "tbf100"

@@ -13,10 +13,13 @@ publishing happens many times per round and the figure is an upper bound. Prints
 per run, then::
 
     {"status_overhead": (median round_s on - median round_s off) / median round_s off,
-     "round_s_on": ..., "round_s_off": ..., "publish_ms": ..., "metrics_render_ms": ...,
+     "round_s_on": ..., "round_s_off": ..., "status_overhead_cpu": ..., "cpu_s_per_round_on": ...,
+     "cpu_s_per_round_off": ..., "publish_ms": ..., "metrics_render_ms": ...,
      "n": ..., "numel": ..., "codec": ..., "repeats": ..., "load": [1, 5, 15 min]}
 
-``publish_ms`` is the CPU time of one progress snapshot plus record signing, and
+``status_overhead_cpu`` is the same comparison for the CPU seconds all peer processes spend per
+timed round: wall time on a shared machine swings with others' load by far more than 1 %, CPU
+time much less. ``publish_ms`` is the CPU time of one progress snapshot plus record signing, and
 ``metrics_render_ms`` of one ``/metrics`` body, measured in this process.
 
     python benchmarks/status.py [--n 4] [--numel 4M] [--rounds 10] [--repeats 3]
@@ -81,6 +84,7 @@ def main() -> None:
     args = p.parse_args()
     numel = allreduce.parse_numel(args.numel)
     times: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     for rep in range(args.repeats):
         order = ("on", "off") if rep % 2 == 0 else ("off", "on")
         for mode in order:
@@ -90,7 +94,9 @@ def main() -> None:
             row["status"] = mode
             print(json.dumps(row), flush=True)
             times[mode].append(row["round_s"])
+            cpu[mode].append(row["cpu_s_per_round"])
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    cpu_on, cpu_off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     publish_ms, render_ms = in_process_costs()
     print(
         json.dumps(
@@ -98,6 +104,9 @@ def main() -> None:
                 "status_overhead": round((on - off) / off, 4),
                 "round_s_on": round(on, 4),
                 "round_s_off": round(off, 4),
+                "status_overhead_cpu": round((cpu_on - cpu_off) / cpu_off, 4),
+                "cpu_s_per_round_on": round(cpu_on, 4),
+                "cpu_s_per_round_off": round(cpu_off, 4),
                 "publish_ms": round(publish_ms, 3),
                 "metrics_render_ms": round(render_ms, 3),
                 "n": args.n,
