@@ -24,10 +24,12 @@ from processes import ROOT, OutputProcess, child_env
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.api import AsyncSwarm
+from swarm.monitor import tracker
 from swarm.monitor.dashboard import Dashboard
 from swarm.monitor.status import RunReader, format_table
 from swarm.monitor.watch import PeerWatcher
 from swarm.net.address import PeerAddress
+from swarm.net.progress import Resources
 
 HEARTBEAT_S = 5.0  # records expire after 15 s: a leaver still listed after close() is a failure
 OPTIONS = {
@@ -334,7 +336,10 @@ def loss_points(dom: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(chromium() is None, reason="no Chromium installed (apt-get install chromium)")
-async def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
+async def test_dashboard_in_headless_chromium(tmp_path: Path, monkeypatch) -> None:
+    # every value on the page comes from other peers: markup in one must stay text
+    hostile = Resources('<img src=x onerror="document.title=1">', 2, 1 << 30, "<b>GPU</b>", 0)
+    monkeypatch.setattr(tracker, "machine_resources", lambda: hostile)
     async with swarm_of(3, "dash-run") as swarms:
         await train_all(swarms, 2)
         reader = RunReader([swarms[0].address], "dash-run", listen_host="127.0.0.1")
@@ -353,6 +358,7 @@ async def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
             dom = await browse(url, "--dump-dom")
             assert loss_points(dom) > first, "the loss chart gained no points after new rounds"
             assert 'class="round-row"' in dom  # groups of the last rounds are listed
+            assert "&lt;img src=x" in dom and "<img" not in dom and "<b>GPU" not in dom
 
             shot = tmp_path / "dashboard.png"
             await browse(url, f"--screenshot={shot}")
