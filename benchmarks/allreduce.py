@@ -14,7 +14,9 @@ splits the group). Each runs a warm-up round, then ``--rounds`` timed rounds of 
 tensor.
 ``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
 of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
-``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included). Rounds
+``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included);
+``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
+seconds of all peer processes together per timed round. Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
 ``failed_rounds``.
 
@@ -114,6 +116,7 @@ def parse_numel(text: str) -> int:
 async def peer_main(args: argparse.Namespace) -> None:
     import torch
 
+    from swarm.api import round_figures
     from swarm.averaging import Averager
     from swarm.config import PeerConfig
     from swarm.peer import Peer
@@ -123,9 +126,16 @@ async def peer_main(args: argparse.Namespace) -> None:
         run_id="bench-allreduce",
         listen=args.listen,
         initial_peers=tuple(args.initial_peers),
-        heartbeat_s=5.0,
+        heartbeat_s=args.heartbeat,
+        metrics=args.status == "on",
     )
     peer = await Peer.start(config)
+    peer.monitoring = args.status == "on"  # progress in the record, join/leave watch
+    scraper = (
+        asyncio.create_task(scrape_forever(f"http://{peer.address}/metrics", args.scrape_interval))
+        if args.status == "on" and args.scrape_interval > 0
+        else None
+    )
     print(json.dumps({"address": str(peer.address)}), flush=True)
     averager = Averager(
         peer,
@@ -144,8 +154,14 @@ async def peer_main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         g = torch.Generator().manual_seed(args.seed)
         tensor = torch.randn(args.numel, generator=g)
+        cpu_start = 0.0
         for rnd in range(args.rounds + 1):
+            if rnd == 1:  # after the warm-up round
+                cpu_start = time.process_time()
+            started = time.perf_counter()
             result = await averager.average([tensor], weight=1.0)
+            if args.status == "on":  # what the training facade does after every round
+                peer.record_round(round_figures(result, time.perf_counter() - started))
             row = {
                 "round": rnd,
                 "averaged": result.averaged,
@@ -156,24 +172,46 @@ async def peer_main(args: argparse.Namespace) -> None:
             }
             print(json.dumps(row), flush=True)
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps({"peak_rss_mb": rss_mb}), flush=True)
+        cpu = (time.process_time() - cpu_start) / max(args.rounds, 1)
+        print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
         await asyncio.sleep(0.5)  # let the others read their last replies
     finally:
+        if scraper is not None:
+            scraper.cancel()
+            await asyncio.gather(scraper, return_exceptions=True)
         await averager.close()
         await peer.close()
+
+
+async def scrape_forever(url: str, interval: float) -> None:
+    """A Prometheus server's part: GET /metrics every ``interval`` seconds."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        while True:
+            await asyncio.sleep(interval)
+            async with session.get(url) as response:
+                await response.read()
 
 
 # ---- the coordinator
 
 
 def run_config(
-    n: int, numel: int, codec: str, rounds: int, gather_window: float, setting: str = "loopback"
+    n: int,
+    numel: int,
+    codec: str,
+    rounds: int,
+    gather_window: float,
+    setting: str = "loopback",
+    extra: tuple[str, ...] = (),
 ) -> dict:
+    """One configuration; ``extra`` are more peer-process flags (e.g. ``--status off``)."""
     if setting == "tbf100":
         with rate_limited_namespaces(n, TBF_RATE_BITS) as places:
-            return _run_config(n, numel, codec, rounds, gather_window, setting, places)
+            return _run_config(n, numel, codec, rounds, gather_window, setting, places, extra)
     places = [([], f"127.0.0.{60 + i}") for i in range(n)]
-    return _run_config(n, numel, codec, rounds, gather_window, setting, places)
+    return _run_config(n, numel, codec, rounds, gather_window, setting, places, extra)
 
 
 def _run_config(
@@ -184,6 +222,7 @@ def _run_config(
     gather_window: float,
     setting: str,
     places: list[tuple[list[str], str]],
+    extra: tuple[str, ...] = (),
 ) -> dict:
     env = {
         **os.environ,
@@ -195,6 +234,7 @@ def _run_config(
         "--peer",
         *("--n", str(n), "--numel", str(numel), "--codec", codec, "--rounds", str(rounds)),
         *("--gather-window", str(gather_window)),
+        *extra,
     ]
     procs: list[subprocess.Popen] = []
     try:
@@ -242,9 +282,11 @@ def _run_config(
     if not ok:
         raise RuntimeError(f"every round failed: {per_round[0][0]['reason']}")
     slowest = [max(rs[i]["allreduce_s"] for rs in per_round) for i in ok]
+    whole = [max(rs[i]["matchmaking_s"] + rs[i]["allreduce_s"] for rs in per_round) for i in ok]
     matchmaking = [max(rs[i]["matchmaking_s"] for rs in per_round) for i in ok]
     sent = statistics.mean(rs[i]["bytes_sent"] for rs in per_round for i in ok)
     rss = max(r["peak_rss_mb"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
+    cpu = sum(r["cpu_s_per_round"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
     return {
         "n": n,
         "numel": numel,
@@ -252,8 +294,10 @@ def _run_config(
         "setting": setting,
         "matchmaking_s": round(statistics.median(matchmaking), 4),
         "allreduce_s": round(statistics.median(slowest), 4),
+        "round_s": round(statistics.median(whole), 4),
         "bytes_sent_per_peer": int(sent),
         "peak_rss_mb": round(rss, 1),
+        "cpu_s_per_round": round(cpu, 4),  # all peer processes together, timed rounds only
         "efficiency": (
             round(sent * 8 / TBF_RATE_BITS / statistics.median(slowest), 3)
             if setting == "tbf100"
@@ -279,6 +323,9 @@ def main() -> None:
     p.add_argument("--listen", default="127.0.0.1:0", help=argparse.SUPPRESS)
     p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--status", choices=["on", "off"], default="on", help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat", type=float, default=5.0, help=argparse.SUPPRESS)
+    p.add_argument("--scrape-interval", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.peer:
         args.n, args.numel = args.n[0], parse_numel(args.numel[0])

@@ -97,10 +97,12 @@ def main() -> None:
         codec=args.codec,
     ) as swarm:
         print(f"peer listening on {swarm.address}", flush=True)
+        watch = f"--initial-peers {swarm.address} --run-id {args.run_id}"
+        print(f"watch the run: swarm-peer dashboard {watch}  (or: swarm-peer status {watch})")
         if args.checkpoint and os.path.exists(args.checkpoint):
             swarm.load(args.checkpoint)
             print(f"resumed from {args.checkpoint} at round {swarm.round}", flush=True)
-        steps = 0
+        steps, report = 0, None
         for _epoch in range(args.epochs):
             # Recomputed each epoch: this peer's disjoint share of the data among live peers.
             shard = torch.utils.data.Subset(dataset, swarm.shard(len(dataset)))
@@ -111,7 +113,8 @@ def main() -> None:
                 images, labels = images.to(device), labels.to(device)
                 loss = nn.functional.cross_entropy(model(images), labels)
                 loss.backward()
-                report = swarm.step(samples=len(labels))  # replaces optimizer.step()
+                # replaces optimizer.step(); the loss is optional, for status and dashboard
+                report = swarm.step(samples=len(labels), loss=loss.detach())
                 optimizer.zero_grad(set_to_none=True)
                 steps += 1
                 if report.round_due:
@@ -119,7 +122,15 @@ def main() -> None:
                     if args.checkpoint:
                         swarm.save(args.checkpoint)
                 if args.max_steps and steps >= args.max_steps:
-                    return
+                    break
+            if args.max_steps and steps >= args.max_steps:
+                break
+        if report is not None:
+            print(
+                f"summary: {steps} steps, {swarm.round} rounds, last loss {loss.item():.4f}, "
+                f"utilization {report.utilization:.0%}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ and each trains on its own shard of the data (``swarm.shard``). Every ``--inner-
 steps the peers average their pseudo-gradients (int8 + error feedback) and apply the outer
 Nesterov step; peer 0 prints one line per round. On several machines, run the same loop with
 ``initial_peers=["HOST:PORT"]`` of any live peer and ``listen="0.0.0.0:7000"``.
+
+While it runs, open the printed dashboard address in a browser (peers, loss and samples/s over
+time, groups of the last rounds), or run the printed ``swarm-peer status`` command in another
+terminal. At the end every peer's summary is printed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import torch
 
 from swarm.api import Swarm
+from swarm.monitor.dashboard import DashboardThread
 
 DIM, CLASSES, ITEMS = 32, 8, 8192
 
@@ -45,6 +50,7 @@ def train_peer(
     initial_peers: list[str],
     ready: threading.Barrier,
     out: list[Swarm | None],
+    summaries: list[str],
 ) -> None:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -60,6 +66,7 @@ def train_peer(
         outer_momentum=args.outer_momentum,
         matchmaking_timeout_s=5.0,
         round_timeout_s=60.0,
+        heartbeat_s=2.0,  # publish progress often: the dashboard updates at this pace
     ) as swarm:
         out[rank] = swarm
         ready.wait()  # every peer is up: now the shards are disjoint
@@ -69,12 +76,17 @@ def train_peer(
             batch = mine[torch.randint(len(mine), (args.batch,), generator=g)]
             loss = torch.nn.functional.cross_entropy(model(x[batch]), y[batch])
             loss.backward()
-            report = swarm.step(samples=args.batch)  # instead of optimizer.step()
+            # instead of optimizer.step(); the loss is optional, shown by the dashboard
+            report = swarm.step(samples=args.batch, loss=loss.detach())
             optimizer.zero_grad()
             if report.round_due and rank == 0:
                 with torch.no_grad():
                     full = torch.nn.functional.cross_entropy(model(x), y).item()
                 print(f"peer 0 {report.line(full)}", flush=True)
+        summaries[rank] = (
+            f"peer {rank} ({swarm.peer.peer_id.short}): {report.round} rounds, {report.step} "
+            f"steps, last loss {loss.item():.4f}, utilization {report.utilization:.0%}"
+        )
         ready.wait()  # stay up until everyone has finished their last round
 
 
@@ -87,29 +99,38 @@ def main() -> None:
     parser.add_argument("--codec", default="int8")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.5)  # DiLoCo: 0.9 for long runs
+    parser.add_argument("--dashboard", default="127.0.0.1:0", help="HOST:PORT of the web page")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # 4 peers share this machine's cores
     x, y = make_data()
     ready = threading.Barrier(args.peers)
     swarms: list[Swarm | None] = [None] * args.peers
-    first = threading.Thread(target=train_peer, args=(0, args, x, y, [], ready, swarms))
+    summaries = [""] * args.peers
+    first = threading.Thread(target=train_peer, args=(0, args, x, y, [], ready, swarms, summaries))
     first.start()
     while swarms[0] is None and first.is_alive():
         first.join(0.05)
     if swarms[0] is None:
         raise SystemExit("peer 0 failed to start")
-    print(f"peer 0 listening on {swarms[0].address}; starting {args.peers - 1} more peers")
-    others = [
-        threading.Thread(
-            target=train_peer, args=(r, args, x, y, [swarms[0].address], ready, swarms)
-        )
-        for r in range(1, args.peers)
-    ]
-    for t in others:
-        t.start()
-    for t in [first, *others]:
-        t.join()
+    address = swarms[0].address
+    print(f"peer 0 listening on {address}; starting {args.peers - 1} more peers")
+    with DashboardThread([address], "quickstart", http=args.dashboard) as dashboard:
+        print(f"dashboard: {dashboard.url}")
+        print(f"status:    swarm-peer status --initial-peers {address} --run-id quickstart")
+        others = [
+            threading.Thread(
+                target=train_peer, args=(r, args, x, y, [address], ready, swarms, summaries)
+            )
+            for r in range(1, args.peers)
+        ]
+        for t in others:
+            t.start()
+        for t in [first, *others]:
+            t.join()
+    print("summary:")
+    for line in summaries:
+        print(f"  {line}")
 
 
 if __name__ == "__main__":

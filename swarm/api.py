@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,6 +30,7 @@ import torch
 
 from swarm.config import SPARSE_CODECS, PeerConfig, SwarmConfig
 from swarm.errors import SwarmError, TrainingError
+from swarm.monitor.tracker import RoundFigures
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
 from swarm.training.progress import StepReport
@@ -41,7 +43,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_PEER_FIELDS = ("listen", "announce", "identity_path", "membership", "bandwidth", "heartbeat_s")
+_PEER_FIELDS = (
+    "listen",
+    "announce",
+    "identity_path",
+    "membership",
+    "bandwidth",
+    "heartbeat_s",
+    "metrics",
+)
 _JOIN_LOOKUPS = 5  # DHT reads while looking for state providers right after joining
 
 
@@ -115,6 +125,7 @@ class AsyncSwarm:
 
         cfg = self.config
         self.peer = await Peer.start(cfg.peer)
+        self.peer.progress.attach(self.engine, cfg.codec)
         try:
             self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
             self.averager = Averager(
@@ -162,25 +173,33 @@ class AsyncSwarm:
 
     async def average_round(self, plan: RoundPlan) -> RoundOutcome:
         """Run one averaging round on ``plan.tensors`` (in place); never raises on failure."""
+        started = time.perf_counter()
         try:
             result = await asyncio.wait_for(
                 self.averager.average(plan.tensors, weight=plan.weight),
                 self.config.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
-            return RoundOutcome(False, 0, 0, 0, f"{type(e).__name__}: {e}")
+            reason = f"{type(e).__name__}: {e}"
+            seconds = time.perf_counter() - started
+            self.peer.record_round(RoundFigures(False, reason, "", 0, 0, 0, seconds, seconds, 0.0))
+            return RoundOutcome(False, 0, 0, 0, reason)
+        self.peer.record_round(round_figures(result, time.perf_counter() - started))
         return outcome_of(result)
 
-    async def step(self, samples: float | None = None) -> StepReport:
+    async def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Args:
             samples: samples in this step's batch; rounds weight peers by samples processed,
                 so faster peers count more. Default: 1 per step.
+            loss: this step's loss (float or scalar tensor), optional; published with the
+                peer's progress for ``swarm-peer status`` and the dashboard.
 
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
+        self.peer.progress.note_loss(loss)
         return await arun_step(self.engine.step(samples), self.average_round)
 
     async def average_parameters(self) -> RoundOutcome:
@@ -308,7 +327,7 @@ class Swarm:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def step(self, samples: float | None = None) -> StepReport:
+    def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Every ``inner_steps`` steps this blocks for an averaging round (at most
@@ -317,7 +336,9 @@ class Swarm:
 
         Args:
             samples: samples in this step's batch (weights rounds); default 1 per step.
+            loss: this step's loss, optional; shown by ``swarm-peer status`` and the dashboard.
         """
+        self.peer.progress.note_loss(loss)
         return run_step(self.engine.step(samples), self._round)
 
     def _round(self, plan: RoundPlan) -> RoundOutcome:
@@ -396,6 +417,22 @@ def outcome_of(result: RoundResult) -> RoundOutcome:
         bytes_sent=result.bytes_sent,
         bytes_received=result.bytes_received,
         reason="" if result.averaged else (result.reason or "not averaged"),
+    )
+
+
+def round_figures(result: Any, seconds: float) -> RoundFigures:
+    """What the monitor counts of one round (from the averaging layer's RoundResult)."""
+    group_id = getattr(result, "group_id", b"") or b""
+    return RoundFigures(
+        averaged=bool(result.averaged),
+        reason=str(result.reason or ""),
+        group=group_id[:4].hex(),
+        group_size=len(result.members),
+        bytes_sent=int(result.bytes_sent),
+        bytes_received=int(result.bytes_received),
+        seconds=seconds,
+        matchmaking_s=float(result.matchmaking_s),
+        allreduce_s=float(result.allreduce_s),
     )
 
 

@@ -180,8 +180,10 @@ class RateLimitedWarning:
         self._interval_s = interval_s
         self._max_sources = max_sources
         self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self.total = 0  # every refusal, logged or not (for metrics)
 
     def warn(self, source: str, message: str, *args: object) -> None:
+        self.total += 1
         now = time.monotonic()
         last, suppressed = self._last.get(source, (float("-inf"), 0))
         if now - last < self._interval_s:

@@ -3,6 +3,8 @@
     swarm-peer                                   start a new swarm; prints the --initial-peers value
     swarm-peer --initial-peers HOST:PORT         join a swarm
     swarm-peer peers --initial-peers HOST:PORT   list the peers announced in a run
+    swarm-peer status --initial-peers HOST:PORT  live table of every peer's progress
+    swarm-peer dashboard --initial-peers HOST:PORT  the same as a web page
 
 Every flag can also be set through an environment variable (``SWARM_LISTEN``,
 ``SWARM_INITIAL_PEERS``, ...); a flag given on the command line wins.
@@ -26,6 +28,7 @@ from swarm.config import DEFAULT_LISTEN, PeerConfig
 from swarm.dht import DHTNode
 from swarm.errors import SwarmError
 from swarm.identity import Identity
+from swarm.monitor.cli import add_monitor_commands, log_status_every, run_dashboard, run_status
 from swarm.net.record import PeerRecord
 from swarm.peer import Peer, fetch_peer_records
 from swarm.version import __version__
@@ -117,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="upload rate in Mbit/s others may plan for; 0 = client-only, e.g. behind NAT "
         "(env SWARM_BANDWIDTH, default %(default)s)",
     )
+    parser.add_argument(
+        "--status-interval",
+        type=float,
+        default=_env("STATUS_INTERVAL", "60"),
+        metavar="SECONDS",
+        help="log a one-line status of the run this often; 0 = never "
+        "(env SWARM_STATUS_INTERVAL, default %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        default=_env("METRICS", "") not in ("", "0"),
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on the peer's port, "
+        "readable by anyone who reaches the port (env SWARM_METRICS=1; default off)",
+    )
     sub = parser.add_subparsers(dest="command")
     sub.add_parser(
         "peers",
@@ -124,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the peers announced in a run",
         description="List the peers announced in a run (id, address, device, last seen).",
     )
+    add_monitor_commands(sub, common)
     return parser
 
 
@@ -150,6 +169,7 @@ async def run_peer(args: argparse.Namespace) -> int:
         membership=load_membership(args.swarm_key),
         bandwidth=args.bandwidth * 1e6 / 8,
         heartbeat_s=args.heartbeat,
+        metrics=args.metrics,
     )
     stop = asyncio.Event()
     _install_stop_handlers(stop)
@@ -160,7 +180,12 @@ async def run_peer(args: argparse.Namespace) -> int:
         else:
             print(f"started a new swarm, run {config.run_id!r}")
         print(f"others join with: --initial-peers {peer.address}", flush=True)
+        if config.metrics:
+            print(f"metrics at http://{peer.address}/metrics", flush=True)
+        status = asyncio.create_task(log_status_every(peer, args.status_interval))
         await stop.wait()
+        status.cancel()
+        await asyncio.gather(status, return_exceptions=True)
         logger.info("stopping")
     return 0
 
@@ -230,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    command = list_peers if args.command == "peers" else run_peer
+    commands = {"peers": list_peers, "status": run_status, "dashboard": run_dashboard}
+    command = commands.get(args.command, run_peer)
     try:
         return asyncio.run(command(args))
     except SwarmError as e:

@@ -4,6 +4,10 @@ The HTTP server (TCP) binds first; the DHT (UDP) then binds the same port number
 a router forwards one port and others join with one ``HOST:PORT``. The peer announces its signed
 :class:`~swarm.net.record.PeerRecord` under ``{run_id}/peers`` every ``heartbeat_s``; the entry
 expires after ``record_ttl_s``, so a peer that dies vanishes from every listing at expiry.
+
+Each announcement carries the peer's progress (:mod:`swarm.net.progress`); a peer that closes
+publishes a leave marker in the same slot, so the others drop it at their next read instead of at
+expiry. Every heartbeat also reads the run's records, which logs who joined and who left.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from swarm.address import PeerAddress
 from swarm.dht import DHTNode
 from swarm.errors import DHTError, SwarmError
 from swarm.identity import Identity, PeerID
+from swarm.monitor.metrics import PeerMetrics
+from swarm.monitor.tracker import ProgressTracker, RoundFigures
+from swarm.monitor.watch import PeerWatcher
+from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD
 from swarm.net.record import PeerRecord
 from swarm.net.transport import Transport
 from swarm.peer_config import PeerConfig
@@ -69,6 +77,12 @@ class Peer:
         self.dht: DHTNode | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
+        self.progress = ProgressTracker()
+        self.metrics = PeerMetrics(refusals=self._refusal_counts)
+        self.watcher = PeerWatcher(self.identity.peer_id)
+        self.departed: set[PeerID] = set()  # peers whose leave marker we read
+        self.monitoring = True  # publish progress and watch the run at each heartbeat
+        self._expiration = 0.0  # of our last announcement
 
     @property
     def peer_id(self) -> PeerID:
@@ -156,6 +170,8 @@ class Peer:
                 logger.debug("UDP port %d is taken; trying another port number", port)
                 continue
             self.transport, self.dht = transport, dht
+            if self.config.metrics:
+                transport.metrics = self._render_metrics
             if self.config.announce is None and listen.is_wildcard:
                 host = guess_announce_host(listen)
                 transport.update_record(address=PeerAddress(host, port))
@@ -172,9 +188,49 @@ class Peer:
 
     async def announce(self) -> int:
         """Publish (and re-sign) this peer's record; returns how many DHT nodes stored it."""
-        record = self._transport.update_record()
-        expiration = time.time() + float(self.config.record_ttl_s or 0)
-        return await self._dht.store(peers_key(self.run_id), record.serialize(), expiration)
+        transport = self._transport
+        if self.monitoring:
+            reach = "public" if transport.record().bandwidth > 0 else "client"
+            progress = self.progress.snapshot(reachability=reach).to_wire()
+            record = transport.update_record(
+                extra={**transport.record().extra, PROGRESS_FIELD: progress}
+            )
+        else:
+            record = transport.update_record()
+        return await self._store_record(record)
+
+    async def _store_record(self, record: PeerRecord) -> int:
+        # later than the stored entry, so that it replaces ours in every node it reaches
+        expiration = max(time.time() + float(self.config.record_ttl_s or 0), self._expiration)
+        self._expiration = expiration + 1e-3
+        try:
+            stored = await self._dht.store(peers_key(self.run_id), record.serialize(), expiration)
+        except SwarmError:
+            self.metrics.count_dht("store", failed=True)
+            raise
+        self.metrics.count_dht("store", failed=stored == 0)
+        return stored
+
+    def record_round(self, figures: RoundFigures) -> None:
+        """Count a finished averaging round (the training facade calls this)."""
+        self.progress.on_round(figures)
+        self.metrics.on_round(figures)
+
+    def _render_metrics(self) -> bytes:
+        counts, engine = self.metrics.counts, self.progress.engine
+        if engine is not None:
+            counts.step, counts.round = engine.step_count, engine.round
+            counts.utilization = float(engine.utilization.value)
+        return self.metrics.render()
+
+    def _refusal_counts(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        if self.transport is not None:
+            counts.update({("http", status): n for status, n in self.transport.refused.items()})
+        refusals = getattr(getattr(self.dht, "protocol", None), "_refusals", None)
+        if refusals is not None:
+            counts[("dht", "datagram")] = refusals.total
+        return counts
 
     async def _heartbeat_loop(self) -> None:
         # fixed rate: a slow store (a dead node in the lookup) must not push the next one past
@@ -192,10 +248,33 @@ class Peer:
                 continue
             if stored == 0:
                 logger.warning("heartbeat: no DHT node stored our record (alone in the swarm?)")
+            if self.monitoring:
+                try:
+                    await self.known_peers()  # logs who joined and who left
+                except SwarmError as e:
+                    logger.debug("reading the run's records failed: %s", e)
 
     async def known_peers(self) -> dict[PeerID, PeerRecord]:
         """Records of the live peers of this run (signature-checked), this peer included."""
-        return await fetch_peer_records(self._dht, self.run_id)
+        try:
+            live, left = await fetch_run_records(self._dht, self.run_id)
+        except SwarmError:
+            self.metrics.count_dht("get", failed=True)
+            raise
+        self.metrics.count_dht("get", failed=False)
+        self.departed = (self.departed | set(left)) - set(live)
+        self.watcher.update(live, left)
+        self.metrics.counts.peers_known = len(set(live) | {self.peer_id})
+        return live
+
+    async def _leave(self) -> None:
+        """Publish a leave marker in our record's slot (best effort, bounded in time)."""
+        transport = self._transport
+        record = transport.update_record(extra={**transport.record().extra, LEFT_FIELD: True})
+        try:
+            await asyncio.wait_for(self._store_record(record), self.config.dht_request_timeout_s)
+        except (SwarmError, OSError, asyncio.TimeoutError) as e:
+            logger.debug("could not publish the leave marker: %s", e)
 
     async def close(self) -> None:
         """Stop announcing, then close the DHT socket and the HTTP server and client."""
@@ -203,6 +282,8 @@ class Peer:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
             self._heartbeat = None
+        if self.dht is not None and self.transport is not None and self._expiration:
+            await self._leave()
         if self.dht is not None:
             await self.dht.close()
             self.dht = None
@@ -214,8 +295,16 @@ class Peer:
 
 async def fetch_peer_records(dht: DHTNode, run_id: str) -> dict[PeerID, PeerRecord]:
     """Read ``{run_id}/peers`` and keep the records that parse, verify and match their owner."""
+    return (await fetch_run_records(dht, run_id))[0]
+
+
+async def fetch_run_records(
+    dht: DHTNode, run_id: str
+) -> tuple[dict[PeerID, PeerRecord], dict[PeerID, PeerRecord]]:
+    """Like :func:`fetch_peer_records`, split into (live peers, peers whose leave marker is up)."""
     entries = await dht.get(peers_key(run_id))
     records: dict[PeerID, PeerRecord] = {}
+    left: dict[PeerID, PeerRecord] = {}
     for (owner, _subkey), entry in entries.items():
         value: Any = entry.value
         try:
@@ -226,5 +315,5 @@ async def fetch_peer_records(dht: DHTNode, run_id: str) -> dict[PeerID, PeerReco
         if record.peer_id != owner or record.run_id != run_id:
             logger.debug("ignoring a peer record whose owner or run does not match")
             continue
-        records[owner] = record
-    return records
+        (left if record.left else records)[owner] = record
+    return records, left

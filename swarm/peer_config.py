@@ -46,6 +46,9 @@ class PeerConfig:
         heartbeat_s: how often the peer re-announces itself; its record expires after
             ``record_ttl_s`` (3 heartbeats by default), so a dead peer vanishes after that.
         device: what the peer trains on, as shown to others (``cpu``, ``cuda:NAME``).
+        metrics: serve Prometheus metrics at ``GET /metrics`` on the peer's HTTP port, without
+            the swarm's authentication (Prometheus cannot sign requests): anyone who can reach
+            the port can read them, so it is off by default.
     """
 
     run_id: str = "default"
@@ -59,6 +62,7 @@ class PeerConfig:
     record_ttl_s: float | None = None
     device: str = "cpu"
     dht_request_timeout_s: float = 3.0
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):

@@ -120,7 +120,12 @@ class Prober:
             fresh = {}
         ttl = float(self.peer.config.record_ttl_s or 0)
         oldest = time.time() - ttl
-        merged = {pid: r for pid, r in self.records.items() if r.timestamp > oldest}
+        departed = self.peer.departed  # their leave marker is up: do not wait for them
+        merged = {
+            pid: r
+            for pid, r in self.records.items()
+            if r.timestamp > oldest and pid not in departed
+        }
         for pid, record in fresh.items():
             known = merged.get(pid)
             if known is None or record.timestamp >= known.timestamp:

@@ -33,6 +33,7 @@ from swarm.identity import (
 )
 from swarm.net import wire
 from swarm.version import __version__
+from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD, Progress, check_extra_fields
 
 FORMAT = 1
 CONTEXT = b"swarm/peer-record/v1"
@@ -84,6 +85,17 @@ class PeerRecord:
     @property
     def peer_id(self) -> PeerID:
         return PeerID.from_public_key(self.public_key)
+
+    @property
+    def progress(self) -> Progress | None:
+        """The training progress published with the record (checked at construction)."""
+        raw = self.extra.get(PROGRESS_FIELD)
+        return None if raw is None else Progress.from_wire(raw)
+
+    @property
+    def left(self) -> bool:
+        """True for a leave marker: the peer closed and others should stop counting on it."""
+        return self.extra.get(LEFT_FIELD) is True
 
     def __repr__(self) -> str:
         return (
@@ -208,3 +220,4 @@ def _check_extra(extra: Any) -> None:
         raise ConfigError(f"record extra must be msgpack-able: {e}") from e
     if len(packed) > MAX_EXTRA_BYTES:
         raise ConfigError(f"record extra is {len(packed)} bytes packed, over {MAX_EXTRA_BYTES}")
+    check_extra_fields(extra)

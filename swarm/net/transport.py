@@ -70,6 +70,7 @@ RpcHandler = Callable[[RemotePeer, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _PUBLIC_PATHS = ("/ping", "/info")
+_METRICS_PATH = "/metrics"  # no swarm auth (Prometheus cannot sign); 404 unless enabled
 _RECORD_FIELDS = ("address", "run_id", "device", "bandwidth", "version", "extra")
 _SHUTDOWN_TIMEOUT_S = 2.0
 _AUTH_KEY = web.RequestKey("swarm_auth", RequestAuth)
@@ -140,6 +141,8 @@ class Transport:
         self._runner: web.AppRunner | None = None
         self._outgoing: Client | None = None
         self.bound_address: PeerAddress | None = None
+        self.metrics: Callable[[], bytes] | None = None  # serves GET /metrics when set
+        self.refused: dict[str, int] = {}  # HTTP status -> requests refused with it
 
     # ---- lifetime
 
@@ -155,6 +158,7 @@ class Transport:
         app.router.add_get("/ping", self._handle_ping)
         app.router.add_get("/info", self._handle_info)
         app.router.add_post("/stream/{name}", self._handle_stream)
+        app.router.add_get(_METRICS_PATH, self._handle_metrics)
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -271,6 +275,8 @@ class Transport:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         source = request.remote or "?"
+        if request.path == _METRICS_PATH and request.method == "GET":
+            return await handler(request)
         try:
             auth = RequestAuth.decode(request.headers.get(AUTH_HEADER, ""))
             auth.verify(self.membership, method=request.method, path=request.path)
@@ -289,6 +295,7 @@ class Transport:
 
     def _refuse(self, request: web.Request, status: int, error: SwarmError) -> web.Response:
         source = request.remote or "?"
+        self.refused[str(status)] = self.refused.get(str(status), 0) + 1
         self._refusals.warn(
             source,
             "refused %s %s from %s: %s %s",
@@ -302,6 +309,13 @@ class Transport:
 
     async def _handle_ping(self, request: web.Request) -> web.Response:
         return web.Response(text="pong")
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            return web.Response(status=404, text="metrics are off (enable them on the peer)")
+        return web.Response(
+            body=self.metrics(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
 
     async def _handle_info(self, request: web.Request) -> web.Response:
         return web.Response(body=self.record().serialize(), content_type="application/msgpack")

@@ -101,6 +101,7 @@ class TrainingEngine:
         self.round = 0  # completed averaging rounds (attempted ones count; see finish_round)
         self.steps_in_round = 0
         self.samples_in_round = 0.0
+        self.samples_seen = 0.0  # all samples trained on, for the published samples/s
         self.utilization = Utilization()
         # Held while the model/anchor change, so a snapshot for a joiner is never torn.
         self.lock = threading.Lock()
@@ -137,6 +138,7 @@ class TrainingEngine:
         self.step_count += 1
         self.steps_in_round += 1
         self.samples_in_round += 1.0 if samples is None else float(samples)
+        self.samples_seen += 1.0 if samples is None else float(samples)
         return self.steps_in_round >= self.config.inner_steps
 
     def inner_step(self) -> None:
