@@ -22,7 +22,7 @@ import threading
 import torch
 
 from swarm.api import Swarm
-from swarm.monitor.dashboard import DashboardThread
+from swarm.dashboard.server import DashboardThread
 
 DIM, CLASSES, ITEMS = 32, 8, 8192
 

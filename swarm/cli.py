@@ -25,10 +25,15 @@ from pathlib import Path
 from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.config import DEFAULT_LISTEN, PeerConfig
+from swarm.dashboard.commands import (
+    add_monitor_commands,
+    log_status_every,
+    run_dashboard,
+    run_status,
+)
 from swarm.dht import DHTNode
 from swarm.errors import SwarmError
 from swarm.identity import Identity
-from swarm.monitor.cli import add_monitor_commands, log_status_every, run_dashboard, run_status
 from swarm.net.record import PeerRecord
 from swarm.peer import Peer, fetch_peer_records
 from swarm.version import __version__
@@ -203,6 +208,16 @@ def _install_stop_handlers(stop: asyncio.Event) -> None:
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
 
 
+async def show_status(args: argparse.Namespace) -> int:
+    return await run_status(args, load_membership(args.swarm_key))
+
+
+async def serve_dashboard(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    _install_stop_handlers(stop)
+    return await run_dashboard(args, load_membership(args.swarm_key), stop)
+
+
 async def list_peers(args: argparse.Namespace) -> int:
     if not args.initial_peers:
         print("swarm-peer peers: give --initial-peers HOST:PORT of a live peer", file=sys.stderr)
@@ -255,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    commands = {"peers": list_peers, "status": run_status, "dashboard": run_dashboard}
+    commands = {"peers": list_peers, "status": show_status, "dashboard": serve_dashboard}
     command = commands.get(args.command, run_peer)
     try:
         return asyncio.run(command(args))

@@ -16,9 +16,10 @@ FLOORS: dict[int, tuple[str, ...]] = {
     2: ("identity",),
     3: ("auth",),
     4: ("compression", "net", "dht", "peer_config"),
-    5: ("peer", "config"),
-    6: ("averaging", "training"),
-    7: ("api", "cli"),
+    5: ("monitor",),
+    6: ("peer", "config"),
+    7: ("averaging", "training", "dashboard"),
+    8: ("api", "cli"),
 }
 FLOOR_OF = {unit: floor for floor, units in FLOORS.items() for unit in units}
 

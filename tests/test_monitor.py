@@ -23,12 +23,12 @@ import torch
 from processes import ROOT, OutputProcess, child_env
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm.api import AsyncSwarm
-from swarm.monitor import tracker
-from swarm.monitor.dashboard import Dashboard
-from swarm.monitor.status import RunReader, format_table
-from swarm.monitor.watch import PeerWatcher
 from swarm.address import PeerAddress
+from swarm.api import AsyncSwarm
+from swarm.dashboard.server import Dashboard
+from swarm.dashboard.status import RunReader, format_table
+from swarm.monitor import tracker
+from swarm.monitor.watch import PeerWatcher
 from swarm.net.progress import Resources
 
 HEARTBEAT_S = 5.0  # records expire after 15 s: a leaver still listed after close() is a failure

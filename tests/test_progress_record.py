@@ -10,12 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from swarm.address import PeerAddress
 from swarm.errors import ConfigError, TransportError
 from swarm.identity import Identity
 from swarm.monitor.resources import machine_resources
 from swarm.monitor.tracker import ProgressTracker, RoundFigures
 from swarm.net import wire
-from swarm.address import PeerAddress
 from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD, Progress, Resources
 from swarm.net.record import CONTEXT, FORMAT, PeerRecord
 

@@ -32,8 +32,8 @@ from swarm.identity import (
     verify_signature,
 )
 from swarm.net import wire
-from swarm.version import __version__
 from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD, Progress, check_extra_fields
+from swarm.version import __version__
 
 FORMAT = 1
 CONTEXT = b"swarm/peer-record/v1"

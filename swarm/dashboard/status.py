@@ -14,11 +14,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.dht import DHTNode
 from swarm.errors import SwarmError
 from swarm.identity import Identity
-from swarm.address import PeerAddress
 from swarm.net.record import PeerRecord
 from swarm.net.transport import Transport
 from swarm.peer import fetch_run_records

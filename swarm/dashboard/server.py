@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
-from swarm.errors import SwarmError
-from swarm.monitor.status import RunReader
 from swarm.address import PeerAddress
+from swarm.dashboard.status import RunReader
+from swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Dashboard:
 
 def page_html() -> str:
     """The dashboard page, from the package's data."""
-    return resources.files("swarm.monitor").joinpath("static/dashboard.html").read_text("utf-8")
+    return resources.files("swarm.dashboard").joinpath("static/dashboard.html").read_text("utf-8")
 
 
 class DashboardThread:

@@ -9,10 +9,12 @@ import logging
 import sys
 from typing import Any
 
+from swarm.address import PeerAddress
+from swarm.auth import Membership
+from swarm.dashboard.server import Dashboard
+from swarm.dashboard.status import RunReader, format_table, peer_row, summary_line, totals
 from swarm.errors import SwarmError
 from swarm.identity import Identity
-from swarm.monitor.status import RunReader, format_table, peer_row, summary_line, totals
-from swarm.address import PeerAddress
 
 logger = logging.getLogger("swarm.cli")
 
@@ -52,24 +54,23 @@ def add_monitor_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     )
 
 
-def _reader(args: argparse.Namespace) -> RunReader:
-    from swarm.cli import load_membership  # swarm.cli imports this module
-
+def _reader(args: argparse.Namespace, membership: Membership) -> RunReader:
     if not args.initial_peers:
         raise SwarmError(f"swarm-peer {args.command}: give --initial-peers HOST:PORT of a peer")
     listen = PeerAddress.parse(args.listen)
     return RunReader(
         args.initial_peers,
         args.run_id,
-        membership=load_membership(args.swarm_key),
+        membership=membership,
         identity=Identity.load_or_create(args.identity) if args.identity else None,
         listen_host=listen.host or "0.0.0.0",
     )
 
 
-async def run_status(args: argparse.Namespace) -> int:
+async def run_status(args: argparse.Namespace, membership: Membership) -> int:
+    """``swarm-peer status``: print the run's peers, once or until cancelled."""
     live = not args.once and not args.json and sys.stdout.isatty()
-    async with _reader(args) as reader:
+    async with _reader(args, membership) as reader:
         while True:
             snapshot = await reader.snapshot()
             if not snapshot["peers"]:
@@ -86,13 +87,14 @@ async def run_status(args: argparse.Namespace) -> int:
             await asyncio.sleep(args.interval)
 
 
-async def run_dashboard(args: argparse.Namespace) -> int:
-    from swarm.cli import _install_stop_handlers
-    from swarm.monitor.dashboard import Dashboard
-
-    stop = asyncio.Event()
-    _install_stop_handlers(stop)
-    async with _reader(args) as reader, Dashboard(reader, interval=args.interval) as dashboard:
+async def run_dashboard(
+    args: argparse.Namespace, membership: Membership, stop: asyncio.Event
+) -> int:
+    """``swarm-peer dashboard``: serve the page until ``stop`` is set."""
+    async with (
+        _reader(args, membership) as reader,
+        Dashboard(reader, interval=args.interval) as dashboard,
+    ):
         address = await dashboard.serve(PeerAddress.parse(args.http))
         print(f"dashboard of run {args.run_id!r} at http://{address}/", flush=True)
         await stop.wait()
