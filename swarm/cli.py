@@ -3,6 +3,7 @@
     swarm-peer                                   start a new swarm; prints the --initial-peers value
     swarm-peer --initial-peers HOST:PORT         join a swarm
     swarm-peer peers --initial-peers HOST:PORT   list the peers announced in a run
+    swarm-peer export CHECKPOINT OUT.safetensors the model of a checkpoint as a plain state dict
 
 Every flag can also be set through an environment variable (``SWARM_LISTEN``,
 ``SWARM_INITIAL_PEERS``, ...); a flag given on the command line wins.
@@ -124,7 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the peers announced in a run",
         description="List the peers announced in a run (id, address, device, last seen).",
     )
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as a plain safetensors state dict",
+        description="Write the model of a swarm checkpoint as a plain safetensors state dict, "
+        "for model.load_state_dict(safetensors.torch.load_file(OUT)).",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a file written by Swarm.save")
+    export.add_argument("out", metavar="OUT", help="the .safetensors file to write")
     return parser
+
+
+def export_checkpoint(args: argparse.Namespace) -> int:
+    from swarm.training.checkpoint import export_model  # imports torch: only when asked
+
+    count = export_model(args.checkpoint, args.out)
+    print(f"wrote {count} tensors of the model to {args.out}")
+    return 0
 
 
 def load_membership(swarm_key_file: str | None) -> Membership:
@@ -232,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     command = list_peers if args.command == "peers" else run_peer
     try:
+        if args.command == "export":
+            return export_checkpoint(args)
         return asyncio.run(command(args))
     except SwarmError as e:
         print(f"swarm-peer: {e}", file=sys.stderr)
