@@ -312,6 +312,8 @@ def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer) -> None:
         p, mine = params[pid], live_state.get(pid, {})
         for key, value in entry.items():
             where = f"optimizer state {pid}.{key}"
+            if not _is_state_value(value):
+                raise CheckpointError(f"{where} is a {type(value).__name__}, not a number/tensor")
             _check_finite_tree(where, value, 0)
             if not isinstance(value, torch.Tensor):
                 continue
@@ -320,6 +322,15 @@ def _check_optimizer(saved: Any, optimizer: torch.optim.Optimizer) -> None:
                 raise CheckpointError(f"{where} is {tuple(value.shape)}, expected {ref.shape}")
             if value.dim() and value.shape != p.shape and value.numel() > p.numel():
                 raise CheckpointError(f"{where} is larger than its parameter {tuple(p.shape)}")
+
+
+def _is_state_value(value: Any) -> bool:
+    """Tensors, numbers, None, or lists of them (LBFGS keeps lists of tensors)."""
+    if value is None or isinstance(value, (torch.Tensor, int, float)):
+        return True
+    return isinstance(value, (list, tuple)) and all(
+        v is None or isinstance(v, (torch.Tensor, int, float)) for v in value
+    )
 
 
 def _check_finite_tree(where: str, value: Any, depth: int) -> None:
