@@ -97,11 +97,8 @@ class SwarmOptimizer(torch.optim.Optimizer):
         if samples_per_step is not None and not samples_per_step > 0:
             raise ConfigError("samples_per_step must be positive")
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], {})
-        # Share, not copy: schedulers and GradScaler must act on the inner optimizer.
+        # From here on param_groups, state and defaults are the inner optimizer's (properties).
         self.optimizer = optimizer
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
         self._own_swarm = swarm is None
         self.swarm = swarm if swarm is not None else Swarm(model, optimizer, **options)
         if self.swarm.engine.optimizer is not optimizer:
@@ -111,6 +108,43 @@ class SwarmOptimizer(torch.optim.Optimizer):
         self.outer = OuterLR(self.swarm.engine.config.outer_lr)
         self.last_report: StepReport | None = None
         self.skipped_steps = 0
+
+    # Share, not copy: schedulers and GradScaler must act on the inner optimizer, also after its
+    # load_state_dict() replaced its param_groups (accelerate does that to place the state).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._inner_or_own("param_groups")
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._set_inner_or_own("param_groups", value)
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._inner_or_own("state")
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._set_inner_or_own("state", value)
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._inner_or_own("defaults")
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._set_inner_or_own("defaults", value)
+
+    def _inner_or_own(self, name: str) -> Any:
+        inner = self.__dict__.get("optimizer")
+        return getattr(inner, name) if inner is not None else self.__dict__[f"_own_{name}"]
+
+    def _set_inner_or_own(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is not None:
+            setattr(inner, name, value)
+        else:  # torch.optim.Optimizer.__init__, before the inner optimizer is attached
+            self.__dict__[f"_own_{name}"] = value
 
     def step(  # type: ignore[override]
         self, closure: Callable[[], Any] | None = None, samples: float | None = None

@@ -14,6 +14,7 @@ from swarm.compression.int8 import Int8Codec
 from swarm.errors import CompressionError, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_EXTRAS = ("setuptools", "ruff", "matplotlib", "lightning", "transformers", "accelerate")
 REQUIREMENT = re.compile(r'^\s*"([A-Za-z0-9_.-]+)\s*(==|>=)\s*([0-9][0-9.]*)')
 
 
@@ -23,7 +24,7 @@ def declared() -> dict[str, tuple[str, str]]:
     for line in (ROOT / "pyproject.toml").read_text().splitlines():
         m = REQUIREMENT.match(line)
         # build tools and the extras of examples and benchmarks are outside the floors job
-        if m and m.group(1) not in ("setuptools", "ruff", "matplotlib", "lightning"):
+        if m and m.group(1) not in EXAMPLE_EXTRAS:
             out[m.group(1).lower()] = (m.group(2), m.group(3))
     return out
 

@@ -102,3 +102,20 @@ def test_lightning_example_trains_through_swarm_optimizer() -> None:
     steps, rounds, first, last = int(m[1]), int(m[2]), float(m[3]), float(m[4])
     assert (steps, rounds) == (40, 2)  # every Lightning step was a swarm step
     assert last < first
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None
+    or importlib.util.find_spec("accelerate") is None,
+    reason="transformers or accelerate missing",
+)
+def test_hf_trainer_example_trains_through_swarm_optimizer() -> None:
+    out = run(
+        "hf_trainer.py", "--max-steps", "40", "--inner-steps", "20", "--matchmaking-timeout", "0.5"
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    m = re.search(r"steps (\d+) rounds (\d+) train loss ([\d.]+)", out.stdout)
+    assert m, out.stdout
+    assert (int(m[1]), int(m[2])) == (40, 2)
+    assert float(m[3]) < 1.38  # below chance (ln 4 = 1.386): it learned

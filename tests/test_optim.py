@@ -169,3 +169,22 @@ def test_wrong_wiring_is_refused() -> None:
         SwarmOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), model=model, **OPTIONS)
     with pytest.raises(ConfigError, match="samples_per_step"):
         SwarmOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, samples_per_step=0)
+
+
+def test_scheduler_still_drives_the_inner_optimizer_after_a_state_round_trip() -> None:
+    # accelerate (HF Trainer) calls load_state_dict(state_dict()) to place the state; the inner
+    # optimizer then holds new param_groups, which the scheduler must keep driving.
+    model, data = model_and_data()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with SwarmOptimizer(inner, model=model, **OPTIONS) as optimizer:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 4)
+        optimizer.load_state_dict(optimizer.state_dict())
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss_of(model, *data[0]).backward()
+            optimizer.step()
+            scheduler.step()
+        assert optimizer.param_groups is inner.param_groups
+        assert inner.param_groups[0]["lr"] == pytest.approx(0.01)
+        assert all(not torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
