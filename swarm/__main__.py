@@ -3,6 +3,7 @@ into a quiet exit 0 at any moment, even while the library (torch, aiohttp) is st
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,18 +19,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def _exit_quietly(signum: int, frame: object) -> None:
+    # Nothing is open yet that the OS does not close for us; an exception raised here could
+    # land anywhere in an import and leave the interpreter exiting by the signal instead.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _interrupt_on_termination() -> None:
-    """SIGTERM (and Windows' Ctrl-Break) act like Ctrl-C until the peer's loop takes over."""
+    """SIGTERM (and Windows' Ctrl-Break) end the process with status 0 until the peer's loop
+    installs its own handlers (which stop the peer cleanly)."""
     for name in ("SIGTERM", "SIGBREAK"):
         sig = getattr(signal, name, None)
         if sig is None:
             continue
         try:
-            signal.signal(sig, _raise_interrupt)
+            signal.signal(sig, _exit_quietly)
         except (OSError, ValueError):  # not the main thread, or not settable on this platform
             continue
 
