@@ -1,12 +1,17 @@
 """Train an image classifier (a small CNN with BatchNorm) with a swarm: a script to adapt.
 
-First machine:   python examples/image_classifier.py --listen 0.0.0.0:7000
-Other machines:  python examples/image_classifier.py --initial-peers FIRST_HOST:7000
+On one machine (the default --listen 127.0.0.1:0 keeps the peer on this machine, any free port):
+    python examples/image_classifier.py
+    python examples/image_classifier.py --initial-peers 127.0.0.1:PORT   # PORT as printed
+Across machines (forward port 31415 on a router; add --announce PUBLIC_IP:31415 behind one):
+    first machine:   python examples/image_classifier.py --listen 0.0.0.0:31415
+    other machines:  python examples/image_classifier.py --initial-peers FIRST_HOST:31415
 
-With torchvision installed, ``--data cifar10 --data-dir DIR`` trains on CIFAR-10 (already
-downloaded into DIR: nothing is fetched here); without it, a small synthetic image set is made
-locally (``--data synthetic``, the default, also used by the tests). Checkpoints go to
-``--checkpoint`` after every round and are resumed from when present.
+--identity and --swarm-key (or SWARM_KEY_FILE / SWARM_KEY) work as for ``swarm-peer``. With
+torchvision installed, ``--data cifar10 --data-dir DIR`` trains on CIFAR-10 (already downloaded
+into DIR: nothing is fetched here); without it, a small synthetic image set is made locally
+(``--data synthetic``, the default, also used by the tests). Checkpoints go to ``--checkpoint``
+after every round and are resumed from when present.
 """
 
 from __future__ import annotations
@@ -14,11 +19,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
 
 from swarm.api import Swarm
+from swarm.cli import describe_membership, load_membership
+from swarm.compression import get_codec
+from swarm.errors import SwarmError
 
 
 def synthetic_images(n: int, size: int = 16, classes: int = 10, seed: int = 0):
@@ -67,35 +78,123 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
+def codec_spec(text: str) -> str:
+    """argparse type: a codec name swarm knows (one-line error otherwise)."""
+    try:
+        get_codec(text)
+    except SwarmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def fail(error: Exception) -> NoReturn:
+    print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="HOST:PORT",
+        help="live peers to join through; none starts a new swarm",
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="address to bind (UDP and TCP); 0.0.0.0:31415 to be reachable",
+    )
+    p.add_argument(
+        "--announce",
+        default=None,
+        metavar="HOST:PORT",
+        help="address others dial, e.g. your router's public one",
+    )
+    p.add_argument(
+        "--identity",
+        default=os.environ.get("SWARM_IDENTITY"),
+        metavar="PATH",
+        help="key file, created with mode 0600 when missing (env SWARM_IDENTITY)",
+    )
+    p.add_argument(
+        "--swarm-key",
+        default=os.environ.get("SWARM_KEY_FILE"),
+        metavar="PATH",
+        help="file holding the swarm key (env SWARM_KEY_FILE, or the key itself "
+        "in SWARM_KEY); none: an open swarm",
+    )
+    p.add_argument("--run-id", default="image-classifier", help="name of the training run")
+    p.add_argument(
+        "--data",
+        choices=["synthetic", "cifar10"],
+        default="synthetic",
+        help="data set (cifar10 needs torchvision and the files in --data-dir)",
+    )
+    p.add_argument("--data-dir", default="data", help="folder holding CIFAR-10")
+    p.add_argument("--epochs", type=positive_int, default=1, help="passes over this peer's shard")
+    p.add_argument("--batch", type=positive_int, default=64, help="images per step")
+    p.add_argument(
+        "--inner-steps", type=positive_int, default=20, help="local steps between averaging rounds"
+    )
+    p.add_argument(
+        "--codec",
+        type=codec_spec,
+        default="int8",
+        help="compression: none, fp16, bf16, int8, topk:0.01, 1bit, ...",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="saved after every round, resumed from when present",
+    )
+    p.add_argument(
+        "--max-steps", type=positive_int, default=None, help="stop after this many steps"
+    )
+    return p.parse_args()
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--initial-peers", nargs="*", default=[])
-    p.add_argument("--listen", default="127.0.0.1:0")
-    p.add_argument("--run-id", default="image-classifier")
-    p.add_argument("--data", choices=["synthetic", "cifar10"], default="synthetic")
-    p.add_argument("--data-dir", default="data")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--inner-steps", type=int, default=20)
-    p.add_argument("--codec", default="int8")
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--max-steps", type=int, default=None)
-    args = p.parse_args()
+    args = parse_args()
+    try:
+        membership = load_membership(args.swarm_key)
+    except SwarmError as e:
+        fail(e)
+    print(describe_membership(membership), flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     dataset = load_dataset(args.data, args.data_dir)
     model = SmallCNN().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
-    with Swarm(
-        model,
-        optimizer,
-        run_id=args.run_id,
-        initial_peers=args.initial_peers,
-        listen=args.listen,
-        inner_steps=args.inner_steps,
-        codec=args.codec,
-    ) as swarm:
+    try:
+        swarm = Swarm(
+            model,
+            optimizer,
+            run_id=args.run_id,
+            initial_peers=args.initial_peers,
+            listen=args.listen,
+            announce=args.announce,
+            identity_path=args.identity,
+            membership=membership,
+            inner_steps=args.inner_steps,
+            codec=args.codec,
+        )
+    except SwarmError as e:  # a bad address, key file or option: one line, no traceback
+        fail(e)
+    with swarm:
         print(f"peer listening on {swarm.address}", flush=True)
         watch = f"--initial-peers {swarm.address} --run-id {args.run_id}"
         print(f"watch the run: swarm-peer dashboard {watch}  (or: swarm-peer status {watch})")

@@ -5,9 +5,13 @@
     swarm-peer peers --initial-peers HOST:PORT   list the peers announced in a run
     swarm-peer status --initial-peers HOST:PORT  live table of every peer's progress
     swarm-peer dashboard --initial-peers HOST:PORT  the same as a web page
+    swarm-peer export CHECKPOINT OUT.safetensors the model of a checkpoint as a plain state dict
 
 Every flag can also be set through an environment variable (``SWARM_LISTEN``,
-``SWARM_INITIAL_PEERS``, ...); a flag given on the command line wins.
+``SWARM_INITIAL_PEERS``, ...); a flag given on the command line wins, and an error in a variable
+names the variable. The peer listens on port 31415 (UDP and TCP) unless ``--listen`` says
+otherwise: forward that one port on a router. Usage errors exit with status 2, failures with 1;
+Ctrl-C or SIGTERM stops the peer at any moment (also while joining) with status 0.
 """
 
 from __future__ import annotations
@@ -15,16 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from swarm.address import PeerAddress
-from swarm.auth import Membership
-from swarm.config import DEFAULT_LISTEN, PeerConfig
+from swarm.auth import MIN_SWARM_KEY_BYTES, Membership
+from swarm.config import PeerConfig
 from swarm.dashboard.commands import (
     add_monitor_commands,
     log_status_every,
@@ -32,7 +38,7 @@ from swarm.dashboard.commands import (
     run_status,
 )
 from swarm.dht import DHTNode
-from swarm.errors import SwarmError
+from swarm.errors import ConfigError, SwarmError
 from swarm.identity import Identity
 from swarm.net.record import PeerRecord
 from swarm.peer import Peer, fetch_peer_records
@@ -40,16 +46,104 @@ from swarm.version import __version__
 
 logger = logging.getLogger("swarm.cli")
 
+DEFAULT_PORT = 31415  # fixed, so a router can forward it; --listen HOST:0 picks a free one
+DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
 SWARM_KEY_ENV = "SWARM_KEY"  # the key itself; SWARM_KEY_FILE names a file holding it
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGBREAK")  # those that exist on this platform
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SWARM_{name}", default)
+def _address(text: str) -> str:
+    try:
+        PeerAddress.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
 
 
-def _env_list(name: str) -> list[str]:
-    value = _env(name)
-    return value.replace(",", " ").split() if value else []
+def _addresses(text: str) -> list[str]:
+    return [_address(a) for a in text.replace(",", " ").split()]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _mbits(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in Mbit/s") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be 0 Mbit/s or more, got {text} Mbit/s")
+    return value
+
+
+def _run_id(text: str) -> str:
+    try:
+        PeerConfig(run_id=text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
+
+
+def _interval(text: str) -> float:
+    """Seconds between periodic actions; 0 turns them off."""
+    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of 1, 0, true, false, yes, no")
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of DEBUG, INFO, WARNING, ERROR")
+    return text.upper()
+
+
+# dest -> (environment variable, converter, default): applied after parsing, so that a flag
+# wins over its variable and a bad value in a variable is reported under the variable's name.
+ENV_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
+    "initial_peers": ("SWARM_INITIAL_PEERS", _addresses, []),
+    "listen": ("SWARM_LISTEN", _address, DEFAULT_LISTEN),
+    "identity": ("SWARM_IDENTITY", str, None),
+    "swarm_key": ("SWARM_KEY_FILE", str, None),
+    "run_id": ("SWARM_RUN_ID", _run_id, "default"),
+    "log_level": ("SWARM_LOG_LEVEL", _log_level, "INFO"),
+    "announce": ("SWARM_ANNOUNCE", _address, None),
+    "heartbeat": ("SWARM_HEARTBEAT", _seconds, 10.0),
+    "bandwidth": ("SWARM_BANDWIDTH", _mbits, 100.0),
+    "status_interval": ("SWARM_STATUS_INTERVAL", _interval, 60.0),
+    "metrics": ("SWARM_METRICS", _flag, False),
+}
+
+
+def apply_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the options not given on the command line from ``SWARM_*``, then the defaults."""
+    sources: dict[str, str] = {}
+    for dest, (var, convert, default) in ENV_OPTIONS.items():
+        if not hasattr(args, dest) or getattr(args, dest) is not None:
+            continue
+        raw = os.environ.get(var, "").strip()
+        if not raw:
+            setattr(args, dest, default)
+            continue
+        try:
+            setattr(args, dest, convert(raw))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"environment variable {var}={raw!r}: {e}")
+        sources[dest] = var
+    args.from_env = sources
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,43 +151,40 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--initial-peers",
         nargs="+",
-        default=_env_list("INITIAL_PEERS"),
+        type=_address,
         metavar="HOST:PORT",
         help="live peers to join through (env SWARM_INITIAL_PEERS, space separated); "
         "none starts a new swarm",
     )
     common.add_argument(
         "--listen",
-        default=_env("LISTEN", DEFAULT_LISTEN),
+        type=_address,
         metavar="HOST:PORT",
-        help="address to bind; one port number serves UDP (DHT) and TCP (HTTP); port 0 picks "
-        "a free one (env SWARM_LISTEN, default %(default)s)",
+        help="address to bind; one port number serves UDP (DHT) and TCP (HTTP), so forward that "
+        f"one port; port 0 picks a free one (env SWARM_LISTEN, default {DEFAULT_LISTEN})",
     )
     common.add_argument(
         "--identity",
-        default=_env("IDENTITY"),
         metavar="PATH",
         help="key file, created with mode 0600 when missing (env SWARM_IDENTITY); "
         "without it the peer uses a throwaway key",
     )
     common.add_argument(
         "--swarm-key",
-        default=_env("KEY_FILE"),
-        metavar="FILE",
-        help="file holding the swarm's shared secret (env SWARM_KEY_FILE, or the key itself "
-        "in SWARM_KEY); peers without it are refused",
+        metavar="PATH",
+        help="file holding the swarm's shared secret, at least 16 bytes (env SWARM_KEY_FILE; "
+        "or the secret itself in SWARM_KEY); peers without it are refused",
     )
     common.add_argument(
         "--run-id",
-        default=_env("RUN_ID", "default"),
-        help="name of the training run (env SWARM_RUN_ID, default %(default)s)",
+        type=_run_id,
+        help="name of the training run (env SWARM_RUN_ID, default 'default')",
     )
     common.add_argument(
         "--log-level",
-        default=_env("LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
-        help="(env SWARM_LOG_LEVEL, default %(default)s)",
+        type=_log_level,
+        metavar="{DEBUG,INFO,WARNING,ERROR}",
+        help="(env SWARM_LOG_LEVEL, default INFO)",
     )
 
     parser = argparse.ArgumentParser(
@@ -104,39 +195,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     parser.add_argument(
         "--announce",
-        default=_env("ANNOUNCE"),
+        type=_address,
         metavar="HOST:PORT",
         help="address others dial, e.g. your router's public address with a forwarded port "
         "(env SWARM_ANNOUNCE; default: the bound address)",
     )
     parser.add_argument(
         "--heartbeat",
-        type=float,
-        default=_env("HEARTBEAT", "10"),  # argparse applies type=float: a clear error
+        type=_seconds,
         metavar="SECONDS",
-        help="re-announce period; a dead peer vanishes after 3 periods "
-        "(env SWARM_HEARTBEAT, default %(default)s)",
+        help="re-announce period in seconds; a dead peer vanishes after 3 periods "
+        "(env SWARM_HEARTBEAT, default 10)",
     )
     parser.add_argument(
         "--bandwidth",
-        type=float,
-        default=_env("BANDWIDTH", "100"),
-        metavar="MBIT",
+        type=_mbits,
+        metavar="MBIT_S",
         help="upload rate in Mbit/s others may plan for; 0 = client-only, e.g. behind NAT "
-        "(env SWARM_BANDWIDTH, default %(default)s)",
+        "(env SWARM_BANDWIDTH, default 100)",
     )
     parser.add_argument(
         "--status-interval",
-        type=float,
-        default=_env("STATUS_INTERVAL", "60"),
+        type=_interval,
         metavar="SECONDS",
         help="log a one-line status of the run this often; 0 = never "
-        "(env SWARM_STATUS_INTERVAL, default %(default)s)",
+        "(env SWARM_STATUS_INTERVAL, default 60)",
     )
     parser.add_argument(
         "--metrics",
         action="store_true",
-        default=_env("METRICS", "") not in ("", "0"),
+        default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics on the peer's port, "
         "readable by anyone who reaches the port (env SWARM_METRICS=1; default off)",
     )
@@ -148,20 +236,79 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the peers announced in a run (id, address, device, last seen).",
     )
     add_monitor_commands(sub, common)
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as a plain safetensors state dict",
+        description="Write the model of a swarm checkpoint as a plain safetensors state dict, "
+        "for model.load_state_dict(safetensors.torch.load_file(OUT)).",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a file written by Swarm.save")
+    export.add_argument("out", metavar="OUT", help="the .safetensors file to write")
     return parser
 
 
-def load_membership(swarm_key_file: str | None) -> Membership:
-    """The swarm key from a file or the SWARM_KEY variable; an open swarm without either."""
+def export_checkpoint(args: argparse.Namespace) -> int:
+    from swarm.training.checkpoint import export_model  # imports torch: only when asked
+
+    count = export_model(args.checkpoint, args.out)
+    print(f"wrote {count} tensors of the model to {args.out}")
+    return 0
+
+
+def load_membership(swarm_key_file: str | None, source: str = "--swarm-key") -> Membership:
+    """The swarm key from a file, or the secret itself from ``SWARM_KEY``; else an open swarm.
+
+    Args:
+        swarm_key_file: path of a file holding the key (``--swarm-key`` / ``SWARM_KEY_FILE``).
+        source: how the path was given, for error messages.
+
+    Raises:
+        ConfigError: the file is unreadable or the key too short; ``SWARM_KEY`` holds the path
+            of an existing file (a path there would silently become the secret itself).
+    """
     if swarm_key_file:
         try:
             key = Path(swarm_key_file).expanduser().read_bytes().strip()
         except OSError as e:
-            raise SwarmError(f"cannot read the swarm key file {swarm_key_file}: {e}") from e
+            raise ConfigError(
+                f"{source}: cannot read the swarm key file {swarm_key_file}: {e.strerror or e}"
+            ) from e
+        if len(key) < MIN_SWARM_KEY_BYTES:
+            raise ConfigError(
+                f"{source}: the swarm key in {swarm_key_file} is {len(key)} bytes long; "
+                f"use at least {MIN_SWARM_KEY_BYTES}"
+            )
         return Membership.with_key(key)
-    if os.environ.get(SWARM_KEY_ENV):
-        return Membership.with_key(os.environ[SWARM_KEY_ENV])
-    return Membership.open()
+    raw = os.environ.get(SWARM_KEY_ENV, "").strip()
+    if not raw:
+        return Membership.open()
+    if _names_a_file(raw):
+        raise ConfigError(
+            f"environment variable {SWARM_KEY_ENV} holds the path of an existing file ({raw}), "
+            "but it takes the secret itself; give the path in SWARM_KEY_FILE or --swarm-key"
+        )
+    if len(raw.encode()) < MIN_SWARM_KEY_BYTES:
+        raise ConfigError(
+            f"environment variable {SWARM_KEY_ENV} holds a key of {len(raw.encode())} bytes; "
+            f"use at least {MIN_SWARM_KEY_BYTES}"
+        )
+    return Membership.with_key(raw)
+
+
+def _names_a_file(text: str) -> bool:
+    try:
+        return Path(text).expanduser().is_file()
+    except (OSError, ValueError, RuntimeError):  # too long, NUL byte, unknown ~user
+        return False
+
+
+def describe_membership(membership: Membership) -> str:
+    """One line to compare across machines: the swarm key's public fingerprint, or 'open'."""
+    if membership.mode != "key":
+        return f"membership: {membership.mode} swarm (no swarm key)"
+    tag = membership.key_fingerprint.hex()
+    groups = "-".join(tag[i : i + 4] for i in range(0, len(tag), 4))
+    return f"swarm key fingerprint {groups} (must be the same on every peer of this swarm)"
 
 
 async def run_peer(args: argparse.Namespace) -> int:
@@ -171,41 +318,73 @@ async def run_peer(args: argparse.Namespace) -> int:
         announce=args.announce,
         initial_peers=tuple(args.initial_peers),
         identity_path=args.identity,
-        membership=load_membership(args.swarm_key),
+        membership=load_membership(args.swarm_key, _source(args, "swarm_key", "--swarm-key")),
         bandwidth=args.bandwidth * 1e6 / 8,
         heartbeat_s=args.heartbeat,
         metrics=args.metrics,
     )
+    print(describe_membership(config.membership), flush=True)
     stop = asyncio.Event()
     _install_stop_handlers(stop)
-    async with Peer(config) as peer:
-        print(f"peer {peer.peer_id} ({peer.peer_id.short}) is up", flush=True)
-        if config.initial_peers:
-            print(f"joined run {config.run_id!r} through {' '.join(config.initial_peers)}")
-        else:
-            print(f"started a new swarm, run {config.run_id!r}")
-        print(f"others join with: --initial-peers {peer.address}", flush=True)
-        if config.metrics:
-            print(f"metrics at http://{peer.address}/metrics", flush=True)
-        status = asyncio.create_task(log_status_every(peer, args.status_interval))
-        await stop.wait()
-        status.cancel()
-        await asyncio.gather(status, return_exceptions=True)
-        logger.info("stopping")
+    if config.initial_peers:
+        print(f"joining run {config.run_id!r} through {' '.join(config.initial_peers)}", flush=True)
+    # The join runs as a task, so Ctrl-C or SIGTERM ends it at once instead of after its timeout.
+    starting = asyncio.create_task(Peer.start(config))
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)  # the peer closes itself
+            print("stopped before the peer was up", flush=True)
+            return 0
+        peer = starting.result()  # raises if the join failed
+        try:
+            print(f"peer {peer.peer_id} ({peer.peer_id.short}) is up", flush=True)
+            if config.initial_peers:
+                print(f"joined run {config.run_id!r} through {' '.join(config.initial_peers)}")
+            else:
+                print(f"started a new swarm, run {config.run_id!r}")
+            print(
+                f"offering {args.bandwidth:g} Mbit/s upload, re-announcing every "
+                f"{args.heartbeat:g} s",
+                flush=True,
+            )
+            print(f"others join with: --initial-peers {peer.address}", flush=True)
+            if config.metrics:
+                print(f"metrics at http://{peer.address}/metrics", flush=True)
+            status = asyncio.create_task(log_status_every(peer, args.status_interval))
+            await stop.wait()
+            status.cancel()
+            await asyncio.gather(status, return_exceptions=True)
+            logger.info("stopping")
+        finally:
+            await peer.close()
+    finally:
+        stopping.cancel()
     return 0
+
+
+def _source(args: argparse.Namespace, dest: str, flag: str) -> str:
+    """The flag or environment variable an option's value came from."""
+    var = getattr(args, "from_env", {}).get(dest)
+    return f"environment variable {var}" if var else flag
 
 
 def _install_stop_handlers(stop: asyncio.Event) -> None:
     """Ctrl-C and SIGTERM set ``stop``; on Windows, where loops lack signal handlers, too."""
     loop = asyncio.get_running_loop()
-    for name in ("SIGINT", "SIGTERM", "SIGBREAK"):
+    for name in _STOP_SIGNALS:
         sig = getattr(signal, name, None)
         if sig is None:
             continue
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
-            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+            try:
+                signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+            except (OSError, ValueError):  # not settable on this platform
+                continue
 
 
 async def show_status(args: argparse.Namespace) -> int:
@@ -226,7 +405,7 @@ async def list_peers(args: argparse.Namespace) -> int:
     listen = PeerAddress.parse(args.listen)
     dht = await DHTNode.create(
         identity,
-        load_membership(args.swarm_key),
+        load_membership(args.swarm_key, _source(args, "swarm_key", "--swarm-key")),
         host=listen.host or "0.0.0.0",
         port=0,
         client=True,
@@ -263,17 +442,27 @@ def format_peer_table(records: Sequence[PeerRecord] | object) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (2 for a usage error, 1 for a failure)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    if args.command == "export":
+        logging.basicConfig(level="WARNING")
+    else:
+        apply_environment(parser, args)
+        logging.basicConfig(
+            level=args.log_level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            datefmt="%H:%M:%S",
+        )
     commands = {"peers": list_peers, "status": show_status, "dashboard": serve_dashboard}
     command = commands.get(args.command, run_peer)
     try:
+        if args.command == "export":
+            return export_checkpoint(args)
         return asyncio.run(command(args))
+    except ConfigError as e:
+        print(f"swarm-peer: error: {e}", file=sys.stderr)
+        return 2
     except SwarmError as e:
         print(f"swarm-peer: {e}", file=sys.stderr)
         return 1
@@ -282,4 +471,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from swarm.__main__ import main as guarded_main  # quiet on Ctrl-C even while importing
+
+    sys.exit(guarded_main())

@@ -176,4 +176,4 @@ def test_malformed_environment_value_is_a_usage_error():
         env={**os.environ, "SWARM_HEARTBEAT": "soon"},
     )
     assert result.returncode == 2
-    assert "--heartbeat: invalid float value: 'soon'" in result.stderr
+    assert "SWARM_HEARTBEAT='soon': 'soon' is not a number of seconds" in result.stderr

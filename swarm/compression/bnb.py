@@ -6,17 +6,50 @@ dequantization itself (measured on the 2-core reference CPU: 34 ms through the p
 13 ms writing into a reused buffer, for 25M elements). So for fp32 on the CPU the library's own C
 kernels are called directly with our reused buffers; everywhere else (CUDA, other dtypes, a
 bitsandbytes build without those symbols) the public functions are used.
+
+bitsandbytes is an optional dependency (``pip install 'swarm-train[bnb]'``); :func:`require` is
+called when a codec of this method is built and refuses versions that are unsafe to call:
+0.45.0-0.48.2 crash the interpreter on an all-zero block in the direct call, and 0.49.x misses
+the int8 error bound.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from swarm.errors import ConfigError
+
+MIN_VERSION = (0, 50, 0)
 _CODE_MAPS: dict[torch.device, torch.Tensor] = {}
+
+
+def require() -> None:
+    """Raise ConfigError unless a bitsandbytes that is safe to call is installed."""
+    try:
+        import bitsandbytes
+    except (ImportError, OSError, RuntimeError) as e:  # missing, or its native library is
+        raise ConfigError(
+            f"int8 method 'bnb' needs bitsandbytes (pip install 'swarm-train[bnb]'): {e}"
+        ) from e
+    version = _version(getattr(bitsandbytes, "__version__", "0"))
+    if version < MIN_VERSION:
+        floor = ".".join(map(str, MIN_VERSION))
+        raise ConfigError(
+            f"bitsandbytes {bitsandbytes.__version__} is unsafe for int8 method 'bnb' "
+            "(0.45-0.48 crash on an all-zero block, 0.49.x misses the int8 error bound); "
+            f"pip install 'bitsandbytes>={floor}'"
+        )
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.49.1"``, ``"0.50.0.dev0"``, ``"0.49.1+cu12"`` -> (0, 49, 1); unparsable -> (0,)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g or 0) for g in m.groups()) if m else (0,)
 
 
 def code_map(device: torch.device) -> torch.Tensor:

@@ -59,6 +59,8 @@ class Int8Codec(Codec):
             raise ConfigError(f"int8 block_size must be an int in [{MIN_BLOCK}, {MAX_BLOCK}]")
         if method == "bnb" and block_size not in BNB_BLOCKS:
             raise ConfigError(f"int8 method 'bnb' needs block_size in {BNB_BLOCKS}")
+        if method == "bnb":
+            bnb.require()  # an optional dependency, and some versions crash the interpreter
         self.block_size = block_size
         self.method = method
 
@@ -78,7 +80,10 @@ class Int8Codec(Codec):
         bs = header.block_size
         if not MIN_BLOCK <= bs <= MAX_BLOCK or (method == "bnb" and bs not in BNB_BLOCKS):
             raise CompressionError(f"int8 payload has invalid block size {bs}")
-        return cls(bs, method)
+        try:
+            return cls(bs, method)
+        except ConfigError as e:  # e.g. a bnb payload and no usable bitsandbytes here
+            raise CompressionError(f"cannot decode an int8 payload: {e}") from e
 
     def _validate(self, header: Header) -> None:
         if header.param:

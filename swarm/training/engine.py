@@ -21,6 +21,7 @@ import torch
 
 from swarm.config import SPARSE_CODECS, Mode, SwarmConfig
 from swarm.errors import CheckpointError
+from swarm.training.checkpoint import check_checkpoint
 from swarm.training.outer import OuterState
 from swarm.training.progress import StepReport, Utilization
 from swarm.training.snapshot import Snapshot, pack_snapshot
@@ -278,10 +279,16 @@ class TrainingEngine:
                 f"the checkpoint was written in mode {state.get('mode')!r}, "
                 f"this swarm runs {self.mode.value!r}"
             )
+        # All-or-nothing: everything is checked before the first value is written.
+        t = self.tensors
+        outer = {f"anchor.{n}": x.shape for n, x in zip(t.names, t.all, strict=True)}
+        for n, m in zip(t.param_names, self.outer.momentum, strict=False):
+            outer[f"momentum.{n}"] = m.shape
+        check_checkpoint(state, model=self.model, optimizer=self.optimizer, outer=outer)
         with self.lock:
             try:
+                self.optimizer.load_state_dict(state["optimizer"])  # checks, then replaces
                 self.model.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
                 self._load_outer(state["outer"])
                 self.round = int(state["round"])
                 self.step_count = int(state["step"])

@@ -8,7 +8,8 @@ Layout::
 
 The receiver never trusts sizes from the wire: it knows its own model, so it checks that the
 schema hash, names and element counts equal what it expects before it reads a single value, and
-copies into tensors it allocated itself. Every malformed input raises :class:`TrainingError`.
+copies into tensors it allocated itself; NaN or infinite values refuse the whole snapshot. Every
+malformed input raises :class:`TrainingError`.
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def unpack_snapshot(
     offset = start
     for name, numel in expected:
         if numel:
-            tensors[name] = torch.frombuffer(view, dtype=torch.float32, count=numel, offset=offset)
+            t = torch.frombuffer(view, dtype=torch.float32, count=numel, offset=offset)
+            if not bool(torch.isfinite(t).all()):  # checked before the receiver copies anything
+                raise TrainingError(f"snapshot tensor {name} holds values that are not finite")
+            tensors[name] = t
         else:
             tensors[name] = torch.zeros(0)
         offset += 4 * numel

@@ -1,0 +1,82 @@
+"""torchrun nodes: 2 nodes of 2 gloo processes each, one swarm peer per node, on loopback."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from processes import ROOT, OutputProcess
+
+from swarm.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+
+
+def torchrun(node: int, listen: str, out, *extra: str) -> OutputProcess:
+    return OutputProcess(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "tests" / "torchrun_worker.py"),
+            "--node-id",
+            str(node),
+            "--listen",
+            listen,
+            "--out",
+            str(out),
+            *extra,
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diloco", "gradients"])
+def test_two_nodes_of_two_processes_train_as_two_peers(tmp_path, mode) -> None:
+    address_file = tmp_path / "a.addr"
+    a = torchrun(0, "127.0.0.41:0", tmp_path, "--address-file", str(address_file), "--mode", mode)
+    b = None
+    try:
+        deadline = time.monotonic() + 120
+        while not address_file.exists() or not address_file.read_text():
+            assert a.proc.poll() is None and time.monotonic() < deadline, a.output()
+            time.sleep(0.1)
+        address = address_file.read_text()
+        b = torchrun(1, "127.0.0.42:0", tmp_path, "--initial-peers", address, "--mode", mode)
+        assert a.proc.wait(timeout=240) == 0, a.output()
+        assert b.proc.wait(timeout=240) == 0, b.output()
+    finally:
+        a.kill()
+        if b is not None:
+            b.kill()
+    results = {
+        (r["node"], r["rank"]): r
+        for r in (json.loads(p.read_text()) for p in tmp_path.glob("node*_rank*.json"))
+    }
+    assert set(results) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for node in (0, 1):
+        # Every step ends with the same weights on both ranks: the last steps are inner steps
+        # after the last round, so this holds only if gradients were averaged inside the node.
+        assert results[(node, 0)]["params"] == results[(node, 1)]["params"], node
+        assert results[(node, 1)]["rounds"] == []  # only rank 0 is a swarm peer
+        rounds = results[(node, 0)]["rounds"]
+        assert [True, 2] in rounds, rounds  # averaged with the other node at least once
+    if mode == "diloco":  # the last steps are local: each node trained on its own data
+        assert results[(0, 0)]["params"] != results[(1, 0)]["params"]
+
+
+def test_needs_an_initialized_process_group() -> None:
+    import torch
+
+    from swarm.distributed import NodeSwarm
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="init_process_group"):
+        NodeSwarm(model, torch.optim.SGD(model.parameters(), lr=0.1))
