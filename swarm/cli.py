@@ -471,6 +471,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from swarm.__main__ import main as guarded_main  # quiet on Ctrl-C even while importing
-
-    sys.exit(guarded_main())
+    sys.exit(main())  # `python -m swarm` is the guarded entry point (quiet Ctrl-C during import)

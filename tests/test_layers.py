@@ -20,7 +20,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     6: ("peer", "config"),
     7: ("averaging", "training", "dashboard"),
     8: ("api", "cli"),
-    9: ("__main__",),  # the guarded entry point of swarm-peer
+    9: ("optim", "distributed", "__main__"),  # built on api; the guarded entry point
 }
 FLOOR_OF = {unit: floor for floor, units in FLOORS.items() for unit in units}
 
