@@ -26,7 +26,9 @@ from swarm.config import DEFAULT_LISTEN, PeerConfig
 from swarm.dht import DHTNode
 from swarm.errors import SwarmError
 from swarm.identity import Identity
+from swarm.net.reachability import reach_of
 from swarm.net.record import PeerRecord
+from swarm.net.relay import RelayBudget
 from swarm.peer import Peer, fetch_peer_records
 from swarm.version import __version__
 
@@ -117,12 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="upload rate in Mbit/s others may plan for; 0 = client-only, e.g. behind NAT "
         "(env SWARM_BANDWIDTH, default %(default)s)",
     )
+    parser.add_argument(
+        "--no-port-mapping",
+        action="store_true",
+        default=_env("NO_PORT_MAPPING", "") not in ("", "0"),
+        help="do not ask the home router (UPnP-IGD, NAT-PMP) to forward our port "
+        "(env SWARM_NO_PORT_MAPPING=1)",
+    )
+    parser.add_argument(
+        "--relay-budget",
+        default=_env("RELAY_BUDGET", "4,100"),
+        metavar="PEERS[,MBIT]",
+        help="when reachable, relay for up to PEERS unreachable peers sharing MBIT Mbit/s; "
+        "0 turns relaying off (env SWARM_RELAY_BUDGET, default %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command")
     sub.add_parser(
         "peers",
         parents=[common],
         help="list the peers announced in a run",
-        description="List the peers announced in a run (id, address, device, last seen).",
+        description="List the peers announced in a run (id, address, how others reach it: "
+        "direct / mapped / relayed / client, device, last seen).",
     )
     return parser
 
@@ -141,7 +158,11 @@ def load_membership(swarm_key_file: str | None) -> Membership:
 
 
 async def run_peer(args: argparse.Namespace) -> int:
+    budget = RelayBudget.parse(args.relay_budget)
     config = PeerConfig(
+        port_mapping=not args.no_port_mapping,
+        relay_peers=budget.peers,
+        relay_rate=budget.rate,
         run_id=args.run_id,
         listen=args.listen,
         announce=args.announce,
@@ -202,18 +223,19 @@ async def list_peers(args: argparse.Namespace) -> int:
 
 
 def format_peer_table(records: Sequence[PeerRecord] | object) -> str:
-    rows = [("PEER", "ADDRESS", "DEVICE", "LAST SEEN")]
+    rows = [("PEER", "ADDRESS", "REACHABLE", "DEVICE", "LAST SEEN")]
     now = time.time()
     for record in sorted(records, key=lambda r: str(r.address)):  # type: ignore[attr-defined]
         rows.append(
             (
                 record.peer_id.short,
                 str(record.address),
+                reach_of(record).value,
                 record.device,
                 f"{max(0.0, now - record.timestamp):.0f}s ago",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in rows

@@ -46,6 +46,11 @@ class PeerConfig:
         heartbeat_s: how often the peer re-announces itself; its record expires after
             ``record_ttl_s`` (3 heartbeats by default), so a dead peer vanishes after that.
         device: what the peer trains on, as shown to others (``cpu``, ``cuda:NAME``).
+        port_mapping: behind a home router, ask it (UPnP-IGD, NAT-PMP) to forward our port.
+        relay_peers: how many unreachable peers we relay for at once when reachable; 0: none.
+        relay_rate: bytes/s we give to relayed traffic, all relayed peers together.
+        reachability: learn whether others can dial us (dial-back), relay when they cannot.
+            Off, the peer announces its address as it is, like before.
     """
 
     run_id: str = "default"
@@ -59,6 +64,10 @@ class PeerConfig:
     record_ttl_s: float | None = None
     device: str = "cpu"
     dht_request_timeout_s: float = 3.0
+    port_mapping: bool = True
+    relay_peers: int = 4
+    relay_rate: float = DEFAULT_BANDWIDTH
+    reachability: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
@@ -86,6 +95,10 @@ class PeerConfig:
                 "record_ttl_s must exceed heartbeat_s, or live peers would blink out between "
                 "heartbeats"
             )
+        if isinstance(self.relay_peers, bool) or not isinstance(self.relay_peers, int):
+            raise ConfigError("relay_peers must be an integer")
+        if self.relay_peers < 0 or not self.relay_rate > 0:
+            raise ConfigError("relay_peers must be >= 0 and relay_rate > 0 bytes/s")
         if not self.dht_request_timeout_s > 0:
             raise ConfigError("dht_request_timeout_s must be positive")
         if self.announce is not None and self.announce.port == 0:
