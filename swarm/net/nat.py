@@ -230,7 +230,7 @@ class NatTraversal:
         await self._publish(reach, announced)
 
     async def _keep_relays(self, result: DialbackResult) -> None:
-        why = self.mapping_error or "no port mapping"
+        why = self.mapping_error or "the router mapped our port, yet nobody could dial it"
         logger.warning(
             "behind NAT (others see us as %s), no port mapping (%s); looking for a relay",
             result.observed_host,

@@ -12,7 +12,7 @@ import asyncio
 import ipaddress
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
+from typing import Any
 
 from swarm.address import PeerAddress
 from swarm.errors import PortMapError
@@ -76,7 +76,7 @@ class PortMapper:
         self.lease_s = lease_s
         self.timeout = timeout
         self.mapping: PortMapping | None = None
-        self._igd: object | None = None
+        self._device: Any = None
         self._gateway: str | None = None
         self._renewal: asyncio.Task[None] | None = None
 
@@ -114,7 +114,7 @@ class PortMapper:
         from async_upnp_client.client_factory import UpnpFactory
         from async_upnp_client.profiles.igd import IgdDevice
 
-        if self._igd is None:
+        if self._device is None:
             found = await IgdDevice.async_search(
                 source=(self.internal.host, 0), timeout=max(1, int(self.timeout))
             )
@@ -122,30 +122,44 @@ class PortMapper:
             if not locations:
                 raise PortMapError("UPnP: no Internet Gateway Device answered")
             factory = UpnpFactory(AiohttpRequester(timeout=max(1, int(self.timeout))))
-            device = await factory.async_create_device(locations[0])
-            self._igd = IgdDevice(device, None)
-        igd: IgdDevice = self._igd  # type: ignore[assignment]
-        external_ip = await igd.async_get_external_ip_address()
+            self._device = await factory.async_create_device(locations[0])
+        lease = self.lease_s if lease_s is None else lease_s
+        address = await self._upnp_call("GetExternalIPAddress")
+        external_ip = address.get("NewExternalIPAddress")
         if not external_ip:
             raise PortMapError("UPnP: the router did not tell its external address")
-        lease = self.lease_s if lease_s is None else lease_s
         for protocol in _PROTOCOLS:
-            try:
-                await igd.async_add_port_mapping(
-                    remote_host=ipaddress.IPv4Address("0.0.0.0"),
-                    external_port=self.internal.port,
-                    protocol=protocol.upper(),
-                    internal_port=self.internal.port,
-                    internal_client=ipaddress.IPv4Address(self.internal.host),
-                    enabled=True,
-                    description=DESCRIPTION,
-                    lease_duration=timedelta(seconds=lease),
-                )
-            except Exception as e:  # the library raises its own UpnpError tree
-                raise PortMapError(f"UPnP: router refused {protocol.upper()}: {e}") from e
+            # NewRemoteHost "" means any remote host ("0.0.0.0" would mean that one address)
+            await self._upnp_call(
+                "AddPortMapping",
+                NewRemoteHost="",
+                NewExternalPort=self.internal.port,
+                NewProtocol=protocol.upper(),
+                NewInternalPort=self.internal.port,
+                NewInternalClient=self.internal.host,
+                NewEnabled=True,
+                NewPortMappingDescription=DESCRIPTION,
+                NewLeaseDuration=lease,
+            )
         return PortMapping(
             "upnp", PeerAddress(external_ip, self.internal.port), self.internal, lease
         )
+
+    async def _upnp_call(self, name: str, **arguments: Any) -> dict[str, Any]:
+        """Call ``name`` on the device's WANIPConnection (or WANPPPConnection) service."""
+        device = self._device
+        services = [
+            s
+            for s in device.all_services  # type: ignore[attr-defined]
+            if "WANIPConnection" in s.service_type or "WANPPPConnection" in s.service_type
+        ]
+        for service in services:
+            if service.has_action(name):
+                try:
+                    return dict(await service.action(name).async_call(**arguments))
+                except Exception as e:  # the library raises its own UpnpError tree
+                    raise PortMapError(f"UPnP: router refused {name}: {e}") from e
+        raise PortMapError(f"UPnP: the router offers no {name}")
 
     # ---- NAT-PMP
 
@@ -210,12 +224,12 @@ class PortMapper:
         try:
             async with asyncio.timeout(self.timeout):
                 if mapping.method == "upnp":
-                    igd = self._igd
                     for protocol in _PROTOCOLS:
-                        await igd.async_delete_port_mapping(  # type: ignore[attr-defined]
-                            remote_host=ipaddress.IPv4Address("0.0.0.0"),
-                            external_port=mapping.external.port,
-                            protocol=protocol.upper(),
+                        await self._upnp_call(
+                            "DeletePortMapping",
+                            NewRemoteHost="",
+                            NewExternalPort=mapping.external.port,
+                            NewProtocol=protocol.upper(),
                         )
                 else:
                     await self._remove_natpmp()
