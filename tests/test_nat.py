@@ -113,6 +113,7 @@ def test_two_peers_behind_nat_are_relayed_and_average_correctly(processes, tmp_p
         hosts = [net.public[0], *net.homes]
         common = ["--wait-peers", "3", "--wait-reachable", "3", "--min-group", "3"]
         common += ["--target-group", "3", "--numel", str(numel), "--matchmaking-timeout", "20"]
+        common += ["--linger", "60"]  # the swarm stays up for swarm-peer peers
         workers, bootstrap = [], None
         for rank, host in enumerate(hosts):
             argv = [*WORKER, *common, "--seed", str(rank + 1), "--listen", f"{host.ip}:0"]

@@ -51,10 +51,12 @@ async def test_dialback_reaches_a_listening_peer_and_not_a_closed_port() -> None
     helper, asker = await _transport("127.0.0.61"), await _transport("127.0.0.62")
     try:
         DialbackService(helper, udp_probe=None)
-        result = await request_dialback(asker, helper.record(), asker.port)
+        result = await request_dialback(asker, helper.record(), asker.port, host="10.9.9.9")
         assert result.tcp and result.observed_host == "127.0.0.62"
         assert result.address == PeerAddress("127.0.0.62", asker.port)
-        closed = await request_dialback(asker, helper.record(), 1)  # nothing listens on port 1
+        closed = await request_dialback(
+            asker, helper.record(), 1, host="127.0.0.62"
+        )  # nothing listens on port 1
         assert not closed.tcp and not closed.udp
     finally:
         await asker.close()

@@ -172,7 +172,7 @@ class NatTraversal:
                 logger.info("no port mapping: %s", e)
         delay = RETRY_S
         while True:
-            result = await self._check(announced.port)
+            result = await self._check(announced)
             if result is None:  # nobody to ask yet
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 30.0)
@@ -184,7 +184,7 @@ class NatTraversal:
             await self._keep_relays(result)
             return
 
-    async def _check(self, port: int) -> DialbackResult | None:
+    async def _check(self, announced: PeerAddress) -> DialbackResult | None:
         """Ask up to :data:`HELPERS` peers to dial us back; the best answer, or None."""
         try:
             records = await self.list_peers()
@@ -197,13 +197,18 @@ class NatTraversal:
             for p, r in records.items()
             if p != self.me and reach_of(r) is Reach.UNKNOWN and not is_home_address(r.address.host)
         ]
-        random.shuffle(checked)
-        random.shuffle(unchecked)
-        helpers = (checked + unchecked)[:HELPERS]
+        relayed = [r for p, r in records.items() if p != self.me and reach_of(r) is Reach.RELAYED]
+        for group in (checked, unchecked, relayed):
+            random.shuffle(group)
+        helpers = (checked + unchecked + relayed)[:HELPERS]
         if not helpers:
             return None
         answers = await asyncio.gather(
-            *(request_dialback(self.transport, h, port) for h in helpers), return_exceptions=True
+            *(
+                request_dialback(self.transport, h, announced.port, host=announced.host)
+                for h in helpers
+            ),
+            return_exceptions=True,
         )
         results = [a for a in answers if isinstance(a, DialbackResult)]
         for helper, answer in zip(helpers, answers, strict=True):

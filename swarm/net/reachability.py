@@ -1,11 +1,16 @@
 """Dial-back checks (AutoNAT-like): a peer asks others to dial it and learns if it is reachable.
 
 The requester calls the RPC ``reach.dialback`` with the port it hopes is open; the helper dials
-that port at the requester's *observed* IP address (where the request came from, never an
+that port at the requester's *observed* IP address (where the request came from, not an
 address the requester names, so a helper cannot be aimed at a third party) over TCP (a fresh
 connection, ``GET /info``, whose record must carry the requester's key) and over UDP (a DHT ping,
 through a probe the peer provides), and answers what worked. Each helper runs at most
 :data:`MAX_CONCURRENT_DIALS` dial-backs at once and one per requester at a time.
+
+One exception: a request that reached a relayed helper through its relay comes from the
+helper's own address (the relay's splice ends there), so the observed address says nothing; the
+helper then dials the host the requester names. That costs one connection and one datagram per
+request, serialized per requester and bounded overall, so it amplifies nothing.
 
 What a peer learned is one :class:`Reach` value, written to its record (``extra["reach"]``) and
 shown in ``swarm-peer peers``.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -92,8 +98,11 @@ class DialbackService:
         port = payload.get("port")
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise TransportError("dialback: port must be an integer in 1..65535", status=400)
+        host = sender.host
+        if _is_own(host, self.transport) and isinstance(payload.get("host"), str):
+            host = payload["host"]  # came through our relay: the observed address is our own
         try:
-            address = PeerAddress(sender.host, port)
+            address = PeerAddress(host, port)
         except SwarmError as e:
             raise TransportError(f"dialback: no usable source address: {e}", status=400) from e
         if sender.peer_id in self._busy or self._slots.locked():
@@ -107,7 +116,7 @@ class DialbackService:
         finally:
             self._busy.discard(sender.peer_id)
         logger.debug("dialed back %s at %s: tcp=%s udp=%s", sender.peer_id.short, address, tcp, udp)
-        return {"host": sender.host, "port": port, "tcp": tcp, "udp": udp}
+        return {"host": host, "port": port, "tcp": tcp, "udp": udp}
 
     async def _dial_tcp(self, address: PeerAddress, expected: PeerID) -> bool:
         # a fresh session: a pooled connection the requester opened to us must not count
@@ -140,15 +149,30 @@ class DialbackService:
             return False
 
 
+def _is_own(host: str, transport: Transport) -> bool:
+    """Whether a connection from ``host`` is our relay's splice: it ends at our bound address
+    (or at loopback when we listen on every interface)."""
+    bound = transport.bound_address
+    if bound is None:
+        return False
+    if bound.is_wildcard:
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+    return host == bound.host
+
+
 async def request_dialback(
-    transport: Transport, helper: PeerRecord, port: int, *, timeout: float = 8.0
+    transport: Transport, helper: PeerRecord, port: int, *, host: str, timeout: float = 8.0
 ) -> DialbackResult:
-    """Ask ``helper`` to dial us back at ``port``.
+    """Ask ``helper`` to dial us back at ``port`` (at ``host`` only if it is relayed).
 
     Raises:
         TransportError: the helper is unreachable, refused, or answered nonsense.
     """
-    answer = await transport.call(helper, DIALBACK_RPC, {"port": port}, timeout=timeout)
+    payload = {"port": port, "host": host}
+    answer = await transport.call(helper, DIALBACK_RPC, payload, timeout=timeout)
     host, tcp, udp = answer.get("host"), answer.get("tcp"), answer.get("udp")
     if not isinstance(host, str) or not isinstance(tcp, bool) or not isinstance(udp, bool):
         raise TransportError("dialback: malformed answer", peer=str(helper.address))
