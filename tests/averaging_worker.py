@@ -69,6 +69,7 @@ async def run(args: argparse.Namespace) -> None:
         bandwidth=args.bandwidth,
         heartbeat_s=2.0,
     )
+    started = time.monotonic()
     peer = await Peer.start(config)
     print(f"ADDRESS {peer.address}", flush=True)
     print(f"ID {peer.peer_id}", flush=True)
@@ -95,6 +96,10 @@ async def run(args: argparse.Namespace) -> None:
         if fault is not Fault.NONE:
             watchers = [asyncio.create_task(announce_fault(a)) for a in averagers.values()]
         await wait_for_peers(peer, args.wait_peers)
+        if args.wait_reachable:  # how long this peer took to learn how others reach it
+            while peer.reach.value == "unknown" and time.monotonic() - started < 90:
+                await asyncio.sleep(0.05)
+            print(f"REACH {peer.reach.value} {time.monotonic() - started:.3f}", flush=True)
         await wait_for_reachable(peer, args.wait_reachable)
         original = make_tensor(args.seed, args.numel)
         saved = {}
@@ -112,6 +117,8 @@ async def run(args: argparse.Namespace) -> None:
             saved[codec] = {"first": first, "last": tensor, "mean": running / max(1, args.rounds)}
         if args.out:
             torch.save(saved, args.out)
+        if peer.nat is not None:
+            print(f"RELAYED {peer.nat.relay.bytes_relayed}", flush=True)
         print("DONE", flush=True)
         await asyncio.sleep(args.linger)
     finally:

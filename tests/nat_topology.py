@@ -92,7 +92,13 @@ class Router:
 class NatTopology:
     """Public hosts, and home hosts behind routers (``routers[r]`` says whether r runs UPnP)."""
 
-    def __init__(self, public: int = 1, routers: list[bool] | tuple[bool, ...] = ()):
+    def __init__(
+        self,
+        public: int = 1,
+        routers: list[bool] | tuple[bool, ...] = (),
+        rate_mbit: int | None = None,
+    ):
+        self.rate_mbit = rate_mbit  # tbf on every link to the bridge, both ways (benchmarks)
         self.prefix = f"sw{os.getpid() % 10000}n{next(_COUNTER)}"
         self._n_public = public
         self._router_upnp = list(routers)
@@ -157,6 +163,10 @@ class NatTopology:
         _sh("ip", "-n", inet, "link", "add", name, "type", "veth", "peer", inner, "netns", ns)
         _sh("ip", "-n", inet, "link", "set", name, "master", "br0", "up")
         _sh("ip", "-n", ns, "link", "set", inner, "up")
+        if self.rate_mbit:
+            tbf = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", "128kb", "latency", "100ms"]
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", *tbf)
+            _sh("ip", "netns", "exec", inet, "tc", "qdisc", "add", "dev", name, "root", *tbf)
 
     def _start_miniupnpd(self, router: Router) -> None:
         run = ["ip", "netns", "exec", router.ns, iptables()]

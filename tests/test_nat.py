@@ -179,3 +179,36 @@ def test_a_dead_relay_is_replaced(processes) -> None:
             time.sleep(1)
         assert table[short][0].startswith(survivor_host + ":"), table
         assert table[short][1] == "relayed", table
+
+
+TRAINER = [sys.executable, str(HERE / "training_worker.py")]
+
+
+def _train(hosts, processes, tmp_path, tag: str) -> list[float]:
+    """Four training peers, one per host, rank 0 first; the loss after every round of rank 0."""
+    common = ["--shards", "4", "--inner-steps", "10", "--batch", "16", "--lr", "0.1"]
+    common += ["--rounds", "12", "--wait-peers", "4", "--wait-reachable", "4", "--min-group", "4"]
+    common += ["--matchmaking-timeout", "20", "--linger", "5"]
+    workers, bootstrap = [], None
+    for rank, host in enumerate(hosts):
+        argv = [*TRAINER, *common, "--rank", str(rank), "--listen", f"{host.ip}:0"]
+        argv += ["--out", str(tmp_path / f"{tag}{rank}.pt")]
+        argv += ["--initial-peers", bootstrap] if bootstrap else []
+        workers.append(processes(host.argv(argv)))
+        if bootstrap is None:
+            bootstrap = workers[0].wait_for(r"^ADDRESS (\S+)", 60)[1]
+    for w in workers:
+        w.wait_for("^DONE", 220)
+    rounds = workers[0].rounds()
+    assert sum(r["averaged"] and r["group"] == 4 for r in rounds) >= len(rounds) - 1, rounds
+    return [r["loss"] for r in rounds]
+
+
+def test_four_peers_two_behind_nat_train_like_four_public(processes, tmp_path) -> None:
+    _skip_unless()
+    with NatTopology(public=4, routers=[False, False]) as net:
+        public = _train(net.public, processes, tmp_path, "pub")
+        mixed = _train([*net.public[:2], *net.homes], processes, tmp_path, "nat")
+    # same data, seeds and exact averaging: the relayed run follows the same loss curve
+    assert mixed[-1] <= 1.05 * public[-1] + 1e-4, (mixed, public)
+    assert public[-1] < 0.5 * public[0] and mixed[-1] < 0.5 * mixed[0], (mixed, public)
