@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ RELAYED_BANDWIDTH_SHARE = 0.5  # one relay hop: the relay's link carries both di
 RETRY_S = 2.0  # no helper or no relay yet: look again after this long
 RECHECK_S = 300.0  # a reachable peer re-checks this often (a router may drop the mapping)
 RELAY_READY_S = 5.0  # a relay that has not answered by then is skipped
+FAILED_RELAY_S = 60.0  # a relay that refused or died is not asked again for this long
 
 PeerLister = Callable[[], Awaitable[dict[PeerID, PeerRecord]]]
 Announcer = Callable[[], Awaitable[Any]]
@@ -96,6 +98,7 @@ class NatTraversal:
         self.mapping: PortMapping | None = None
         self.mapping_error: str | None = None
         self.links: list[RelayLink] = []
+        self._failed: dict[PeerID, float] = {}  # relays that refused or died: when
         self.reachable_changed = asyncio.Event()
         self._bandwidth = float(transport.record().bandwidth)
         self._mapper: PortMapper | None = None
@@ -242,9 +245,13 @@ class NatTraversal:
             why,
         )
         while True:
+            for link in self.links:
+                if link.done.is_set():
+                    logger.warning("relay %s lost: %s", link.relay_id.short, link.error)
+                    self._failed[link.relay_id] = time.monotonic()
             self.links = [link for link in self.links if not link.done.is_set()]
-            if len(self.links) < RELAYS:
-                await self._find_relays(RELAYS - len(self.links))
+            if not self.links:
+                await self._find_relays(1)
             primary = self.links[0] if self.links else None
             if primary is not None and primary.address is not None:
                 if self.reach is not Reach.RELAYED or (
@@ -264,19 +271,19 @@ class NatTraversal:
                     why,
                 )
                 await self._publish(Reach.CLIENT)
+            if self.links and len(self.links) < RELAYS:  # the standby, once the primary is out
+                await self._find_relays(RELAYS - len(self.links))
             waits = [asyncio.ensure_future(link.done.wait()) for link in self.links]
             try:
-                await asyncio.wait(
-                    waits,
-                    timeout=RETRY_S if len(self.links) < RELAYS else None,
-                    return_when=asyncio.FIRST_COMPLETED,
-                ) if waits else await asyncio.sleep(RETRY_S)
+                if waits and len(self.links) >= RELAYS:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                elif waits:
+                    await asyncio.wait(waits, timeout=RETRY_S, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(RETRY_S)
             finally:
                 for w in waits:
                     w.cancel()
-            for link in self.links:
-                if link.done.is_set():
-                    logger.warning("relay %s lost: %s", link.relay_id.short, link.error)
 
     async def _find_relays(self, wanted: int) -> None:
         try:
@@ -285,8 +292,12 @@ class NatTraversal:
             logger.debug("cannot list peers to find a relay: %s", e)
             return
         linked = {link.relay_id for link in self.links}
+        now = time.monotonic()
+        self._failed = {p: t for p, t in self._failed.items() if now - t < FAILED_RELAY_S}
         candidates = [
-            r for p, r in records.items() if p != self.me and p not in linked and may_relay(r)
+            r
+            for p, r in records.items()
+            if p != self.me and p not in linked and p not in self._failed and may_relay(r)
         ]
         random.shuffle(candidates)
         candidates.sort(key=lambda r: not reach_of(r).dialable)  # checked ones first
@@ -298,6 +309,7 @@ class NatTraversal:
                 await link.wait_ready(RELAY_READY_S)
             except SwarmError as e:
                 logger.info("relay %s refused: %s", record.peer_id.short, e)
+                self._failed[record.peer_id] = time.monotonic()
                 await link.close()
                 continue
             self.links.append(link)
