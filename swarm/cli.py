@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay-budget",
         default=_env("RELAY_BUDGET", "4,100"),
         metavar="PEERS[,MBIT]",
-        help="when reachable, relay for up to PEERS unreachable peers sharing MBIT Mbit/s; "
+        help="when reachable, relay for up to PEERS unreachable peers sharing MBIT Mbit/s "
+        "each way; "
         "0 turns relaying off (env SWARM_RELAY_BUDGET, default %(default)s)",
     )
     sub = parser.add_subparsers(dest="command")

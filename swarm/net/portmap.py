@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 DESCRIPTION = "swarm peer"
 _PROTOCOLS = ("tcp", "udp")
+SSDP_WAIT_S = 2  # seconds a UPnP search listens for gateways (SSDP MX)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class PortMapper:
 
         if self._device is None:
             found = await IgdDevice.async_search(
-                source=(self.internal.host, 0), timeout=max(1, int(self.timeout))
+                source=(self.internal.host, 0), timeout=SSDP_WAIT_S
             )
             locations = sorted({str(r["location"]) for r in found if "location" in r})
             if not locations:

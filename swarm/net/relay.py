@@ -53,7 +53,7 @@ class RelayBudget:
 
     peers: int = 4  # relayed peers at once; 0 turns relaying off
     connections: int = 64  # relayed TCP connections at once, over all peers
-    rate: float = 12.5e6  # bytes/s over all relayed connections, each direction counted
+    rate: float = 12.5e6  # bytes/s over all relayed connections, per direction
 
     def __post_init__(self) -> None:
         if self.peers < 0 or self.connections < 0 or not self.rate > 0:
@@ -95,12 +95,17 @@ async def splice(
     a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     *,
-    pacer: _Pacer | None = None,
+    pacers: tuple[_Pacer, _Pacer] | None = None,
     count: Callable[[int], None] | None = None,
 ) -> None:
-    """Pump bytes both ways until both directions end; then close both connections."""
+    """Pump bytes both ways until both directions end; then close both connections.
 
-    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    ``pacers``: the rate of ``a -> b`` and of ``b -> a`` (a link has a rate each way).
+    """
+
+    async def pump(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: _Pacer | None
+    ) -> None:
         try:
             while data := await reader.read(PUMP_BYTES):
                 if pacer is not None:
@@ -115,7 +120,8 @@ async def splice(
             writer.close()
 
     try:
-        await asyncio.gather(pump(a[0], b[1]), pump(b[0], a[1]))
+        forward, backward = pacers if pacers is not None else (None, None)
+        await asyncio.gather(pump(a[0], b[1], forward), pump(b[0], a[1], backward))
     finally:
         for writer in (a[1], b[1]):
             writer.close()
@@ -138,7 +144,7 @@ class RelayService:
         self.transport = transport
         self.budget = budget
         self.can_relay = can_relay
-        self.pacer = _Pacer(budget.rate)
+        self.pacers = (_Pacer(budget.rate), _Pacer(budget.rate))  # to relayed peers, from them
         self.bytes_relayed = 0
         self.connections = 0
         self._reservations: dict[PeerID, _Reservation] = {}
@@ -232,7 +238,7 @@ class RelayService:
                 writer.write(rest)
             self._count(len(first) + len(rest))
             await splice(
-                (reader, writer), (back_reader, back_writer), pacer=self.pacer, count=self._count
+                (reader, writer), (back_reader, back_writer), pacers=self.pacers, count=self._count
             )
         finally:
             self.connections -= 1
