@@ -203,3 +203,45 @@ def test_home_addresses() -> None:
     assert is_home_address("172.20.0.1") and is_home_address("fd00::1")
     assert not is_home_address("127.0.0.1") and not is_home_address("11.0.0.10")
     assert not is_home_address("example.org")
+
+
+# ---- hostile helpers and relays
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [{}, {"host": 5, "tcp": True, "udp": True}, {"host": "a b", "tcp": True, "udp": False}],
+)
+async def test_a_malformed_dialback_answer_is_refused(answer: dict) -> None:
+    liar, asker = await _transport("127.0.0.74"), await _transport("127.0.0.75")
+
+    async def lie(sender: object, payload: dict) -> dict:
+        return answer
+
+    liar.add_rpc("reach.dialback", lie)
+    try:
+        with pytest.raises(TransportError, match="dialback"):
+            await request_dialback(asker, liar.record(), asker.port, host="127.0.0.75")
+    finally:
+        await asker.close()
+        await liar.close()
+
+
+@pytest.mark.parametrize("header, chunks", [({"port": "80"}, []), ({"port": 9}, [b"junk"])])
+async def test_a_hostile_relay_ends_the_link(header: dict, chunks: list[bytes]) -> None:
+    fake, hidden = await _transport("127.0.0.76"), await _transport("127.0.0.77")
+
+    async def control(request: InboundStream, reply: ReplyStream) -> None:
+        await reply.prepare(header)
+        for chunk in chunks:
+            await reply.write(chunk)
+
+    fake.add_stream(CONTROL_STREAM, control)
+    link = RelayLink(hidden, fake.record(), hidden.bound_address)  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(link.done.wait(), 10)
+        assert link.error and link.error != "the relay closed the control stream"
+    finally:
+        await link.close()
+        await fake.close()
+        await hidden.close()
