@@ -16,8 +16,10 @@ from swarm.auth import Membership
 from swarm.errors import ConfigError, PortMapError, TransportError
 from swarm.identity import Identity
 from swarm.net import natpmp
-from swarm.net.portmap import is_home_address
+from swarm.net.nat import may_relay
+from swarm.net.portmap import guess_gateway, is_home_address
 from swarm.net.reachability import DialbackService, Reach, request_dialback
+from swarm.net.record import PeerRecord
 from swarm.net.relay import CONTROL_STREAM, MAGIC, RelayBudget, RelayLink, RelayService
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.net.transport import Transport
@@ -196,6 +198,25 @@ def test_natpmp_hostile_answers_raise_one_error(data: bytes) -> None:
     ):
         with contextlib.suppress(PortMapError):  # anything else fails the test
             parse(data)
+
+
+def test_gateway_guess() -> None:
+    assert guess_gateway("192.168.7.23") == "192.168.7.1"
+    assert guess_gateway("fd00::1") is None
+
+
+def test_who_may_relay() -> None:
+    identity = Identity.generate()
+
+    def record(host: str, **extra: object) -> PeerRecord:
+        return PeerRecord.create(identity, address=PeerAddress(host, 7000), run_id="r", extra=extra)
+
+    assert may_relay(record("192.168.1.2", reach="direct", relay=True))
+    assert may_relay(record("11.0.0.10", reach="unknown", relay=True))  # public, not checked yet
+    assert not may_relay(record("192.168.1.2", reach="unknown", relay=True))  # may be NATed
+    assert not may_relay(record("11.0.0.10", reach="relayed", relay=True))
+    assert not may_relay(record("11.0.0.10", reach="direct", relay=False))
+    assert not may_relay(record("11.0.0.10", reach="direct"))
 
 
 def test_home_addresses() -> None:

@@ -63,6 +63,15 @@ def default_gateway() -> str | None:
     return None
 
 
+def guess_gateway(host: str) -> str | None:
+    """Where no routing table can be read (Windows, macOS): ``.1`` of our /24, the usual one."""
+    try:
+        address = ipaddress.IPv4Address(host)
+    except ValueError:
+        return None
+    return str(ipaddress.IPv4Network(f"{address}/24", strict=False).network_address + 1)
+
+
 class PortMapper:
     """Maps ``internal`` (our LAN ``IP:PORT``) on the router and keeps the mapping alive.
 
@@ -165,7 +174,7 @@ class PortMapper:
     # ---- NAT-PMP
 
     async def _map_natpmp(self, lease_s: int | None = None) -> PortMapping:
-        gateway = self._gateway or default_gateway()
+        gateway = self._gateway or default_gateway() or guess_gateway(self.internal.host)
         if gateway is None:
             raise PortMapError("NAT-PMP: no default gateway found")
         self._gateway = gateway
