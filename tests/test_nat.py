@@ -106,6 +106,18 @@ def test_a_peer_behind_a_upnp_router_maps_its_port_and_is_dialed_directly(proces
         assert f"--dport {port}" not in net.mappings(router), behind.output()
 
 
+def test_no_port_mapping_leaves_the_router_alone_and_says_why(processes) -> None:
+    _skip_unless(upnp=True)
+    with NatTopology(public=1, routers=[True]) as net:
+        _, bootstrap = _peer(net.public[0], processes)
+        behind, _ = _peer(
+            net.homes[0], processes, "--initial-peers", bootstrap, "--no-port-mapping"
+        )
+        m = behind.wait_for(r"behind NAT, no port mapping \((.*)\), relayed through (\S+)", 60)
+        assert m[1] == "port mapping turned off", behind.output()
+        assert "--dport" not in net.mappings(net.routers[0])
+
+
 def test_two_peers_behind_nat_are_relayed_and_average_correctly(processes, tmp_path) -> None:
     _skip_unless()
     numel = 200_000
