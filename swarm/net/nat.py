@@ -103,7 +103,6 @@ class NatTraversal:
         self.mapping_error: str | None = None
         self.links: list[RelayLink] = []
         self._failed: dict[PeerID, float] = {}  # relays that refused or died: when
-        self.reachable_changed = asyncio.Event()
         self._bandwidth = float(transport.record().bandwidth)
         self._mapper: PortMapper | None = None
         self._task: asyncio.Task[None] | None = None
@@ -120,6 +119,12 @@ class NatTraversal:
         if bound is None:
             raise SwarmError("the transport is not started")
         return PeerAddress("127.0.0.1", bound.port) if bound.is_wildcard else bound
+
+    def _lan_address(self) -> PeerAddress | None:
+        """Our home-network address and port (what the router maps to), or None."""
+        bound = self.local
+        host = self.transport.record().address.host if bound.host == "127.0.0.1" else bound.host
+        return PeerAddress(host, bound.port) if is_home_address(host) else None
 
     def _can_relay(self) -> bool:
         if self.reach.dialable:
@@ -147,10 +152,7 @@ class NatTraversal:
         if address is not None:
             fields["address"] = address
         self.transport.update_record(**fields)
-        if reach is not self.reach:
-            self.reach = reach
-            self.reachable_changed.set()
-            self.reachable_changed = asyncio.Event()
+        self.reach = reach
 
     async def _publish(self, reach: Reach, address: PeerAddress | None = None) -> None:
         self._set_record(reach, address)
@@ -166,10 +168,10 @@ class NatTraversal:
         announced = self.transport.record().address
         if not self.port_mapping:
             self.mapping_error = "port mapping turned off"
-        elif not is_home_address(self.local.host):
+        elif (lan := self._lan_address()) is None:
             self.mapping_error = "not on a home network"
         else:
-            self._mapper = PortMapper(self.local)
+            self._mapper = PortMapper(lan)
             try:
                 self.mapping = await self._mapper.map()
                 announced = self.mapping.external

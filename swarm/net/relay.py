@@ -14,7 +14,8 @@ Limits the relay sets (:class:`RelayBudget`): how many peers it relays for, how 
 connections it carries, and a byte rate shared by all of them. A connection that sends nothing
 within :data:`HANDSHAKE_S`, a token nobody asked for, or a peer that does not dial back in time
 is dropped. The control stream carries a keepalive every :data:`KEEPALIVE_S`, so either end
-learns within a few seconds that the other is gone.
+learns within :data:`SILENCE_S` that the other is gone (at once when its process dies: the
+connection closes).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ CONTROL_STREAM = "relay.control"
 MAGIC = b"SWRELAY1"
 TOKEN_BYTES = 16
 KEEPALIVE = b"\x00"
-KEEPALIVE_S = 2.0
+KEEPALIVE_S = 3.0
+SILENCE_S = 4 * KEEPALIVE_S  # a relay silent this long is taken for dead
 HANDSHAKE_S = 10.0  # first bytes of a connection, and the relayed peer's dial back
 MAX_PENDING = 32  # connections waiting for their dial back, per relayed peer
 PUMP_BYTES = 64 * 1024
@@ -301,7 +303,7 @@ class RelayLink:
     async def _run(self) -> None:
         try:
             async with self.transport.stream(
-                self.relay, CONTROL_STREAM, {}, _no_body(), timeout=3 * KEEPALIVE_S
+                self.relay, CONTROL_STREAM, {}, _no_body(), timeout=SILENCE_S
             ) as stream:
                 port = stream.header.get("port")
                 if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
