@@ -121,11 +121,20 @@ async def test_a_stream_through_a_relay_stays_sealed_end_to_end() -> None:
         assert got == secret
         assert service.bytes_relayed >= 2 * len(secret)
         assert (await caller.fetch_info(relayed)).peer_id == hidden.identity.peer_id
-        # the relay full: a second peer is refused
+        # the relay full: a second peer is refused, until the first one leaves
+        assert service.relayed_peers == [hidden.identity.peer_id]
         other = RelayLink(caller, relay.record(), caller.bound_address)  # type: ignore[arg-type]
         with pytest.raises(TransportError):
             await other.wait_ready(5.0)
         await other.close()
+        await link.close()
+        for _ in range(100):
+            if not service.relayed_peers:
+                break
+            await asyncio.sleep(0.05)
+        assert service.relayed_peers == []
+        link = RelayLink(hidden, relay.record(), hidden.bound_address)  # type: ignore[arg-type]
+        await link.wait_ready(5.0)
         # the relay dies: the link says so
         await service.close()
         await relay.close()

@@ -13,9 +13,9 @@ fails authentication at the receiver, as on any path).
 Limits the relay sets (:class:`RelayBudget`): how many peers it relays for, how many relayed
 connections it carries, and a byte rate shared by all of them. A connection that sends nothing
 within :data:`HANDSHAKE_S`, a token nobody asked for, or a peer that does not dial back in time
-is dropped. The control stream carries a keepalive every :data:`KEEPALIVE_S`, so either end
-learns within :data:`SILENCE_S` that the other is gone (at once when its process dies: the
-connection closes).
+is dropped. The control stream carries a keepalive every :data:`KEEPALIVE_S` each way, so
+either end learns within :data:`SILENCE_S` that the other is gone (at once when its process
+dies: the connection closes), and a vanished peer's reservation is freed.
 """
 
 from __future__ import annotations
@@ -137,6 +137,19 @@ class _Reservation:
         self.tokens: asyncio.Queue[bytes] = asyncio.Queue(maxsize=MAX_PENDING)
         self.pending: dict[bytes, asyncio.Future[Any]] = {}
         self.server: asyncio.Server | None = None
+        self.watch: asyncio.Task[None] | None = None  # ends when the peer's keepalives stop
+
+
+async def _watch_keepalives(request: InboundStream) -> None:
+    """Return once the relayed peer's body ends or stays silent for :data:`SILENCE_S`."""
+    chunks = request.__aiter__()
+    try:
+        while True:
+            chunk = await asyncio.wait_for(chunks.__anext__(), SILENCE_S)
+            if chunk != KEEPALIVE:
+                return  # a relayed peer only ever sends keepalives
+    except (StopAsyncIteration, TimeoutError, SwarmError):
+        return
 
 
 class RelayService:
@@ -180,13 +193,17 @@ class RelayService:
             port = reservation.server.sockets[0].getsockname()[1]
             await reply.prepare({"port": port})
             logger.info("relaying for %s on port %d", peer.short, port)
-            while True:
+            watch = asyncio.create_task(_watch_keepalives(request))
+            reservation.watch = watch
+            while not watch.done():  # the relayed peer's keepalives stopped: it is gone
                 try:
                     token = await asyncio.wait_for(reservation.tokens.get(), KEEPALIVE_S)
                 except TimeoutError:
                     token = KEEPALIVE
                 await reply.write(token)
         finally:
+            if reservation.watch is not None:
+                reservation.watch.cancel()
             if self._reservations.get(peer) is reservation:
                 del self._reservations[peer]
             if reservation.server is not None:
@@ -254,9 +271,10 @@ class RelayService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _no_body() -> AsyncIterator[bytes]:
-    return
-    yield b""
+async def _keepalives() -> AsyncIterator[bytes]:
+    while True:
+        yield KEEPALIVE
+        await asyncio.sleep(KEEPALIVE_S)
 
 
 class RelayLink:
@@ -303,7 +321,7 @@ class RelayLink:
     async def _run(self) -> None:
         try:
             async with self.transport.stream(
-                self.relay, CONTROL_STREAM, {}, _no_body(), timeout=SILENCE_S
+                self.relay, CONTROL_STREAM, {}, _keepalives(), timeout=SILENCE_S
             ) as stream:
                 port = stream.header.get("port")
                 if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
