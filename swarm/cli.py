@@ -46,6 +46,13 @@ def _env_list(name: str) -> list[str]:
     return value.replace(",", " ").split() if value else []
 
 
+def _relay_budget(text: str) -> RelayBudget:
+    try:
+        return RelayBudget.parse(text)
+    except SwarmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -128,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--relay-budget",
+        type=_relay_budget,
         default=_env("RELAY_BUDGET", "4,100"),
         metavar="PEERS[,MBIT]",
         help="when reachable, relay for up to PEERS unreachable peers sharing MBIT Mbit/s "
@@ -159,7 +167,7 @@ def load_membership(swarm_key_file: str | None) -> Membership:
 
 
 async def run_peer(args: argparse.Namespace) -> int:
-    budget = RelayBudget.parse(args.relay_budget)
+    budget = args.relay_budget
     config = PeerConfig(
         port_mapping=not args.no_port_mapping,
         relay_peers=budget.peers,

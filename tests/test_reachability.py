@@ -275,3 +275,19 @@ async def test_a_hostile_relay_ends_the_link(header: dict, chunks: list[bytes]) 
         await link.close()
         await fake.close()
         await hidden.close()
+
+
+def test_cli_flags_for_port_mapping_and_relays(monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm.cli import build_parser
+
+    args = build_parser().parse_args([])
+    assert args.relay_budget == RelayBudget(peers=4) and not args.no_port_mapping
+    args = build_parser().parse_args(["--relay-budget", "2,40", "--no-port-mapping"])
+    assert args.relay_budget == RelayBudget(peers=2, rate=5e6) and args.no_port_mapping
+    monkeypatch.setenv("SWARM_NO_PORT_MAPPING", "1")
+    monkeypatch.setenv("SWARM_RELAY_BUDGET", "0")
+    args = build_parser().parse_args([])
+    assert args.no_port_mapping and not args.relay_budget.enabled
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--relay-budget", "lots"])
+    assert exit_info.value.code == 2
