@@ -40,7 +40,9 @@ from swarm.dashboard.commands import (
 from swarm.dht import DHTNode
 from swarm.errors import ConfigError, SwarmError
 from swarm.identity import Identity
+from swarm.net.reachability import reach_of
 from swarm.net.record import PeerRecord
+from swarm.net.relay import RelayBudget
 from swarm.peer import Peer, fetch_peer_records
 from swarm.version import __version__
 
@@ -111,6 +113,13 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
+def _relay_budget(text: str) -> RelayBudget:
+    try:
+        return RelayBudget.parse(text)
+    except SwarmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 # dest -> (environment variable, converter, default): applied after parsing, so that a flag
 # wins over its variable and a bad value in a variable is reported under the variable's name.
 ENV_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
@@ -125,6 +134,8 @@ ENV_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "bandwidth": ("SWARM_BANDWIDTH", _mbits, 100.0),
     "status_interval": ("SWARM_STATUS_INTERVAL", _interval, 60.0),
     "metrics": ("SWARM_METRICS", _flag, False),
+    "no_port_mapping": ("SWARM_NO_PORT_MAPPING", _flag, False),
+    "relay_budget": ("SWARM_RELAY_BUDGET", _relay_budget, _relay_budget("4,100")),
 }
 
 
@@ -228,12 +239,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics on the peer's port, "
         "readable by anyone who reaches the port (env SWARM_METRICS=1; default off)",
     )
+    parser.add_argument(
+        "--no-port-mapping",
+        action="store_true",
+        default=None,
+        help="do not ask the home router (UPnP-IGD, NAT-PMP) to forward our port "
+        "(env SWARM_NO_PORT_MAPPING=1)",
+    )
+    parser.add_argument(
+        "--relay-budget",
+        type=_relay_budget,
+        metavar="PEERS[,MBIT]",
+        help="when reachable, relay for up to PEERS unreachable peers sharing MBIT Mbit/s "
+        "each way; "
+        "0 turns relaying off (env SWARM_RELAY_BUDGET, default %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command")
     sub.add_parser(
         "peers",
         parents=[common],
         help="list the peers announced in a run",
-        description="List the peers announced in a run (id, address, device, last seen).",
+        description="List the peers announced in a run (id, address, how others reach it: "
+        "direct / mapped / relayed / client, device, last seen).",
     )
     add_monitor_commands(sub, common)
     export = sub.add_parser(
@@ -312,7 +339,11 @@ def describe_membership(membership: Membership) -> str:
 
 
 async def run_peer(args: argparse.Namespace) -> int:
+    budget = args.relay_budget
     config = PeerConfig(
+        port_mapping=not args.no_port_mapping,
+        relay_peers=budget.peers,
+        relay_rate=budget.rate,
         run_id=args.run_id,
         listen=args.listen,
         announce=args.announce,
@@ -421,18 +452,19 @@ async def list_peers(args: argparse.Namespace) -> int:
 
 
 def format_peer_table(records: Sequence[PeerRecord] | object) -> str:
-    rows = [("PEER", "ADDRESS", "DEVICE", "LAST SEEN")]
+    rows = [("PEER", "ADDRESS", "REACHABLE", "DEVICE", "LAST SEEN")]
     now = time.time()
     for record in sorted(records, key=lambda r: str(r.address)):  # type: ignore[attr-defined]
         rows.append(
             (
                 record.peer_id.short,
                 str(record.address),
+                reach_of(record).value,
                 record.device,
                 f"{max(0.0, now - record.timestamp):.0f}s ago",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in rows

@@ -8,6 +8,7 @@ Every error the library raises on purpose derives from :class:`SwarmError`::
     ├── AuthError            a request, datagram or chunk failed authentication
     │   └── ReplayError      a nonce was seen before or a timestamp is outside the window
     ├── TransportError       an HTTP exchange with a peer failed (refused, cut, oversized)
+    │   └── PortMapError     the router refused, or does not offer, a port mapping
     ├── DHTError             a DHT operation failed or a record is invalid
     ├── CompressionError     a payload is malformed or a tensor cannot be encoded
     ├── AveragingError       an averaging round failed
@@ -55,6 +56,10 @@ class TransportError(SwarmError):
         if self.status is not None:
             parts.append(f"status={self.status}")
         return " ".join(parts)
+
+
+class PortMapError(TransportError):
+    """The router refused a port mapping, or offers neither UPnP-IGD nor NAT-PMP."""
 
 
 class DHTError(SwarmError):

@@ -25,8 +25,11 @@ from swarm.identity import Identity, PeerID
 from swarm.monitor.metrics import PeerMetrics
 from swarm.monitor.tracker import ProgressTracker, RoundFigures
 from swarm.monitor.watch import PeerWatcher
+from swarm.net.nat import NatTraversal
 from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD
+from swarm.net.reachability import Reach
 from swarm.net.record import PeerRecord
+from swarm.net.relay import RelayBudget
 from swarm.net.transport import Transport
 from swarm.peer_config import PeerConfig
 
@@ -75,6 +78,7 @@ class Peer:
         self.identity = identity
         self.transport: Transport | None = None
         self.dht: DHTNode | None = None
+        self.nat: NatTraversal | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self.progress = ProgressTracker()
@@ -129,6 +133,8 @@ class Peer:
             if self.config.initial_peers:
                 await self._bootstrap()
             await self.announce()
+            if self.config.reachability:
+                await self._start_nat()
         except BaseException:
             await self.close()
             raise
@@ -176,6 +182,31 @@ class Peer:
                 host = guess_announce_host(listen)
                 transport.update_record(address=PeerAddress(host, port))
             return
+
+    async def _start_nat(self) -> None:
+        dht = self._dht
+
+        async def udp_probe(address: PeerAddress, expected: PeerID) -> bool:
+            contact = await dht.ping_address(address.host, address.port)
+            return (
+                contact is not None and PeerID.from_public_key(contact.keys.public_key) == expected
+            )
+
+        self.nat = NatTraversal(
+            self._transport,
+            list_peers=self.known_peers,
+            announce=self.announce,
+            udp_probe=udp_probe,
+            set_dht_client=dht.set_client,
+            port_mapping=self.config.port_mapping,
+            budget=RelayBudget(peers=self.config.relay_peers, rate=self.config.relay_rate),
+        )
+        await self.nat.start()
+
+    @property
+    def reach(self) -> Reach:
+        """How others reach this peer (``unknown`` until a dial-back check has answered)."""
+        return self.nat.reach if self.nat is not None else Reach.UNKNOWN
 
     async def _bootstrap(self) -> None:
         contacts = await self._dht.bootstrap(self.config.initial_peers)
@@ -284,6 +315,9 @@ class Peer:
             self._heartbeat = None
         if self.dht is not None and self.transport is not None and self._expiration:
             await self._leave()
+        if self.nat is not None:
+            await self.nat.close()
+            self.nat = None
         if self.dht is not None:
             await self.dht.close()
             self.dht = None

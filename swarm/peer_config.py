@@ -49,6 +49,11 @@ class PeerConfig:
         metrics: serve Prometheus metrics at ``GET /metrics`` on the peer's HTTP port, without
             the swarm's authentication (Prometheus cannot sign requests): anyone who can reach
             the port can read them, so it is off by default.
+        port_mapping: behind a home router, ask it (UPnP-IGD, NAT-PMP) to forward our port.
+        relay_peers: how many unreachable peers we relay for at once when reachable; 0: none.
+        relay_rate: bytes/s we give to relayed traffic, all relayed peers together.
+        reachability: learn whether others can dial us (dial-back), relay when they cannot.
+            Off, the peer announces its address as it is, like before.
     """
 
     run_id: str = "default"
@@ -63,6 +68,10 @@ class PeerConfig:
     device: str = "cpu"
     dht_request_timeout_s: float = 3.0
     metrics: bool = False
+    port_mapping: bool = True
+    relay_peers: int = 4
+    relay_rate: float = DEFAULT_BANDWIDTH
+    reachability: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
@@ -90,6 +99,10 @@ class PeerConfig:
                 "record_ttl_s must exceed heartbeat_s, or live peers would blink out between "
                 "heartbeats"
             )
+        if isinstance(self.relay_peers, bool) or not isinstance(self.relay_peers, int):
+            raise ConfigError("relay_peers must be an integer")
+        if self.relay_peers < 0 or not self.relay_rate > 0:
+            raise ConfigError("relay_peers must be >= 0 and relay_rate > 0 bytes/s")
         if not self.dht_request_timeout_s > 0:
             raise ConfigError("dht_request_timeout_s must be positive")
         if self.announce is not None and self.announce.port == 0:

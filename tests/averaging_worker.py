@@ -48,6 +48,19 @@ async def wait_for_peers(peer: Peer, count: int, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def wait_for_reachable(peer: Peer, count: int, timeout: float = 90.0) -> None:
+    """Until ``count`` peers' records say others can dial them (directly or through a relay)."""
+    dialable = ("direct", "mapped", "relayed")
+    deadline = time.monotonic() + timeout
+    while count:
+        records = await peer.known_peers()
+        if sum(r.extra.get("reach") in dialable for r in records.values()) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"fewer than {count} reachable peers: {list(records.values())}")
+        await asyncio.sleep(0.2)
+
+
 async def run(args: argparse.Namespace) -> None:
     config = PeerConfig(
         run_id="avg-test",
@@ -56,6 +69,7 @@ async def run(args: argparse.Namespace) -> None:
         bandwidth=args.bandwidth,
         heartbeat_s=2.0,
     )
+    started = time.monotonic()
     peer = await Peer.start(config)
     print(f"ADDRESS {peer.address}", flush=True)
     print(f"ID {peer.peer_id}", flush=True)
@@ -82,6 +96,11 @@ async def run(args: argparse.Namespace) -> None:
         if fault is not Fault.NONE:
             watchers = [asyncio.create_task(announce_fault(a)) for a in averagers.values()]
         await wait_for_peers(peer, args.wait_peers)
+        if args.wait_reachable:  # how long this peer took to learn how others reach it
+            while peer.reach.value == "unknown" and time.monotonic() - started < 90:
+                await asyncio.sleep(0.05)
+            print(f"REACH {peer.reach.value} {time.monotonic() - started:.3f}", flush=True)
+        await wait_for_reachable(peer, args.wait_reachable)
         original = make_tensor(args.seed, args.numel)
         saved = {}
         for codec, averager in averagers.items():
@@ -98,6 +117,8 @@ async def run(args: argparse.Namespace) -> None:
             saved[codec] = {"first": first, "last": tensor, "mean": running / max(1, args.rounds)}
         if args.out:
             torch.save(saved, args.out)
+        if peer.nat is not None:
+            print(f"RELAYED {peer.nat.relay.bytes_relayed}", flush=True)
         print("DONE", flush=True)
         await asyncio.sleep(args.linger)
     finally:
@@ -151,6 +172,7 @@ def main() -> None:
     p.add_argument("--stall-timeout", type=float, default=3.0)
     p.add_argument("--fault", default="none", choices=[f.value for f in Fault])
     p.add_argument("--wait-peers", type=int, default=1)
+    p.add_argument("--wait-reachable", type=int, default=0)
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--linger", type=float, default=0.0, help="stay up to serve state/averaging")
     p.add_argument("--out", default=None)
     p.add_argument("--wait-peers", type=int, default=1, help="train once this many peers are up")
+    p.add_argument("--wait-reachable", type=int, default=0, help="... and this many dialable")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
@@ -102,6 +103,11 @@ def main() -> None:
                 torch.save(model.state_dict(), args.out + ".loaded")
         deadline = time.monotonic() + 60
         while len(swarm.known_peers()) < args.wait_peers and time.monotonic() < deadline:
+            time.sleep(0.2)
+        while args.wait_reachable and time.monotonic() < deadline + 60:
+            reach = [r.extra.get("reach") for r in swarm.known_peers().values()]
+            if sum(r in ("direct", "mapped", "relayed") for r in reach) >= args.wait_reachable:
+                break
             time.sleep(0.2)
         print(f"START {swarm.round} {full_loss(model, x, y)}", flush=True)
         g = torch.Generator().manual_seed(1000 + args.rank)

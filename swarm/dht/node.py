@@ -145,6 +145,15 @@ class DHTNode:
             raise DHTError("the DHT node is not running")
         return self.protocol
 
+    def set_client(self, client: bool) -> None:
+        """Ask only, or join others' routing tables again (a peer nobody can dial asks only)."""
+        self.client = client
+        self._protocol.client = client
+
+    async def ping_address(self, host: str, port: int) -> Contact | None:
+        """Ping ``host:port`` (no known keys needed); the node that answered, or None."""
+        return await self._protocol.ping_address((host, port))
+
     def contacts(self) -> list[Contact]:
         """The routing table's contacts."""
         return self._protocol.router.contacts()
