@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import struct
@@ -278,15 +279,23 @@ async def test_a_hostile_relay_ends_the_link(header: dict, chunks: list[bytes]) 
 
 
 def test_cli_flags_for_port_mapping_and_relays(monkeypatch: pytest.MonkeyPatch) -> None:
-    from swarm.cli import build_parser
+    from swarm.cli import apply_environment, build_parser
 
-    args = build_parser().parse_args([])
+    def parse(argv: list[str]) -> argparse.Namespace:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        apply_environment(parser, args)
+        return args
+
+    monkeypatch.delenv("SWARM_NO_PORT_MAPPING", raising=False)
+    monkeypatch.delenv("SWARM_RELAY_BUDGET", raising=False)
+    args = parse([])
     assert args.relay_budget == RelayBudget(peers=4) and not args.no_port_mapping
-    args = build_parser().parse_args(["--relay-budget", "2,40", "--no-port-mapping"])
+    args = parse(["--relay-budget", "2,40", "--no-port-mapping"])
     assert args.relay_budget == RelayBudget(peers=2, rate=5e6) and args.no_port_mapping
     monkeypatch.setenv("SWARM_NO_PORT_MAPPING", "1")
     monkeypatch.setenv("SWARM_RELAY_BUDGET", "0")
-    args = build_parser().parse_args([])
+    args = parse([])
     assert args.no_port_mapping and not args.relay_budget.enabled
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["--relay-budget", "lots"])
