@@ -114,7 +114,7 @@ def parse_numel(text: str) -> int:
 async def peer_main(args: argparse.Namespace) -> None:
     import torch
 
-    from swarm.averaging import Averager
+    from swarm.averaging import Averager, AveragingConfig
     from swarm.config import PeerConfig
     from swarm.peer import Peer
 
@@ -129,14 +129,16 @@ async def peer_main(args: argparse.Namespace) -> None:
     print(json.dumps({"address": str(peer.address)}), flush=True)
     averager = Averager(
         peer,
-        codec=CODECS.get(args.codec, args.codec),
-        min_group_size=args.n,
-        target_group_size=args.n,
-        matchmaking_timeout=5.0,
-        allreduce_timeout=300.0,
-        gather_window=args.gather_window,
-        grouping="fixed",
-        threads=2,
+        AveragingConfig(
+            codec=CODECS.get(args.codec, args.codec),
+            min_group_size=args.n,
+            target_group_size=args.n,
+            matchmaking_timeout_s=5.0,
+            round_timeout_s=305.0,
+            gather_window_s=args.gather_window,
+            grouping="fixed",
+            threads=2,
+        ),
     )
     try:
         deadline = time.monotonic() + 60

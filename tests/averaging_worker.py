@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from swarm.averaging import Averager, Fault, PartPlan, RoundResult
+from swarm.averaging import Averager, AveragingConfig, Fault, PartPlan, RoundResult
 from swarm.config import PeerConfig
 from swarm.peer import Peer
 
@@ -64,16 +64,18 @@ async def run(args: argparse.Namespace) -> None:
     averagers = {
         codec: Averager(
             peer,
-            codec=codec,
-            min_group_size=args.min_group,
-            target_group_size=args.target_group,
-            matchmaking_timeout=args.matchmaking_timeout,
-            allreduce_timeout=args.allreduce_timeout,
-            gather_window=args.gather_window,
-            stall_timeout_min=args.stall_timeout,
-            group_key=args.group_key,
-            grouping="fixed",
-            name=f"avg{i}",
+            AveragingConfig(
+                codec=codec,
+                min_group_size=args.min_group,
+                target_group_size=args.target_group,
+                matchmaking_timeout_s=args.matchmaking_timeout,
+                round_timeout_s=args.matchmaking_timeout + args.allreduce_timeout,
+                gather_window_s=args.gather_window,
+                stall_timeout_min_s=args.stall_timeout,
+                group_key=args.group_key,
+                grouping="fixed",
+                name=f"avg{i}",
+            ),
             fault=fault,
         )
         for i, codec in enumerate(args.codecs)

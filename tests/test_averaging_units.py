@@ -385,3 +385,71 @@ def test_round_result_text():
     assert "alone" in str(r) and r.group_size == 0
     ok = RoundResult(True, members=(_pid(1), _pid(2)), parts={0: (_pid(1), _pid(2))})
     assert "group of 2" in str(ok)
+
+
+# ---- stall policy and averaging config
+
+
+def test_stall_policy_limits_follow_the_measured_rate():
+    from swarm.averaging.stall import PartTiming, StallPolicy
+
+    policy = StallPolicy(floor_s=1.0, factor=8.0)
+    timing = PartTiming(start=0.0)
+    # nothing received: only the deadline applies to senders that never started
+    assert policy.stalled(100.0, timing, {}, [1, 2]) == []
+    for t in range(1, 11):  # 10 chunks of 1 MB at 1 MB/s in total over two senders
+        timing.received(float(t), 1 << 20)
+    limit = policy.silence_limit(timing, active=2)
+    assert limit == pytest.approx(8.0 * (1 << 20) / ((10 << 20) / 9.0 / 2))
+    limit = policy.silence_limit(timing, active=1)  # alone on the link: half the limit
+    assert policy.stalled(10.0 + limit - 0.1, timing, {1: 10.0}, []) == []
+    dropped = policy.stalled(10.0 + limit + 0.1, timing, {1: 10.0}, [])
+    assert [s for s, _ in dropped] == [1] and "silent" in dropped[0][1]
+    # a slow-but-steady link gets a longer limit, never shorter than the floor
+    slow = PartTiming(start=0.0)
+    slow.received(0.0, 1000)
+    slow.received(100.0, 1000)
+    assert policy.silence_limit(slow, 1) > 100.0
+    fast = PartTiming(start=0.0)
+    fast.received(0.0, 1 << 20)
+    fast.received(0.001, 1 << 20)
+    assert policy.silence_limit(fast, 1) == 1.0
+    # one sender completed after 2 s: a sender that never started is dropped after 16 s
+    timing.completed(2.0)
+    assert policy.start_limit(timing) == 16.0
+    assert [s for s, _ in policy.stalled(16.5, timing, {}, [3])] == [3]
+    assert policy.stalled(15.5, timing, {}, [3]) == []
+    assert policy.reply_limit(0.5) == 4.0 and policy.reply_limit(0.01) == 1.0
+
+
+def test_averaging_config_validates_and_derives_one_timeout():
+    from swarm.config import AveragingConfig, SwarmConfig
+    from swarm.errors import ConfigError
+
+    config = AveragingConfig(matchmaking_timeout_s=10.0, round_timeout_s=40.0)
+    assert config.allreduce_timeout_s == pytest.approx(29.0)
+    assert config.gather_window_s == 0.5
+    assert AveragingConfig(matchmaking_timeout_s=1.0, round_timeout_s=5.0).gather_window_s == 0.25
+    for bad in (
+        dict(min_group_size=1),
+        dict(min_group_size=5, target_group_size=4),
+        dict(matchmaking_timeout_s=0),
+        dict(matchmaking_timeout_s=10.0, round_timeout_s=10.5),
+        dict(gather_window_s=20.0),
+        dict(stall_factor=0.5),
+        dict(group_key="a/b"),
+        dict(grouping="nearest"),
+        dict(cross_every=0),
+        dict(threads=0),
+        dict(codec=""),
+    ):
+        with pytest.raises(ConfigError):
+            AveragingConfig(**bad)
+    swarm = SwarmConfig(codec="fp16", matchmaking_timeout_s=5.0, round_timeout_s=30.0)
+    derived = swarm.averaging
+    assert (derived.codec, derived.round_timeout_s, derived.matchmaking_timeout_s) == (
+        "fp16",
+        30.0,
+        5.0,
+    )
+    assert SwarmConfig(mode="gradients").averaging.gather_window_s == 0.05

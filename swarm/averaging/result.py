@@ -1,8 +1,7 @@
-"""What one averaging round reports, and the faults tests inject through the real code."""
+"""What one averaging round reports."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from swarm.identity import PeerID
@@ -40,11 +39,3 @@ class RoundResult:
             f"matchmaking {self.matchmaking_s:.2f} s, all-reduce {self.allreduce_s:.2f} s"
             + (f" ({self.reason})" if self.reason else "")
         )
-
-
-class Fault(enum.Enum):
-    """Misbehaviour a test can switch on in one averager (real code paths, no mocks)."""
-
-    NONE = "none"
-    STALL_MID_STREAM = "stall"  # stop sending halfway through every part stream, stay connected
-    SKIP_REPLY = "skip-reply"  # as an owner, never answer (hold every stream open)
