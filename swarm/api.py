@@ -409,6 +409,7 @@ def outcome_of(result: Any) -> RoundOutcome:
         bytes_sent=int(getattr(result, "bytes_sent", 0) or 0),
         bytes_received=int(getattr(result, "bytes_received", 0) or 0),
         reason="" if averaged else str(getattr(result, "reason", "") or "not averaged"),
+        refusals=tuple(str(r) for r in getattr(result, "refusals", ())),
     )
 
 

@@ -133,6 +133,18 @@ class AveragingConfig:
         name: route prefix (``{name}.join``, ``{name}.part``), to run several averagers on one
             peer.
         threads: worker threads for compression and reduction.
+        aggregator: how a part owner reduces its part. ``centered_clip`` (default): weights
+            capped at ``weight_cap`` times the group's median, then CenteredClip around the
+            coordinate-wise median with the radius at the median of the senders' distances, so
+            no peer can drag the result further than its weight share times that radius.
+            ``mean``: the plain weighted mean, for swarms whose peers are all trusted (cheaper:
+            chunks are added as they arrive; see the README for the measured cost).
+        weight_cap: see ``aggregator``.
+        max_share: no member owns more than ``max_share / N`` of the vector, whatever
+            bandwidth it announces.
+        check_owners: a member refuses a part whose returned average lies implausibly far from
+            its own values compared with the other parts (:mod:`swarm.averaging.checks`),
+            accuses its owner in the round report and excludes it from its later rounds.
     """
 
     codec: str = "none"
@@ -151,6 +163,10 @@ class AveragingConfig:
     probes_per_period: int = 4
     name: str = "avg"
     threads: int = 2
+    aggregator: str = "centered_clip"
+    weight_cap: float = 2.0
+    max_share: float = 2.0
+    check_owners: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str) or not self.codec:
@@ -182,6 +198,10 @@ class AveragingConfig:
             raise ConfigError("probes_per_period and threads must be >= 1")
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("name must be a non-empty string")
+        if self.aggregator not in AGGREGATORS:
+            raise ConfigError(f"aggregator must be one of {AGGREGATORS}, not {self.aggregator!r}")
+        if not self.weight_cap >= 1 or not self.max_share >= 1:
+            raise ConfigError("weight_cap and max_share must be >= 1")
 
     @property
     def allreduce_timeout_s(self) -> float:

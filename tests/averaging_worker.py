@@ -75,6 +75,7 @@ async def run(args: argparse.Namespace) -> None:
                 group_key=args.group_key,
                 grouping="fixed",
                 name=f"avg{i}",
+                aggregator=args.aggregator,
             ),
             fault=fault,
         )
@@ -152,6 +153,8 @@ def main() -> None:
     p.add_argument("--allreduce-timeout", type=float, default=30.0)
     p.add_argument("--stall-timeout", type=float, default=3.0)
     p.add_argument("--fault", default="none", choices=[f.value for f in Fault])
+    # the tests check exact weighted means, which CenteredClip only gives without outliers
+    p.add_argument("--aggregator", default="mean", choices=["mean", "centered_clip"])
     p.add_argument("--wait-peers", type=int, default=1)
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--out", default=None)

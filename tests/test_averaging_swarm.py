@@ -250,6 +250,7 @@ def averager(peer: Peer, n: int, key: str = "test", target: int | None = None) -
             group_key=key,
             grouping="fixed",
             threads=1,
+            aggregator="mean",  # these tests check exact weighted means
         ),
     )
 

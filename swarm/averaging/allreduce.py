@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from swarm.averaging.checks import implausible_parts
 from swarm.averaging.context import RoundContext
 from swarm.averaging.faults import FaultInjector
 from swarm.averaging.feedback import FlatFeedback
@@ -24,12 +26,15 @@ from swarm.averaging.group import GroupInfo
 from swarm.averaging.outcome import OwnedPart, SentPart
 from swarm.averaging.owner import PartOwner
 from swarm.averaging.plan import PartPlan
+from swarm.averaging.result import Refusal
 from swarm.averaging.sender import PartSender
 from swarm.averaging.stall import StallPolicy
 from swarm.averaging.workers import Workers
 from swarm.errors import TransportError
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import StreamTransport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class RoundParts:
 
     parts: dict[int, tuple[int, ...]]  # part -> member indices averaged (missing: kept own)
     notes: list[str]  # what went wrong, part by part
+    refusals: tuple[Refusal, ...]  # peers clipped, capped, dropped, refused or accused
     bytes_sent: int
     bytes_received: int
 
@@ -58,6 +64,11 @@ class AllReduce:
         stall: when to drop a silent peer.
         deadline: monotonic time by which the all-reduce ends.
         faults: this averager's fault hooks.
+        aggregator: how this member reduces its part (``centered_clip`` or ``mean``).
+        weight_cap: with ``centered_clip``, no weight above this times the median weight.
+        check_owners: refuse parts whose average is implausibly far from this member's values
+            (:mod:`swarm.averaging.checks`) and accuse their owners.
+        excluded: members this peer accused earlier: it expects no stream from them.
     """
 
     def __init__(
@@ -75,9 +86,18 @@ class AllReduce:
         stall: StallPolicy,
         deadline: float,
         faults: FaultInjector,
+        aggregator: str = "centered_clip",
+        weight_cap: float = 2.0,
+        check_owners: bool = True,
+        excluded: frozenset[int] = frozenset(),
     ):
         self.group, self.me, self.deadline = group, me, deadline
-        ctx = RoundContext(group, me, weight, feedback, Workers(pool), stall, deadline, faults)
+        self.plan, self.flat, self.result = plan, flat, result
+        self.check_owners = check_owners
+        ctx = RoundContext(
+            group, me, weight, feedback, Workers(pool), stall, deadline, faults,
+            aggregator, weight_cap, excluded,
+        )  # fmt: skip
         self.workers = ctx.workers
         start, end = plan.ranges[me]
         self.owner: PartOwner | None = None
@@ -106,6 +126,7 @@ class AllReduce:
             await self.owner.close()
         await self.workers.drain()
         parts: dict[int, tuple[int, ...]] = {}
+        refusals: list[Refusal] = []
         notes = ["a part did not finish by the all-reduce deadline"] if pending else []
         for task in done:
             outcome = task.result()
@@ -114,13 +135,34 @@ class AllReduce:
                 parts[part] = outcome.contributors
             if outcome.note:
                 notes.append(outcome.note)
+            refusals.extend(outcome.refusals)
+        if self.check_owners and parts:
+            refusals.extend(await self._check_owners(parts, notes))
         sides = [*self.senders, *([self.owner] if self.owner is not None else [])]
         return RoundParts(
             parts,
             notes,
+            tuple(refusals),
             sum(s.bytes_sent for s in sides),
             sum(s.bytes_received for s in sides),
         )
+
+    async def _check_owners(
+        self, parts: dict[int, tuple[int, ...]], notes: list[str]
+    ) -> list[Refusal]:
+        """Refuse (drop from ``parts``) the parts whose average is implausible; accuse owners."""
+        ranges = {j: self.plan.ranges[j] for j in parts}
+        deviations = await self.workers.run(_deviations, self.flat, self.result, ranges)
+        accused = []
+        for j, why in implausible_parts(deviations).items():
+            if j == self.me:
+                continue  # this member computed its own part
+            del parts[j]
+            owner = self.group.members[j].peer_id
+            logger.warning("part %d: accusing owner %s: %s", j, owner.short, why)
+            notes.append(f"part {j}: owner {owner.short} accused")
+            accused.append(Refusal(owner, "accused", j, why))
+        return accused
 
     async def serve(
         self, request: InboundStream, reply: ReplyStream, sender: int, header: dict[str, object]
@@ -133,3 +175,16 @@ class AllReduce:
         if self.owner is None:
             raise TransportError("this member owns no part", status=409)
         await self.owner.serve(request, reply, sender, dict(header))
+
+
+def _deviations(
+    flat: torch.Tensor, result: torch.Tensor, ranges: dict[int, tuple[int, int]]
+) -> dict[int, float]:
+    """Per part, ``||result - flat|| / ||flat||`` (inf when it overflows)."""
+    out = {}
+    for j, (start, end) in ranges.items():
+        mine = flat[start:end]
+        diff = torch.linalg.vector_norm(result[start:end] - mine)
+        own = torch.linalg.vector_norm(mine)
+        out[j] = float(diff) / max(float(own), 1e-30)
+    return out

@@ -35,11 +35,12 @@ from swarm.averaging.matchmaking import Matchmaker
 from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash
 from swarm.averaging.prober import Prober
 from swarm.averaging.reducer import check_weight
-from swarm.averaging.result import RoundResult
+from swarm.averaging.result import Refusal, RoundResult
 from swarm.averaging.stall import StallPolicy
 from swarm.compression import get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
+from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import Peer
@@ -103,7 +104,13 @@ class Averager:
             gather_window=config.gather_window_s or 0.0,
         )
         peer.transport.add_stream(self.stream_name, self._handle_part)
+        if self.faults.active:
+            announced = peer.transport.record().bandwidth
+            peer.transport.update_record(bandwidth=self.faults.bandwidth(announced))
         self.current_group: GroupInfo | None = None  # the group of the round in progress
+        # owners this peer accused of returning implausible averages: they own no part in this
+        # peer's plans and their part streams are refused, for the rest of the run
+        self.excluded: dict[PeerID, str] = {}
         self._chunk_elems = chunk_elems_for(self.codec)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.threads, thread_name_prefix="swarm-avg"
@@ -170,7 +177,9 @@ class Averager:
                 return RoundResult(
                     False, self._idle_reason, matchmaking_s=time.monotonic() - started
                 )
-            key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, self.codec.spec))
+            # peers that would cut the vector differently never group
+            spec = f"{self.codec.spec}|share={self.config.max_share:g}"
+            key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, spec))
             group = await self.matchmaker.form_group(
                 key,
                 self.config.matchmaking_timeout_s,
@@ -259,8 +268,14 @@ class Averager:
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
-        plan = PartPlan.create(numel, group.bandwidths, self._chunk_elems)
+        # an owner this peer accused owns nothing in its plan (and its streams are refused)
+        bandwidths = [
+            0.0 if m.peer_id in self.excluded else b
+            for m, b in zip(group.members, group.bandwidths, strict=True)
+        ]
+        plan = PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
         flat, result = await loop.run_in_executor(self._pool, self._gather, tensors, numel)
+        flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
         round_ = AllReduce(
             self.peer.transport,
@@ -276,6 +291,10 @@ class Averager:
             self.stall,
             deadline,
             self.faults,
+            self.config.aggregator,
+            self.config.weight_cap,
+            self.config.check_owners,
+            frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded),
         )
         fut = self._round_future(group.group_id)
         if fut.done():  # a stream gave up waiting for this group: later ones find it
@@ -288,6 +307,15 @@ class Averager:
             self._end_round(group.group_id)
             self.current_group = None
         parts_idx, notes = outcome.parts, outcome.notes
+        refusals = [
+            Refusal(m.peer_id, "excluded", -1, self.excluded[m.peer_id])
+            for m in group.members
+            if m.peer_id in self.excluded
+        ]
+        for r in outcome.refusals:
+            refusals.append(r)
+            if r.action == "accused" and r.peer not in self.excluded:
+                self.excluded[r.peer] = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
         ranges = [plan.ranges[j] for j in sorted(parts_idx)]
         await loop.run_in_executor(self._pool, _scatter, tensors, result, ranges)
         allreduce_s = time.monotonic() - started
@@ -298,7 +326,7 @@ class Averager:
         if not averaged and not reason:
             reason = "no part was averaged"
         logger.info(
-            "round %s: %d peers, %d/%d parts averaged, %.2f s + %.2f s%s",
+            "round %s: %d peers, %d/%d parts averaged, %.2f s + %.2f s%s%s",
             group.group_id.hex()[:8],
             len(ids),
             len(parts),
@@ -306,6 +334,7 @@ class Averager:
             matchmaking_s,
             allreduce_s,
             f" ({reason})" if reason else "",
+            f"; refused: {'; '.join(map(str, refusals))}" if refusals else "",
         )
         return RoundResult(
             averaged=averaged,
@@ -317,6 +346,7 @@ class Averager:
             bytes_received=outcome.bytes_received,
             matchmaking_s=matchmaking_s,
             allreduce_s=allreduce_s,
+            refusals=tuple(refusals),
         )
 
     def _check_tensors(self, tensors: list[torch.Tensor]) -> None:
@@ -370,6 +400,8 @@ class Averager:
             ) from None
         if sender == round_.me:
             raise AuthError("a member does not stream to itself")
+        if request.sender.peer_id in self.excluded:
+            raise AuthError(f"{request.sender.peer_id.short} is excluded: it was accused")
         await round_.serve(request, reply, sender, header)
 
     def _round_future(self, group_id: bytes) -> asyncio.Future[AllReduce | None]:

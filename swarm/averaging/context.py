@@ -23,3 +23,6 @@ class RoundContext:
     stall: StallPolicy  # when to give up on a silent peer
     deadline: float  # monotonic time by which the all-reduce ends
     faults: FaultInjector  # this averager's fault hooks (identity for an honest one)
+    aggregator: str = "centered_clip"  # how an owner reduces its part: centered_clip or mean
+    weight_cap: float = 2.0  # centered_clip: no weight above this times the median weight
+    excluded: frozenset[int] = frozenset()  # members this peer accused: neither owner nor sender

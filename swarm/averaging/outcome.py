@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from swarm.averaging.result import Refusal
 from swarm.errors import AuthError, AveragingError, CompressionError, TransportError
 
 MAX_ATTEMPTS = 2  # the first try, and one retry after a tainted part
@@ -25,6 +26,7 @@ class OwnedPart:
 
     contributors: tuple[int, ...] | None  # member indices averaged (None: part not averaged)
     note: str  # what went wrong, or "" when nothing did
+    refusals: tuple[Refusal, ...] = ()  # senders clipped, capped, dropped or refused
 
 
 @dataclass(frozen=True)
@@ -34,3 +36,4 @@ class SentPart:
     part: int  # the part's index (= its owner's index)
     contributors: tuple[int, ...] | None  # member indices averaged (None: keep own values)
     note: str  # what went wrong, or ""
+    refusals: tuple[Refusal, ...] = ()  # the owner, when it stalled or was refused

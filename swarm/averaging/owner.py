@@ -30,6 +30,7 @@ import torch
 from swarm.averaging.context import RoundContext
 from swarm.averaging.outcome import FAILURES, MAX_ATTEMPTS, OwnedPart, PartOutcome
 from swarm.averaging.reducer import PartReducer, SenderState
+from swarm.averaging.result import Refusal
 from swarm.averaging.stall import PartTiming
 from swarm.errors import AuthError, AveragingError, CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
@@ -64,8 +65,9 @@ class PartOwner:
         self.deadline, self.faults = ctx.deadline, ctx.faults
         self.values, self.start = values, start
         group, me = ctx.group, ctx.me
-        senders = [i for i in range(len(group.members)) if i != me]
-        self.reducer = PartReducer(acc, chunks, senders)
+        senders = [i for i in range(len(group.members)) if i != me and i not in ctx.excluded]
+        self.reducer = PartReducer(acc, chunks, senders, ctx.aggregator, ctx.weight_cap)
+        self.refusals: list[Refusal] = []
         self.bytes_sent = 0
         self.bytes_received = 0
         self._adding = [0] * len(chunks)  # adds into each chunk submitted and not finished
@@ -109,11 +111,28 @@ class PartOwner:
                 if not reducer.tainted and contributors:
                     why = "the averaged part could not be encoded"
                 self._resolve(attempt, PartOutcome.FAILED, why)
-                return OwnedPart(None, f"own part {self.me}: {why}")
+                return OwnedPart(None, f"own part {self.me}: {why}", self._report())
             averaged = tuple(sorted((self.me, *contributors)))
             self._resolve(attempt, PartOutcome.OK, averaged)
             failed = reducer.failed()
-            return OwnedPart(averaged, f"part {self.me}: dropped {list(failed)}" if failed else "")
+            note = f"part {self.me}: dropped {list(failed)}" if failed else ""
+            return OwnedPart(averaged, note, self._report())
+
+    def _report(self) -> tuple[Refusal, ...]:
+        """Every sender this part refused, dropped, clipped or capped, logged once each."""
+        peer = self.group.members
+        found = list(self.refusals)
+        for s, scale in sorted(self.reducer.clipped.items()):
+            found.append(
+                Refusal(peer[s].peer_id, "clipped", self.me, f"offset scaled by {scale:.2g}")
+            )
+        for s, claimed in sorted(self.reducer.capped.items()):
+            found.append(
+                Refusal(peer[s].peer_id, "weight-capped", self.me, f"claimed weight {claimed:.3g}")
+            )
+        for r in found:
+            logger.warning("all-reduce %s: %s", self.group.group_id.hex()[:8], r)
+        return tuple(found)
 
     async def close(self) -> None:
         """End the part: unanswered replies fail, reply writers stop, finished replies close."""
@@ -183,6 +202,7 @@ class PartOwner:
 
     def _finish_chunk(self, index: int, total: float) -> bytes:
         values = self.reducer.finish_chunk(index, total)
+        self.faults.averaged(values)
         return self.feedback.encode_owned(values, self.reducer.chunks[index][0])
 
     def _watchdog(self) -> None:
@@ -212,6 +232,7 @@ class PartOwner:
         )
         self.reducer.fail(sender)
         self._dropped.add(sender)
+        self.refusals.append(Refusal(self.group.members[sender].peer_id, "dropped", self.me, why))
         reader = self._readers.get(sender)
         if reader is not None:
             reader.cancel()
@@ -235,6 +256,8 @@ class PartOwner:
         try:
             reducer.accept(sender, weight)  # type: ignore[arg-type]
         except AveragingError as e:
+            peer_id = self.group.members[sender].peer_id
+            self.refusals.append(Refusal(peer_id, "refused", self.me, str(e)[:200]))
             raise TransportError(str(e), status=409) from e
         self._activity[sender] = time.monotonic()
         reader = asyncio.create_task(self._consume(request, sender))
@@ -256,6 +279,8 @@ class PartOwner:
         except FAILURES as e:
             await _cancel(writer)
             logger.info("part %d: stream from member %d failed: %s", self.me, sender, e)
+            peer_id = self.group.members[sender].peer_id
+            self.refusals.append(Refusal(peer_id, "refused", self.me, str(e)[:200]))
             reducer.fail(sender)
             self._changed.set()
             if isinstance(e, (AuthError, TransportError)):

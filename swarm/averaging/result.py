@@ -8,6 +8,20 @@ from swarm.identity import PeerID
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A peer whose contribution or answer this peer did not take as it came, and why."""
+
+    peer: PeerID  # who
+    action: str  # clipped, weight-capped, dropped, refused, accused or excluded
+    part: int  # the part concerned (-1: the whole round)
+    why: str  # human-readable detail
+
+    def __str__(self) -> str:
+        where = f" in part {self.part}" if self.part >= 0 else ""
+        return f"{self.peer.short} {self.action}{where}: {self.why}"
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """Outcome of :meth:`Averager.average`. A failed round is a result, never an exception.
 
@@ -25,6 +39,7 @@ class RoundResult:
     bytes_received: int = 0  # payload bytes this peer received (both phases)
     matchmaking_s: float = 0.0  # time to form (or fail to form) the group
     allreduce_s: float = 0.0  # time of the all-reduce itself
+    refusals: tuple[Refusal, ...] = ()  # peers clipped, capped, dropped, refused or accused
 
     @property
     def group_size(self) -> int:

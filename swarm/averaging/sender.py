@@ -13,18 +13,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import torch
 
 from swarm.averaging.context import RoundContext
 from swarm.averaging.outcome import FAILURES, MAX_ATTEMPTS, SentPart
+from swarm.averaging.result import Refusal
 from swarm.compression import decode_into, read_header
 from swarm.errors import AveragingError, CompressionError
 from swarm.protocols import StreamTransport
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_TICK_S = 0.2
+
+
+class OwnerStalled(AveragingError):
+    """The owner of a part stopped making progress."""
 
 
 class PartSender:
@@ -59,6 +67,7 @@ class PartSender:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._stored: list[bytes] | None = [] if ctx.feedback.enabled else None
+        self._progress: list[float] = [time.monotonic()]  # when chunks went out or came back
 
     def _remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -69,18 +78,47 @@ class PartSender:
         try:
             for attempt in range(MAX_ATTEMPTS):
                 header = {"g": self.group.group_id, "p": self.part, "a": attempt, "w": self.weight}
-                contributors = await asyncio.wait_for(
-                    self._exchange(owner, header, self._body(attempt)), self._remaining()
-                )
+                exchange = self._exchange(owner, header, self._body(attempt))
+                contributors = await self._watched(exchange)
                 if contributors is not None:
                     return SentPart(self.part, contributors, "")
             raise AveragingError("owner asked for too many retries")
+        except OwnerStalled as e:
+            logger.warning("part %d: dropping owner %s: %s", self.part, owner.peer_id.short, e)
+            refusal = Refusal(owner.peer_id, "dropped", self.part, str(e))
+            return SentPart(self.part, None, f"part {self.part}: owner {e}", (refusal,))
         except (*FAILURES, asyncio.TimeoutError) as e:
             reason = str(e) or type(e).__name__
             logger.info(
                 "part %d (owner %s) not averaged: %s", self.part, owner.peer_id.short, reason
             )
             return SentPart(self.part, None, f"part {self.part}: {reason}")
+
+    async def _watched(self, exchange: Coroutine[Any, Any, T]) -> T:
+        """Run one exchange until it ends, the deadline passes, or the owner stalls: nothing
+        went out or came back for longer than the stall policy allows at the pace measured on
+        this stream (a frozen owner costs seconds, not the round)."""
+        task = asyncio.ensure_future(exchange)
+        self._progress = [time.monotonic()]
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_TICK_S)
+                if done:
+                    return task.result()
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise asyncio.TimeoutError("all-reduce deadline")
+                marks = self._progress
+                pace = (marks[-1] - marks[0]) / (len(marks) - 1) if len(marks) > 1 else None
+                limit = self.ctx.stall.reply_limit(pace)
+                if now - marks[-1] > limit:
+                    raise OwnerStalled(
+                        f"stalled: no progress for {now - marks[-1]:.1f} s (limit {limit:.1f} s)"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _body(self, attempt: int) -> AsyncIterator[bytes]:
         stored = self._stored
@@ -92,8 +130,10 @@ class PartSender:
                 payload = await self.workers.run(self.feedback.encode, self.flat[s:e], s)
                 if stored is not None:
                     stored.append(payload)
+            payload = self.faults.payload(payload)
             self.bytes_sent += len(payload)
             yield payload
+            self._progress.append(time.monotonic())  # the previous chunk was taken
 
     async def _exchange(
         self, owner: Any, header: dict[str, Any], body: AsyncIterator[bytes]
@@ -114,6 +154,7 @@ class PartSender:
                 await self.workers.run(self._stage_chunk, payload, cs, ce)
                 self.bytes_received += len(payload)
                 received += 1
+                self._progress.append(time.monotonic())
             outcome = s.trailer
         if outcome.get("retry") is True:
             return None

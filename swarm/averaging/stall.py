@@ -10,7 +10,7 @@ came, how many bytes and chunks arrived while data flowed, and when each sender 
   (or the time to the first byte when nobody completed yet), never below ``floor_s``;
 - before any byte arrived only the deadline applies: nothing has been measured.
 
-The same rule bounds how long a sender waits for an owner's next averaged chunk
+The same rule bounds how long a sender waits for progress on its stream to an owner
 (:meth:`StallPolicy.reply_limit`), so a frozen owner costs seconds, not the round timeout.
 """
 
@@ -99,8 +99,10 @@ class StallPolicy:
         return verdicts
 
     def reply_limit(self, chunk_s: float | None) -> float:
-        """Seconds a sender waits for an owner's next averaged chunk, given how long the owner
-        took per chunk so far (None: nothing received yet, so only the floor-based bound)."""
+        """Seconds a sender waits for progress on its stream to an owner (a chunk going out or
+        an averaged one coming back), given the pace so far (None: none measured yet). Twice
+        the owner's own limit for a silent sender at this pace, since the owner may be waiting
+        on one, and never below four floors (a slower sender elsewhere sets the owner's pace)."""
         if chunk_s is None:
-            return self.floor_s * 4 * self.factor
-        return max(self.floor_s, self.factor * chunk_s)
+            return 4 * self.floor_s
+        return max(4 * self.floor_s, 2 * self.factor * chunk_s)
