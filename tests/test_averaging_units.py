@@ -496,7 +496,7 @@ def test_centered_clip_is_exact_when_nobody_is_clipped():
     out = centered_clip(rows, [1.0, 2.0, 1.0], iterations=5)
     assert out.scales == pytest.approx((1.0, 1.0, 1.0))
     weights = torch.tensor([[1.0], [2.0], [1.0]], dtype=torch.float64)
-    torch.testing.assert_close(out.center, (rows.double() * weights).sum(0) / 4)
+    torch.testing.assert_close(out.center.double(), (rows.double() * weights).sum(0) / 4)
 
 
 def test_reducer_centered_clip_refuses_to_be_dragged():
