@@ -138,6 +138,7 @@ async def peer_main(args: argparse.Namespace) -> None:
             gather_window_s=args.gather_window,
             grouping="fixed",
             threads=2,
+            aggregator=args.aggregator,
         ),
     )
     try:
@@ -278,10 +279,17 @@ def main() -> None:
     # peer-process options (internal)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--codec", default="none", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--aggregator",
+        default=os.environ.get("SWARM_BENCH_AGGREGATOR", "centered_clip"),
+        choices=["centered_clip", "mean"],
+        help="how part owners reduce (the peers inherit it)",
+    )
     p.add_argument("--listen", default="127.0.0.1:0", help=argparse.SUPPRESS)
     p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    os.environ["SWARM_BENCH_AGGREGATOR"] = args.aggregator  # for the peer processes
     if args.peer:
         args.n, args.numel = args.n[0], parse_numel(args.numel[0])
         asyncio.run(peer_main(args))

@@ -159,3 +159,37 @@ async def test_plain_mean_is_one_setting_away_and_exact() -> None:
         for a in averagers:
             await a.close()
         await asyncio.gather(*(p.close() for p in peers))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_round_tensors_stay_on_the_gpu_and_the_clip_runs_there() -> None:
+    peers = await start_peers(3, 245)
+    config = AveragingConfig(
+        codec="int8",
+        min_group_size=3,
+        target_group_size=3,
+        matchmaking_timeout_s=8.0,
+        round_timeout_s=38.0,
+        gather_window_s=0.2,
+        group_key="cuda",
+        grouping="fixed",
+        threads=1,
+    )
+    faults = [Fault.NONE, Fault.NONE, Fault.HUGE_VALUES]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        inputs = [honest_values(i, 50_000).cuda() for i in range(3)]
+        tensors = [x.clone() for x in inputs]
+        results = await asyncio.gather(
+            *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
+        )
+        for result, got in zip(results[:2], tensors[:2], strict=True):
+            assert result.averaged and got.is_cuda and torch.isfinite(got).all()
+            assert honest_dev(got.cpu(), [x.cpu() for x in inputs[:2]]) <= HONEST_DEV_BOUND
+            assert peers[2].peer_id in {r.peer for r in result.refusals}
+        assert averagers[0]._result is not None and averagers[0]._result.is_cuda
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))

@@ -84,7 +84,8 @@ class FlatFeedback:
             self._owner[offset : offset + n].zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.spec, "sender": self._sender}
+        sender = self._sender.cpu() if self._sender is not None else None  # portable checkpoints
+        return {"codec": self.codec.spec, "sender": sender}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sender residual (ignored when the codec or size differs)."""
