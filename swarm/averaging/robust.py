@@ -67,23 +67,26 @@ def centered_clip(
         w = torch.ones(k, dtype=x.dtype, device=x.device)
     if k == 1:
         return ClipResult(x[0].clone(), (1.0,), 0.0)
-    v = x[_medoid(x)].clone()
+    # distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
+    # matrix-vector product: no k x n temporary per iteration
+    gram = x @ x.T
+    sq = gram.diagonal().clone()
+    v = x[_medoid(gram)].clone()
     median_weight = float(w.median())
     scale = torch.ones(k, dtype=x.dtype, device=x.device)
     tau = 0.0
     for _ in range(iterations):
-        diff = x - v
-        dist = torch.linalg.vector_norm(diff, dim=1)
+        dist = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
         tau = float(dist.median())
         scale = torch.where(dist > tau, tau / torch.clamp(dist, min=torch.finfo(x.dtype).tiny), 1.0)
         wk = torch.where(scale < OUTLIER_SCALE, torch.clamp(w, max=median_weight), w)
-        v += (wk * scale / wk.sum()) @ diff
+        c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v)
+        v = c @ x + (1 - c.sum()) * v
     return ClipResult(v, tuple(float(s) for s in scale.cpu()), tau)
 
 
-def _medoid(x: torch.Tensor) -> int:
-    """The row with the smallest median distance to the rows (from one Gram matrix)."""
-    gram = x @ x.T
+def _medoid(gram: torch.Tensor) -> int:
+    """The row with the smallest median distance to the rows, from their Gram matrix."""
     sq = gram.diagonal()
     dist2 = torch.clamp(sq[:, None] + sq[None, :] - 2 * gram, min=0)
     scale = float(dist2.max()) or 1.0  # ties on the median go to the smallest mean distance
