@@ -507,9 +507,9 @@ def test_reducer_centered_clip_refuses_to_be_dragged():
     acc = torch.empty(n)
     r = PartReducer(acc, chunks, [1, 2, 3])
     r.begin(honest[0], 1.0)
+    r.accept(3, 1e30)  # a huge weight, capped at twice the median; streams start in any order
     r.accept(1, 1.0)
     r.accept(2, 1.0)
-    r.accept(3, 1e30)  # a huge weight, capped at twice the median
     for i, (s, e) in enumerate(chunks):
         for sender, values in ((1, honest[1]), (2, honest[2]), (3, attacker)):
             r.add_chunk(sender, i, codec.encode(values[s:e]))

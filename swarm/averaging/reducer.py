@@ -94,8 +94,9 @@ class PartReducer:
         self.expected = tuple(senders)
         self.robust = aggregator == "centered_clip"
         self.weight_cap = weight_cap
-        self._slots = {s: i for i, s in enumerate(self.expected)}
-        self._rows: torch.Tensor | None = None  # centered_clip: one decoded row per sender
+        self._slots = {s: i + 1 for i, s in enumerate(self.expected)}
+        # centered_clip: row 0 holds the owner's values, row slot(s) sender s's decoded values
+        self._rows: torch.Tensor | None = None
         self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
         self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
         self.own_weight = 0.0
@@ -112,8 +113,9 @@ class PartReducer:
         self._own, self.own_weight = own, check_weight(own_weight)
         if self.robust:
             if self._rows is None:
-                shape = (len(self.expected), self.acc.numel())
+                shape = (1 + len(self.expected), self.acc.numel())
                 self._rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
+            self._rows[0].copy_(own)
             return
         torch.mul(own, self.own_weight, out=self.acc)
 
@@ -154,15 +156,19 @@ class PartReducer:
     def _clip_chunk(self, index: int, start: int, end: int) -> torch.Tensor:
         if self._own is None or self._rows is None:
             raise AveragingError("finish_chunk() before begin()")
-        live = self.delivered(index)
+        live = sorted(self.delivered(index), key=self._slots.__getitem__)  # row order
         weights = cap_weights([self.own_weight, *(self._senders[s].weight for s in live)])
         out = self.acc[start:end]
         with self._locks[index]:
             if not live or sum(weights) <= 0:
                 out.copy_(self._own[start:end])
                 return out
-            slots = torch.tensor([self._slots[s] for s in live], device=self._rows.device)
-            rows = torch.cat((self._own[start:end].unsqueeze(0), self._rows[slots, start:end]))
+            slots = [0, *(self._slots[s] for s in live)]
+            if len(slots) == self._rows.shape[0]:  # everyone delivered: a view, no copy
+                rows = self._rows[:, start:end]
+            else:
+                index = torch.tensor(slots, device=self._rows.device)
+                rows = self._rows[index, start:end]
             clip = centered_clip(rows, weights)
             out.copy_(clip.center)
         for sender, scale in zip(live, clip.scales[1:], strict=True):
