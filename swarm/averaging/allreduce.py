@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -93,6 +94,7 @@ class AllReduce:
     ):
         self.group, self.me, self.deadline = group, me, deadline
         self.plan, self.flat, self.result = plan, flat, result
+        self.stall_floor = stall.floor_s
         self.check_owners = check_owners
         ctx = RoundContext(
             group, me, weight, feedback, Workers(pool), stall, deadline, faults,
@@ -115,10 +117,15 @@ class AllReduce:
         tasks: list[asyncio.Task[OwnedPart | SentPart]] = [
             asyncio.create_task(s.run(), name=f"swarm-send-{s.part}") for s in self.senders
         ]
+        idle: asyncio.Task[None] | None = None
         if self.owner is not None:
+            idle = asyncio.create_task(self._idle_owner(self.owner, list(tasks)))
             tasks.append(asyncio.create_task(self.owner.run(), name="swarm-own-part"))
         remaining = max(0.0, self.deadline - time.monotonic())
         done, pending = await asyncio.wait(tasks, timeout=remaining + 1.0)
+        if idle is not None:
+            idle.cancel()
+            await asyncio.gather(idle, return_exceptions=True)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -146,6 +153,12 @@ class AllReduce:
             sum(s.bytes_sent for s in sides),
             sum(s.bytes_received for s in sides),
         )
+
+    async def _idle_owner(self, owner: PartOwner, sending: list[asyncio.Task[Any]]) -> None:
+        """Once this member's own streams are over, its part's senders get a few floors to
+        start (a member that excluded this one, or a plan that differs, never will)."""
+        await asyncio.gather(*sending, return_exceptions=True)
+        owner.expect_by(time.monotonic() + 4 * self.stall_floor)
 
     async def _check_owners(
         self, parts: dict[int, tuple[int, ...]], notes: list[str]

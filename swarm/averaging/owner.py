@@ -80,6 +80,7 @@ class PartOwner:
         self._activity: dict[int, float] = {}
         self._replies: set[asyncio.Task[Any]] = set()
         self._timing = PartTiming(time.monotonic())
+        self._start_by: float | None = None  # senders that have not started by then are dropped
 
     # ---- the part
 
@@ -146,6 +147,12 @@ class PartOwner:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+
+    def expect_by(self, when: float) -> None:
+        """Drop senders that have not started by ``when`` even if nobody sent anything (this
+        member's other streams are over: nothing else will give the stall policy a rate)."""
+        self._start_by = when
+        self._changed.set()
 
     def _new_attempt(self) -> None:
         self._timing = PartTiming(time.monotonic())
@@ -219,6 +226,8 @@ class PartOwner:
             verdicts = [(s, "all-reduce deadline") for s in (*streaming, *pending)]
         else:
             verdicts = self.stall.stalled(now, self._timing, streaming, pending)
+            if self._start_by is not None and now >= self._start_by and not verdicts:
+                verdicts = [(s, "never started; the rest of the round is over") for s in pending]
         for sender, why in verdicts:
             self._drop(sender, why)
 
