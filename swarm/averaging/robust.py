@@ -71,12 +71,16 @@ def centered_clip(
     # matrix-vector product: no k x n temporary per iteration
     gram = x @ x.T
     sq = gram.diagonal().clone()
-    v = x[_medoid(gram)].clone()
+    start, dist2 = _medoid(gram)
+    v = x[start].clone()
     median_weight = float(w.median())
     scale = torch.ones(k, dtype=x.dtype, device=x.device)
     tau = 0.0
-    for _ in range(iterations):
-        dist = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
+    for step in range(iterations):
+        if step == 0:  # from the medoid: its distances are in the Gram matrix already
+            dist = torch.sqrt(dist2[start])
+        else:
+            dist = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
         tau = float(dist.median())
         scale = torch.where(dist > tau, tau / torch.clamp(dist, min=torch.finfo(x.dtype).tiny), 1.0)
         wk = torch.where(scale < OUTLIER_SCALE, torch.clamp(w, max=median_weight), w)
@@ -85,10 +89,11 @@ def centered_clip(
     return ClipResult(v, tuple(float(s) for s in scale.cpu()), tau)
 
 
-def _medoid(gram: torch.Tensor) -> int:
-    """The row with the smallest median distance to the rows, from their Gram matrix."""
+def _medoid(gram: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The row with the smallest median distance to the rows, and the squared distances between
+    rows, from their Gram matrix."""
     sq = gram.diagonal()
     dist2 = torch.clamp(sq[:, None] + sq[None, :] - 2 * gram, min=0)
     scale = float(dist2.max()) or 1.0  # ties on the median go to the smallest mean distance
     score = dist2.median(dim=1).values / scale + 1e-6 * dist2.mean(dim=1) / scale
-    return int(score.argmin())
+    return int(score.argmin()), dist2
