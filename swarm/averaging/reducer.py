@@ -32,10 +32,11 @@ import torch
 
 from swarm.averaging.robust import cap_weights, centered_clip
 from swarm.compression import decode_into, read_header
+from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError
 
 MAX_WEIGHT = 1e30
-AGGREGATORS = ("centered_clip", "mean")
+
 CLIPPED_BELOW = 0.1  # a sender whose offset was scaled below this is reported as clipped
 
 
