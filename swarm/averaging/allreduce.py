@@ -11,7 +11,6 @@ fails keeps this member's own values: nothing half-received is ever applied.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -21,16 +20,11 @@ import torch
 
 from swarm.averaging.checks import implausible_parts
 from swarm.averaging.context import RoundContext
-from swarm.averaging.faults import FaultInjector
-from swarm.averaging.feedback import FlatFeedback
-from swarm.averaging.group import GroupInfo
 from swarm.averaging.outcome import OwnedPart, SentPart
 from swarm.averaging.owner import PartOwner
 from swarm.averaging.plan import PartPlan
 from swarm.averaging.result import Refusal
 from swarm.averaging.sender import PartSender
-from swarm.averaging.stall import StallPolicy
-from swarm.averaging.workers import Workers
 from swarm.errors import TransportError
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import StreamTransport
@@ -55,61 +49,39 @@ class AllReduce:
     Args:
         transport: the peer's transport.
         stream_name: the route of part streams.
-        group: the agreed group; ``me`` is this peer's index in it.
+        ctx: the round (group, this member's index and weight, feedback, workers, stall policy,
+            deadline, faults, aggregator, excluded members).
         plan: the part plan derived from the group.
         flat: this peer's values (float32, contiguous, any device); read-only during the round.
         result: staging buffer of the same size; part ``j`` is valid when :meth:`run` says so.
-        weight: this peer's weight.
-        feedback: error-feedback residuals of this averager.
-        pool: thread pool for tensor work.
-        stall: when to drop a silent peer.
-        deadline: monotonic time by which the all-reduce ends.
-        faults: this averager's fault hooks.
-        aggregator: how this member reduces its part (``centered_clip`` or ``mean``).
-        weight_cap: with ``centered_clip``, no weight above this times the median weight.
         check_owners: refuse parts whose average is implausibly far from this member's values
             (:mod:`swarm.averaging.checks`) and accuse their owners.
-        excluded: members this peer accused earlier: it expects no stream from them.
     """
 
     def __init__(
         self,
         transport: StreamTransport,
         stream_name: str,
-        group: GroupInfo,
-        me: int,
+        ctx: RoundContext,
         plan: PartPlan,
         flat: torch.Tensor,
         result: torch.Tensor,
-        weight: float,
-        feedback: FlatFeedback,
-        pool: concurrent.futures.ThreadPoolExecutor,
-        stall: StallPolicy,
-        deadline: float,
-        faults: FaultInjector,
-        aggregator: str = "centered_clip",
-        weight_cap: float = 2.0,
         check_owners: bool = True,
-        excluded: frozenset[int] = frozenset(),
     ):
-        self.group, self.me, self.deadline = group, me, deadline
+        self.group, self.me, self.deadline = ctx.group, ctx.me, ctx.deadline
         self.plan, self.flat, self.result = plan, flat, result
-        self.stall_floor = stall.floor_s
+        self.stall_floor = ctx.stall.floor_s
         self.check_owners = check_owners
-        ctx = RoundContext(
-            group, me, weight, feedback, Workers(pool), stall, deadline, faults,
-            aggregator, weight_cap, excluded,
-        )  # fmt: skip
         self.workers = ctx.workers
-        start, end = plan.ranges[me]
+        start, end = plan.ranges[ctx.me]
         self.owner: PartOwner | None = None
         if end > start:
-            rel = tuple((s - start, e - start) for s, e in plan.chunks(me))
+            rel = tuple((s - start, e - start) for s, e in plan.chunks(ctx.me))
             self.owner = PartOwner(ctx, flat[start:end], result[start:end], rel, start)
         self.senders = [
             PartSender(ctx, transport, stream_name, j, plan.chunks(j), flat, result)
             for j in plan.owned()
-            if j != me
+            if j != ctx.me
         ]
 
     async def run(self) -> RoundParts:

@@ -28,6 +28,7 @@ import torch
 
 from swarm.averaging import regions
 from swarm.averaging.allreduce import AllReduce
+from swarm.averaging.context import RoundContext
 from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
@@ -37,6 +38,7 @@ from swarm.averaging.prober import Prober
 from swarm.averaging.reducer import check_weight
 from swarm.averaging.result import Refusal, RoundResult
 from swarm.averaging.stall import StallPolicy
+from swarm.averaging.workers import Workers
 from swarm.compression import get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
@@ -277,24 +279,23 @@ class Averager:
         flat, result = await loop.run_in_executor(self._pool, self._gather, tensors, numel)
         flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
+        ctx = RoundContext(
+            group=group,
+            me=me,
+            weight=weight,
+            feedback=self._feedback_for(numel, flat.device),
+            workers=Workers(self._pool),
+            stall=self.stall,
+            deadline=deadline,
+            faults=self.faults,
+            aggregator=self.config.aggregator,
+            weight_cap=self.config.weight_cap,
+            excluded=frozenset(
+                i for i, m in enumerate(group.members) if m.peer_id in self.excluded
+            ),
+        )
         round_ = AllReduce(
-            self.peer.transport,
-            self.stream_name,
-            group,
-            me,
-            plan,
-            flat,
-            result,
-            weight,
-            self._feedback_for(numel, flat.device),
-            self._pool,
-            self.stall,
-            deadline,
-            self.faults,
-            self.config.aggregator,
-            self.config.weight_cap,
-            self.config.check_owners,
-            frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded),
+            self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
         )
         fut = self._round_future(group.group_id)
         if fut.done():  # a stream gave up waiting for this group: later ones find it
