@@ -117,7 +117,7 @@ async def peer_main(args: argparse.Namespace) -> None:
     import torch
 
     from swarm.api import round_figures
-    from swarm.averaging import Averager
+    from swarm.averaging import Averager, AveragingConfig
     from swarm.config import PeerConfig
     from swarm.peer import Peer
 
@@ -139,14 +139,17 @@ async def peer_main(args: argparse.Namespace) -> None:
     print(json.dumps({"address": str(peer.address)}), flush=True)
     averager = Averager(
         peer,
-        codec=CODECS.get(args.codec, args.codec),
-        min_group_size=args.n,
-        target_group_size=args.n,
-        matchmaking_timeout=5.0,
-        allreduce_timeout=300.0,
-        gather_window=args.gather_window,
-        grouping="fixed",
-        threads=2,
+        AveragingConfig(
+            codec=CODECS.get(args.codec, args.codec),
+            min_group_size=args.n,
+            target_group_size=args.n,
+            matchmaking_timeout_s=5.0,
+            round_timeout_s=305.0,
+            gather_window_s=args.gather_window,
+            grouping="fixed",
+            threads=2,
+            aggregator=args.aggregator,
+        ),
     )
     try:
         deadline = time.monotonic() + 60
@@ -320,6 +323,12 @@ def main() -> None:
     # peer-process options (internal)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--codec", default="none", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--aggregator",
+        default=os.environ.get("SWARM_BENCH_AGGREGATOR", "centered_clip"),
+        choices=["centered_clip", "mean"],
+        help="how part owners reduce (the peers inherit it)",
+    )
     p.add_argument("--listen", default="127.0.0.1:0", help=argparse.SUPPRESS)
     p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -327,6 +336,7 @@ def main() -> None:
     p.add_argument("--heartbeat", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--scrape-interval", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    os.environ["SWARM_BENCH_AGGREGATOR"] = args.aggregator  # for the peer processes
     if args.peer:
         args.n, args.numel = args.n[0], parse_numel(args.numel[0])
         asyncio.run(peer_main(args))

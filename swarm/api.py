@@ -128,15 +128,7 @@ class AsyncSwarm:
         self.peer.progress.attach(self.engine, cfg.codec)
         try:
             self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
-            self.averager = Averager(
-                self.peer,
-                codec=cfg.codec,
-                min_group_size=cfg.min_group_size,
-                target_group_size=cfg.target_group_size,
-                matchmaking_timeout=cfg.matchmaking_timeout_s,
-                # every step is a round in lockstep: peers arrive together, a long wait is waste
-                gather_window=0.05 if self.engine.mode.averages_gradients else None,
-            )
+            self.averager = Averager(self.peer, cfg.averaging)
             if cfg.sync_on_join and cfg.peer.initial_peers:
                 await self._join()
         except BaseException:
@@ -417,6 +409,7 @@ def outcome_of(result: RoundResult) -> RoundOutcome:
         bytes_sent=result.bytes_sent,
         bytes_received=result.bytes_received,
         reason="" if result.averaged else (result.reason or "not averaged"),
+        refusals=tuple(str(r) for r in result.refusals),
     )
 
 

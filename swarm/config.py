@@ -55,6 +55,125 @@ class Mode(str, enum.Enum):
 
 
 TRAINING_MODES = tuple(m.value for m in Mode)
+
+
+GROUPINGS = ("latency", "random", "fixed")
+AGGREGATORS = ("centered_clip", "mean")
+ROUND_CLEANUP_S = 1.0  # of a round's time, kept for closing streams after the all-reduce
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    """How an :class:`~swarm.averaging.Averager` forms groups and averages.
+
+    One timeout story: a round (matchmaking, then all-reduce) ends within ``round_timeout_s``;
+    matchmaking gives up after ``matchmaking_timeout_s`` and the all-reduce gets what is left
+    of the round (:attr:`allreduce_timeout_s`), so the two can never disagree.
+
+    Args:
+        codec: compression of what is sent (``none``, ``fp16``, ``bf16``, ``int8``,
+            ``topk:0.01``, ``1bit``); error feedback is always on for lossy codecs. Peers with
+            different codecs never group.
+        min_group_size: average only with at least this many peers (this one included).
+        target_group_size: a group closes as soon as it has this many members.
+        matchmaking_timeout_s: how long to look for a group. A peer alone pays it every round;
+            increase it if groups form too small on a slow DHT.
+        round_timeout_s: upper bound of a whole round; an owner that never answers costs what
+            is left of it after matchmaking. Set it above matchmaking plus payload / slowest
+            link rate with a good margin.
+        gather_window_s: wait after declaring before choosing a leader, so that peers arriving
+            at about the same time end up in one group. Increase it for large swarms. Default:
+            0.5 s, or a quarter of ``matchmaking_timeout_s`` when that is shorter.
+        stall_timeout_min_s: a silent peer is never dropped sooner than this after its last
+            chunk; beyond it, the limit is ``stall_factor`` chunk-times at the measured rate.
+        stall_factor: see ``stall_timeout_min_s``; increase both on very jittery links.
+        group_key: matchmaking key prefix: averagers with different keys never group.
+        grouping: ``latency`` (near peers by Vivaldi coordinates, regions mixed every
+            ``cross_every``-th round), ``random`` (same sizes, random members; a baseline) or
+            ``fixed`` (every peer declares under ``group_key`` alone).
+        cross_every: period of cross-region rounds; None never mixes regions (experiments only).
+        region_rtt_s: peers within this predicted RTT of each other form a region.
+        probe_period_s: seconds between rounds of RTT probes (``latency``/``random`` only).
+        probes_per_period: peers pinged per probe round.
+        name: route prefix (``{name}.join``, ``{name}.part``), to run several averagers on one
+            peer.
+        threads: worker threads for compression and reduction.
+        aggregator: how a part owner reduces its part. ``centered_clip`` (default): weights
+            capped at ``weight_cap`` times the group's median, then CenteredClip around the
+            coordinate-wise median with the radius at the median of the senders' distances, so
+            no peer can drag the result further than its weight share times that radius.
+            ``mean``: the plain weighted mean, for swarms whose peers are all trusted (cheaper:
+            chunks are added as they arrive; see the README for the measured cost).
+        weight_cap: see ``aggregator``.
+        max_share: no member owns more than ``max_share / N`` of the vector, whatever
+            bandwidth it announces.
+        check_owners: a member refuses a part whose returned average lies implausibly far from
+            its own values compared with the other parts (:mod:`swarm.averaging.checks`),
+            accuses its owner in the round report and excludes it from its later rounds.
+    """
+
+    codec: str = "none"
+    min_group_size: int = 2
+    target_group_size: int = 8
+    matchmaking_timeout_s: float = 15.0
+    round_timeout_s: float = 135.0
+    gather_window_s: float | None = None
+    stall_timeout_min_s: float = 3.0
+    stall_factor: float = 8.0
+    group_key: str = "default"
+    grouping: str = "latency"
+    cross_every: int | None = 4
+    region_rtt_s: float = 0.05
+    probe_period_s: float = 5.0
+    probes_per_period: int = 4
+    name: str = "avg"
+    threads: int = 2
+    aggregator: str = "centered_clip"
+    weight_cap: float = 2.0
+    max_share: float = 2.0
+    check_owners: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.codec, str) or not self.codec:
+            raise ConfigError("codec must be a codec name such as 'int8' or 'topk:0.01'")
+        if not 2 <= self.min_group_size <= self.target_group_size:
+            raise ConfigError("need 2 <= min_group_size <= target_group_size")
+        if not self.matchmaking_timeout_s > 0:
+            raise ConfigError("matchmaking_timeout_s must be positive")
+        if not self.round_timeout_s >= self.matchmaking_timeout_s + 2 * ROUND_CLEANUP_S:
+            raise ConfigError(
+                "round_timeout_s must exceed matchmaking_timeout_s by at least "
+                f"{2 * ROUND_CLEANUP_S:g} s, or the all-reduce would have no time"
+            )
+        if self.gather_window_s is None:
+            object.__setattr__(self, "gather_window_s", min(0.5, self.matchmaking_timeout_s / 4))
+        if not 0 <= self.gather_window_s < self.matchmaking_timeout_s:  # type: ignore[operator]
+            raise ConfigError("gather_window_s must be within [0, matchmaking_timeout_s)")
+        if not self.stall_timeout_min_s > 0 or not self.stall_factor >= 1:
+            raise ConfigError("stall_timeout_min_s must be positive and stall_factor >= 1")
+        if not isinstance(self.group_key, str) or not self.group_key or "/" in self.group_key:
+            raise ConfigError("group_key must be a non-empty string without '/'")
+        if self.grouping not in GROUPINGS:
+            raise ConfigError(f"grouping must be one of {GROUPINGS}, not {self.grouping!r}")
+        if self.cross_every is not None and self.cross_every < 1:
+            raise ConfigError("cross_every must be >= 1 or None")
+        if not self.region_rtt_s > 0 or not self.probe_period_s > 0:
+            raise ConfigError("region_rtt_s and probe_period_s must be positive")
+        if self.probes_per_period < 1 or self.threads < 1:
+            raise ConfigError("probes_per_period and threads must be >= 1")
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("name must be a non-empty string")
+        if self.aggregator not in AGGREGATORS:
+            raise ConfigError(f"aggregator must be one of {AGGREGATORS}, not {self.aggregator!r}")
+        if not self.weight_cap >= 1 or not self.max_share >= 1:
+            raise ConfigError("weight_cap and max_share must be >= 1")
+
+    @property
+    def allreduce_timeout_s(self) -> float:
+        """The all-reduce's share of a round when matchmaking takes all of its time."""
+        return self.round_timeout_s - self.matchmaking_timeout_s - ROUND_CLEANUP_S
+
+
 SPARSE_CODECS = ("topk", "1bit")  # lossy in a way that only suits changes, not raw values
 
 
@@ -131,12 +250,25 @@ class SwarmConfig:
             raise ConfigError("need 2 <= min_group_size <= target_group_size")
         if not self.matchmaking_timeout_s > 0:
             raise ConfigError("matchmaking_timeout_s must be positive")
-        if not self.round_timeout_s > self.matchmaking_timeout_s:
+        if not self.round_timeout_s >= self.matchmaking_timeout_s + 2 * ROUND_CLEANUP_S:
             raise ConfigError(
-                "round_timeout_s must exceed matchmaking_timeout_s, or every round would time out "
-                "before its all-reduce starts"
+                f"round_timeout_s must exceed matchmaking_timeout_s by {2 * ROUND_CLEANUP_S:g} s, "
+                "or every round would time out before its all-reduce starts"
             )
         if not self.state_timeout_s > 0:
             raise ConfigError("state_timeout_s must be positive")
         if self.max_state_bytes < 1 or self.state_parts < 1:
             raise ConfigError("max_state_bytes and state_parts must be >= 1")
+
+    @property
+    def averaging(self) -> AveragingConfig:
+        """The averager's settings, derived from this config (one timeout story)."""
+        return AveragingConfig(
+            codec=self.codec,
+            min_group_size=self.min_group_size,
+            target_group_size=self.target_group_size,
+            matchmaking_timeout_s=self.matchmaking_timeout_s,
+            round_timeout_s=self.round_timeout_s,
+            # every step is a round in lockstep: peers arrive together, a long wait is waste
+            gather_window_s=0.05 if self.mode.averages_gradients else None,
+        )

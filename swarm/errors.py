@@ -12,8 +12,6 @@ Every error the library raises on purpose derives from :class:`SwarmError`::
     ├── DHTError             a DHT operation failed or a record is invalid
     ├── CompressionError     a payload is malformed or a tensor cannot be encoded
     ├── AveragingError       an averaging round failed
-    │   ├── RoundTimeout     a round or a member did not finish in time
-    │   └── PeerFailed       a peer misbehaved or vanished mid-round
     └── TrainingError        state download, checkpoint or training-loop failure
         └── CheckpointError  a checkpoint is missing, corrupt or does not match the model
 """
@@ -72,18 +70,6 @@ class CompressionError(SwarmError, ValueError):
 
 class AveragingError(SwarmError):
     """An averaging round failed."""
-
-
-class RoundTimeout(AveragingError, TimeoutError):
-    """A round, or one member's transfer, did not finish in time."""
-
-
-class PeerFailed(AveragingError):
-    """A peer misbehaved or vanished in the middle of a round."""
-
-    def __init__(self, message: str, *, peer: str | None = None):
-        super().__init__(message)
-        self.peer = peer
 
 
 class TrainingError(SwarmError):

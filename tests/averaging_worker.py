@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from swarm.averaging import Averager, Fault, PartPlan, RoundResult
+from swarm.averaging import Averager, AveragingConfig, Fault, PartPlan, RoundResult
 from swarm.config import PeerConfig
 from swarm.peer import Peer
 
@@ -78,16 +78,19 @@ async def run(args: argparse.Namespace) -> None:
     averagers = {
         codec: Averager(
             peer,
-            codec=codec,
-            min_group_size=args.min_group,
-            target_group_size=args.target_group,
-            matchmaking_timeout=args.matchmaking_timeout,
-            allreduce_timeout=args.allreduce_timeout,
-            gather_window=args.gather_window,
-            stall_timeout_min=args.stall_timeout,
-            group_key=args.group_key,
-            grouping="fixed",
-            name=f"avg{i}",
+            AveragingConfig(
+                codec=codec,
+                min_group_size=args.min_group,
+                target_group_size=args.target_group,
+                matchmaking_timeout_s=args.matchmaking_timeout,
+                round_timeout_s=args.matchmaking_timeout + args.allreduce_timeout,
+                gather_window_s=args.gather_window,
+                stall_timeout_min_s=args.stall_timeout,
+                group_key=args.group_key,
+                grouping="fixed",
+                name=f"avg{i}",
+                aggregator=args.aggregator,
+            ),
             fault=fault,
         )
         for i, codec in enumerate(args.codecs)
@@ -171,6 +174,8 @@ def main() -> None:
     p.add_argument("--allreduce-timeout", type=float, default=30.0)
     p.add_argument("--stall-timeout", type=float, default=3.0)
     p.add_argument("--fault", default="none", choices=[f.value for f in Fault])
+    # the tests check exact weighted means, which CenteredClip only gives without outliers
+    p.add_argument("--aggregator", default="mean", choices=["mean", "centered_clip"])
     p.add_argument("--wait-peers", type=int, default=1)
     p.add_argument("--wait-reachable", type=int, default=0)
     p.add_argument("--linger", type=float, default=0.0)

@@ -26,7 +26,7 @@ import torch
 from processes import OutputProcess
 
 from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
-from swarm.averaging import Averager, PartPlan, RoundResult
+from swarm.averaging import Averager, AveragingConfig, PartPlan, RoundResult
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.matchmaking import Matchmaker
 from swarm.config import PeerConfig
@@ -241,14 +241,17 @@ async def start_peers(
 def averager(peer: Peer, n: int, key: str = "test", target: int | None = None) -> Averager:
     return Averager(
         peer,
-        min_group_size=min(n, target or n),
-        target_group_size=target or n,
-        matchmaking_timeout=8.0,
-        allreduce_timeout=20.0,
-        gather_window=0.1,
-        group_key=key,
-        grouping="fixed",
-        threads=1,
+        AveragingConfig(
+            min_group_size=min(n, target or n),
+            target_group_size=target or n,
+            matchmaking_timeout_s=8.0,
+            round_timeout_s=28.0,
+            gather_window_s=0.1,
+            group_key=key,
+            grouping="fixed",
+            threads=1,
+            aggregator="mean",  # these tests check exact weighted means
+        ),
     )
 
 

@@ -231,7 +231,7 @@ def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
     acc = torch.empty(n)
     chunks = _chunks(n, chunk)
     senders = list(range(1, len(weights)))
-    r = PartReducer(acc, chunks, senders)
+    r = PartReducer(acc, chunks, senders, "mean")
     r.begin(values[0], weights[0])
     for s in senders:
         r.accept(s, weights[s])
@@ -269,7 +269,7 @@ def test_reducer_chunks_are_ready_in_order_as_every_sender_delivers_them():
     n, chunks = 90, _chunks(90, 30)
     own, a, b = torch.full((n,), 1.0), torch.full((n,), 4.0), torch.full((n,), 10.0)
     acc = torch.empty(n)
-    r = PartReducer(acc, chunks, [1, 2, 3])
+    r = PartReducer(acc, chunks, [1, 2, 3], "mean")
     r.begin(own, 1.0)
     r.accept(1, 1.0)
     r.accept(2, 2.0)
@@ -291,7 +291,7 @@ def test_reducer_taint_and_restart_excludes_partial_sender():
     n, chunks = 100, _chunks(100, 30)
     own, a, b = torch.full((n,), 1.0), torch.full((n,), 3.0), torch.full((n,), 100.0)
     acc = torch.empty(n)
-    r = PartReducer(acc, chunks, [1, 2])
+    r = PartReducer(acc, chunks, [1, 2], "mean")
     r.begin(own, 1.0)
     r.accept(1, 1.0)
     r.accept(2, 1.0)
@@ -385,3 +385,176 @@ def test_round_result_text():
     assert "alone" in str(r) and r.group_size == 0
     ok = RoundResult(True, members=(_pid(1), _pid(2)), parts={0: (_pid(1), _pid(2))})
     assert "group of 2" in str(ok)
+
+
+# ---- stall policy and averaging config
+
+
+def test_stall_policy_limits_follow_the_measured_rate():
+    from swarm.averaging.stall import PartTiming, StallPolicy
+
+    policy = StallPolicy(floor_s=1.0, factor=8.0)
+    timing = PartTiming(start=0.0)
+    # nothing received: only the deadline applies to senders that never started
+    assert policy.stalled(100.0, timing, {}, [1, 2]) == []
+    for t in range(1, 11):  # 10 chunks of 1 MB at 1 MB/s in total over two senders
+        timing.received(float(t), 1 << 20)
+    limit = policy.silence_limit(timing, active=2)
+    assert limit == pytest.approx(8.0 * (1 << 20) / ((10 << 20) / 9.0 / 2))
+    limit = policy.silence_limit(timing, active=1)  # alone on the link: half the limit
+    assert policy.stalled(10.0 + limit - 0.1, timing, {1: 10.0}, []) == []
+    dropped = policy.stalled(10.0 + limit + 0.1, timing, {1: 10.0}, [])
+    assert [s for s, _ in dropped] == [1] and "silent" in dropped[0][1]
+    # a slow-but-steady link gets a longer limit, never shorter than the floor
+    slow = PartTiming(start=0.0)
+    slow.received(0.0, 1000)
+    slow.received(100.0, 1000)
+    assert policy.silence_limit(slow, 1) > 100.0
+    fast = PartTiming(start=0.0)
+    fast.received(0.0, 1 << 20)
+    fast.received(0.001, 1 << 20)
+    assert policy.silence_limit(fast, 1) == 1.0
+    # one sender completed after 2 s: a sender that never started is dropped after 16 s
+    timing.completed(2.0)
+    assert policy.start_limit(timing) == 16.0
+    assert [s for s, _ in policy.stalled(16.5, timing, {}, [3])] == [3]
+    assert policy.stalled(15.5, timing, {}, [3]) == []
+    assert policy.reply_limit(0.5) == 8.0 and policy.reply_limit(0.01) == 4.0
+    assert policy.reply_limit(None) == 4.0
+
+
+def test_averaging_config_validates_and_derives_one_timeout():
+    from swarm.config import AveragingConfig, SwarmConfig
+    from swarm.errors import ConfigError
+
+    config = AveragingConfig(matchmaking_timeout_s=10.0, round_timeout_s=40.0)
+    assert config.allreduce_timeout_s == pytest.approx(29.0)
+    assert config.gather_window_s == 0.5
+    assert AveragingConfig(matchmaking_timeout_s=1.0, round_timeout_s=5.0).gather_window_s == 0.25
+    for bad in (
+        dict(min_group_size=1),
+        dict(min_group_size=5, target_group_size=4),
+        dict(matchmaking_timeout_s=0),
+        dict(matchmaking_timeout_s=10.0, round_timeout_s=10.5),
+        dict(gather_window_s=20.0),
+        dict(stall_factor=0.5),
+        dict(group_key="a/b"),
+        dict(grouping="nearest"),
+        dict(cross_every=0),
+        dict(threads=0),
+        dict(codec=""),
+    ):
+        with pytest.raises(ConfigError):
+            AveragingConfig(**bad)
+    swarm = SwarmConfig(codec="fp16", matchmaking_timeout_s=5.0, round_timeout_s=30.0)
+    derived = swarm.averaging
+    assert (derived.codec, derived.round_timeout_s, derived.matchmaking_timeout_s) == (
+        "fp16",
+        30.0,
+        5.0,
+    )
+    assert SwarmConfig(mode="gradients").averaging.gather_window_s == 0.05
+
+
+# ---- robust aggregation, bounded shares, owner checks (sans-I/O)
+
+
+def test_cap_weights_at_twice_the_median():
+    from swarm.averaging.robust import cap_weights
+
+    assert cap_weights([1.0, 1.0, 1.0, 1e30]) == [1.0, 1.0, 1.0, 2.0]
+    assert cap_weights([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert cap_weights([0.0, 0.0, 5.0]) == [0.0, 0.0, 0.0]
+    assert cap_weights([]) == []
+
+
+@given(
+    k=st.integers(3, 8),
+    n=st.integers(1, 300),
+    scale=st.sampled_from([1e3, 1e30, 3e38, -1e4]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_centered_clip_bounds_one_outlier(k, n, scale, seed):
+    from swarm.averaging.robust import centered_clip
+
+    g = torch.Generator().manual_seed(seed)
+    honest = torch.randn(k, n, generator=g) * 0.1 + 1.0
+    mean = honest.double().mean(0)
+    spread = float((honest.double() - mean).norm(dim=1).pow(2).mean().sqrt())
+    rows = torch.cat((honest, torch.full((1, n), scale) if abs(scale) > 1e4 else -honest[:1] * 1e4))
+    clip = centered_clip(rows, [1.0] * (k + 1))
+    assert torch.isfinite(clip.center).all()
+    assert float((clip.center - mean).norm()) <= 2.0 * spread + 1e-9
+    assert clip.scales[-1] < 0.1  # the outlier was clipped (and will be reported)
+
+
+def test_centered_clip_is_exact_when_nobody_is_clipped():
+    from swarm.averaging.robust import centered_clip
+
+    rows = torch.tensor([[1.0, 2.0], [1.5, 2.5], [2.0, 3.0]])
+    out = centered_clip(rows, [1.0, 2.0, 1.0], iterations=5)
+    assert out.scales == pytest.approx((1.0, 1.0, 1.0))
+    weights = torch.tensor([[1.0], [2.0], [1.0]], dtype=torch.float64)
+    torch.testing.assert_close(out.center.double(), (rows.double() * weights).sum(0) / 4)
+
+
+def test_reducer_centered_clip_refuses_to_be_dragged():
+    codec = get_codec("none")
+    n, chunks = 64, _chunks(64, 32)
+    honest = [torch.full((n,), v) + 0.01 * torch.randn(n) for v in (1.0, 1.1, 0.9)]
+    attacker = torch.full((n,), 1e30)
+    acc = torch.empty(n)
+    r = PartReducer(acc, chunks, [1, 2, 3])
+    r.begin(honest[0], 1.0)
+    r.accept(3, 1e30)  # a huge weight, capped at twice the median; streams start in any order
+    r.accept(1, 1.0)
+    r.accept(2, 1.0)
+    for i, (s, e) in enumerate(chunks):
+        for sender, values in ((1, honest[1]), (2, honest[2]), (3, attacker)):
+            r.add_chunk(sender, i, codec.encode(values[s:e]))
+            r.chunk_added(sender)
+    for sender in (1, 2, 3):
+        r.complete(sender)
+    assert finish(r) == (1, 2, 3)
+    assert torch.isfinite(acc).all() and (acc - 1.0).abs().max() < 0.5
+    assert set(r.clipped) == {3} and r.capped == {3: 1e30}
+
+
+def test_cap_shares_bounds_every_owner():
+    from swarm.averaging.plan import cap_shares
+
+    shares = cap_shares([1e300, 1.0, 1.0, 1.0], 2.0)
+    assert shares[0] == pytest.approx(0.5) and shares[1:] == pytest.approx([1 / 6] * 3)
+    assert cap_shares([1.0, 1.0], 2.0) == pytest.approx([0.5, 0.5])
+    assert cap_shares([0.0, 5.0, 0.0, 0.0], 2.0) == pytest.approx([0.0, 1.0, 0.0, 0.0])
+    assert cap_shares([0.0, 0.0], 2.0) == [0.0, 0.0]
+    plan = PartPlan.create(1000, [1e300, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 10, 2.0)
+    assert max(plan.size(i) for i in range(8)) <= 2 * 1000 / 8 + 1
+    with pytest.raises(AveragingError):
+        cap_shares([float("inf"), 1.0], 2.0)
+
+
+@given(
+    bws=st.lists(st.floats(0, 1e300), min_size=1, max_size=10),
+    share=st.floats(1.0, 4.0),
+)
+def test_cap_shares_property(bws, share):
+    from swarm.averaging.plan import cap_shares
+
+    shares = cap_shares(bws, share)
+    owners = [b for b in bws if b > 0]
+    if owners:
+        assert sum(shares) == pytest.approx(1.0)
+        assert max(shares) <= share / len(owners) + 1e-9
+
+
+def test_implausible_parts_names_the_outlier_only():
+    from swarm.averaging.checks import implausible_parts
+
+    assert set(implausible_parts({0: 0.5, 1: 0.6, 2: 0.55, 3: 1e29})) == {3}
+    assert set(implausible_parts({0: 0.5, 1: 0.6, 2: 0.55, 3: float("inf")})) == {3}
+    assert implausible_parts({0: 0.5, 1: 0.6, 2: 0.55, 3: 1.5}) == {}
+    assert implausible_parts({0: 0.5, 1: 1e9}) == {}  # too few parts to judge
+    assert implausible_parts({0: float("inf"), 1: float("inf"), 2: 1.0}) == {}  # own values 0
+    assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.0}) == {}

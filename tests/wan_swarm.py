@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from wan import WanEmulator, WanNode
 
-from swarm.averaging import Averager, RoundResult
+from swarm.averaging import Averager, AveragingConfig, RoundResult
 from swarm.averaging.coordinates import predict_rtt
 from swarm.averaging.prober import Prober
 from swarm.averaging.regions import find_regions
@@ -95,10 +95,19 @@ async def start_swarm(
 
 def add_averagers(swarm: Swarm, name: str, **kwargs: Any) -> None:
     """An averager named ``name`` on every peer, sharing the peer's prober."""
-    options = dict(min_group_size=2, target_group_size=4, matchmaking_timeout=6.0)
+    # the consensus checks compare with the exact global mean, which only the plain mean keeps
+    # when honest peers start far apart (CenteredClip would clip them toward their group)
+    options: dict[str, Any] = dict(
+        min_group_size=2,
+        target_group_size=4,
+        matchmaking_timeout_s=6.0,
+        round_timeout_s=126.0,
+        aggregator="mean",
+    )
     options.update(kwargs)
+    config = AveragingConfig(name=name, **options)
     for m in swarm.members:
-        m.averagers[name] = Averager(m.peer, prober=m.prober, name=name, **options)
+        m.averagers[name] = Averager(m.peer, config, prober=m.prober)
 
 
 async def wait_for_coordinates(swarm: Swarm, samples: int, timeout: float) -> None:

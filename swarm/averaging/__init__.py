@@ -8,25 +8,29 @@
 - :mod:`swarm.averaging.regions`: regions, near and cross rounds: group keys (sans-I/O)
 - :mod:`swarm.averaging.prober`: RTT probes that keep this peer's coordinate published
 - :mod:`swarm.averaging.matchmaking`: forming a group through the DHT and the join RPC
-- :mod:`swarm.averaging.allreduce`: the streams of one all-reduce
+- :mod:`swarm.averaging.stall`: when to give up on a silent peer (sans-I/O)
+- :mod:`swarm.averaging.owner`: the owner's side of one part (reduce, stream the average back)
+- :mod:`swarm.averaging.sender`: the sender's side of one part (stream a share, stage the average)
+- :mod:`swarm.averaging.allreduce`: one member's butterfly all-reduce over owner and senders
+- :mod:`swarm.averaging.faults`: misbehaviour injected by tests through the real code
 - :mod:`swarm.averaging.averager`: :class:`Averager`, the public entry point
-- :mod:`swarm.averaging.sync`: :class:`SyncAverager`, its blocking twin
 """
 
 from swarm.averaging.averager import Averager
+from swarm.averaging.faults import Fault
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
 from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash, split_parts
-from swarm.averaging.result import Fault, RoundResult
-from swarm.averaging.sync import SyncAverager
+from swarm.averaging.result import RoundResult
+from swarm.config import AveragingConfig
 
 __all__ = [
     "Averager",
+    "AveragingConfig",
     "Declaration",
     "Fault",
     "GroupInfo",
     "PartPlan",
     "RoundResult",
-    "SyncAverager",
     "choose_leader",
     "chunk_elems_for",
     "matchmaking_key",

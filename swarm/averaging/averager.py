@@ -2,15 +2,16 @@
 
 ::
 
-    averager = Averager(peer, codec="int8", target_group_size=8)
+    averager = Averager(peer, AveragingConfig(codec="int8", target_group_size=8))
     result = await averager.average(model_tensors, weight=samples_since_last_round)
     if not result.averaged:
         logger.warning("training on alone: %s", result.reason)
 
-Memory per round beyond the tensors: one float32 staging buffer the size of the tensors, plus a
-float32 copy of them unless they are a single contiguous float32 CPU tensor (then it is read in
-place); both are reused across rounds. Lossy codecs add their error-feedback residual (one float
-per element, kept across rounds) and the compressed payloads of one part.
+Memory per round beyond the tensors, on the tensors' device: one float32 staging buffer the size
+of the tensors, plus a float32 copy of them unless they are a single contiguous float32 tensor
+(then it is read in place); both are reused across rounds. Lossy codecs add their error-feedback
+residual (one float per element, kept across rounds) and the compressed payloads of one part.
+Only encoded bytes cross to the CPU.
 """
 
 from __future__ import annotations
@@ -26,147 +27,111 @@ from typing import Any
 import torch
 
 from swarm.averaging import regions
-from swarm.averaging.allreduce import AllReduceRunner, AllReduceSettings
+from swarm.averaging.allreduce import AllReduce
+from swarm.averaging.context import RoundContext
+from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
 from swarm.averaging.matchmaking import Matchmaker
 from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash
 from swarm.averaging.prober import Prober
 from swarm.averaging.reducer import check_weight
-from swarm.averaging.result import Fault, RoundResult
-from swarm.compression import Codec, get_codec
+from swarm.averaging.result import Refusal, RoundResult
+from swarm.averaging.stall import StallPolicy
+from swarm.averaging.workers import Workers
+from swarm.compression import get_codec
+from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
+from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, ReplyStream
+from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
 
 _UNKNOWN_GROUP_WAIT_S = 5.0  # a member may start streaming before we heard the group closed
-_RECENT_GROUPS = 64
-GROUPINGS = ("latency", "random", "fixed")
+_RECENT_GROUPS = 64  # finished groups remembered, and groups awaited before they start
 
 
 class Averager:
     """Averages tensors with a group of peers of the swarm.
 
     Args:
-        peer: a started :class:`swarm.peer.Peer`.
-        codec: compression of what is sent (``none``, ``fp16``, ``bf16``, ``int8``,
-            ``topk:0.01``, ``1bit``, or a :class:`~swarm.compression.Codec`); error feedback is
-            always on for lossy codecs. Peers with different codecs never group.
-        min_group_size: average only with at least this many peers (this one included).
-        target_group_size: a group closes as soon as it has this many members.
-        matchmaking_timeout: how long to look for a group. A peer alone pays it every round;
-            increase it if groups form too small on a slow DHT.
-        allreduce_timeout: upper bound of one all-reduce; an owner that never answers costs this
-            much. Set it above payload / slowest link rate with a good margin.
-        gather_window: wait after declaring before choosing a leader, so that peers arriving at
-            about the same time end up in one group. Increase it for large swarms. Default:
-            0.5 s, or a quarter of ``matchmaking_timeout`` when that is shorter.
-        stall_timeout_min: a sender is never dropped sooner than this after its last chunk;
-            beyond it, the limit is ``stall_factor`` chunk-times at the rate measured so far.
-        stall_factor: see ``stall_timeout_min``; increase both on very jittery links.
-        group_key: matchmaking key prefix: averagers with different keys never group.
-        grouping: how groups are chosen each round. ``latency`` (default): near peers by
-            Vivaldi coordinates in regular rounds, regions mixed every ``cross_every``-th round
-            (:mod:`swarm.averaging.regions`); ``random``: the same group sizes, random members
-            (a baseline); ``fixed``: every peer declares under ``group_key`` alone.
-        cross_every: period of cross-region rounds; None never mixes regions (experiments only:
-            regions then never agree).
-        region_rtt: seconds; peers within this predicted RTT of each other form a region.
-        probe_period: seconds between rounds of RTT probes (``latency``/``random`` only).
-        probes_per_period: peers pinged per probe round (see :class:`Prober`).
+        peer: a started peer (:class:`swarm.peer.Peer`).
+        config: how groups form and how long a round may take (:class:`AveragingConfig`).
         prober: a started :class:`Prober` to share (several averagers on one peer); default: this
             averager starts its own (and closes it).
-        name: route prefix (``{name}.join``, ``{name}.part``), to run several averagers on one peer.
         fault: misbehaviour for tests (:class:`Fault`).
-        threads: worker threads for compression and reduction.
+
+    Raises:
+        ConfigError: an unknown codec.
     """
 
     def __init__(
         self,
-        peer: Any,
+        peer: Peer,
+        config: AveragingConfig | None = None,
         *,
-        codec: str | Codec = "none",
-        min_group_size: int = 2,
-        target_group_size: int = 8,
-        matchmaking_timeout: float = 15.0,
-        allreduce_timeout: float = 120.0,
-        gather_window: float | None = None,
-        stall_timeout_min: float = 3.0,
-        stall_factor: float = 8.0,
-        group_key: str = "default",
-        grouping: str = "latency",
-        cross_every: int | None = 4,
-        region_rtt: float = 0.05,
-        probe_period: float = 5.0,
-        probes_per_period: int = 4,
         prober: Prober | None = None,
-        name: str = "avg",
         fault: Fault = Fault.NONE,
-        threads: int = 2,
     ):
-        if not 2 <= min_group_size <= target_group_size:
-            raise ConfigError("need 2 <= min_group_size <= target_group_size")
-        if not matchmaking_timeout > 0 or not allreduce_timeout > 0:
-            raise ConfigError("matchmaking_timeout and allreduce_timeout must be positive")
-        if gather_window is None:
-            gather_window = min(0.5, matchmaking_timeout / 4)
-        if not 0 <= gather_window < matchmaking_timeout:
-            raise ConfigError("gather_window must be within [0, matchmaking_timeout)")
-        if not stall_timeout_min > 0 or not stall_factor >= 1:
-            raise ConfigError("stall_timeout_min must be positive and stall_factor >= 1")
-        if not isinstance(group_key, str) or not group_key or "/" in group_key:
-            raise ConfigError("group_key must be a non-empty string without '/'")
-        if threads < 1:
-            raise ConfigError("threads must be >= 1")
-        if grouping not in GROUPINGS:
-            raise ConfigError(f"grouping must be one of {GROUPINGS}, not {grouping!r}")
-        self.grouping = grouping
+        config = config if config is not None else AveragingConfig()
+        if not isinstance(config, AveragingConfig):
+            raise ConfigError("config must be an AveragingConfig")
+        self.codec = get_codec(config.codec)  # raises ConfigError for an unknown codec
+        self.config = config
+        self.grouping = config.grouping
         self.grouping_config = regions.GroupingConfig(
-            min_group_size, target_group_size, cross_every=cross_every, region_rtt=region_rtt
+            config.min_group_size,
+            config.target_group_size,
+            cross_every=config.cross_every,
+            region_rtt=config.region_rtt_s,
         )
         # a leader waits this long for the members its plan expects (latency/random grouping)
-        self.patience = matchmaking_timeout / 2
+        self.patience = config.matchmaking_timeout_s / 2
         self._idle_reason = ""  # why the last planned round had no group for this peer
         self.rounds_started = 0  # average() calls, the round number when the caller gives none
         self.peer = peer
-        self.codec = get_codec(codec) if isinstance(codec, str) else codec
-        self.min_group_size = min_group_size
-        self.target_group_size = target_group_size
-        self.matchmaking_timeout = matchmaking_timeout
-        self.group_key = group_key
+        self.group_key = config.group_key
         self.fault = fault
-        self.settings = AllReduceSettings(
-            stream_name=f"{name}.part",
-            timeout=allreduce_timeout,
-            stall_timeout_min=stall_timeout_min,
-            stall_factor=stall_factor,
-            fault=fault,
-        )
+        self.faults = FaultInjector(fault)
+        self.fault_triggered = self.faults.triggered  # set when ``fault`` fires (tests wait on it)
+        self.stream_name = f"{config.name}.part"
+        self.stall = StallPolicy(config.stall_timeout_min_s, config.stall_factor)
         self.matchmaker = Matchmaker(
             peer,
-            rpc_name=f"{name}.join",
-            min_group_size=min_group_size,
-            target_group_size=target_group_size,
-            gather_window=gather_window,
+            rpc_name=f"{config.name}.join",
+            min_group_size=config.min_group_size,
+            target_group_size=config.target_group_size,
+            gather_window=config.gather_window_s or 0.0,
         )
-        peer.transport.add_stream(self.settings.stream_name, self._handle_part)
-        self.fault_triggered = asyncio.Event()  # set when ``fault`` fires (tests wait on it)
+        peer.transport.add_stream(self.stream_name, self._handle_part)
+        if self.faults.active:
+            announced = peer.transport.record().bandwidth
+            peer.transport.update_record(bandwidth=self.faults.bandwidth(announced))
         self.current_group: GroupInfo | None = None  # the group of the round in progress
+        # owners this peer accused of returning implausible averages: they own no part in this
+        # peer's plans and their part streams are refused, for the rest of the run
+        self.excluded: dict[PeerID, str] = {}
         self._chunk_elems = chunk_elems_for(self.codec)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="swarm-avg")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            config.threads, thread_name_prefix="swarm-avg"
+        )
         self._lock = asyncio.Lock()
-        self._runners: dict[bytes, AllReduceRunner] = {}
-        self._finished: deque[bytes] = deque(maxlen=_RECENT_GROUPS)
+        # inbound streams wait on their group's future: set to the round when it starts, to None
+        # when it is over; at most _RECENT_GROUPS of either kind are kept
+        self._rounds: dict[bytes, asyncio.Future[AllReduce | None]] = {}
+        self._finished: deque[bytes] = deque()
         self._flat: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
         self._feedback: FlatFeedback | None = None
         self._saved_feedback: dict[str, Any] | None = None
         self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
-        self._own_prober = prober is None and grouping != "fixed"
+        self._own_prober = prober is None and config.grouping != "fixed"
         if self._own_prober:
-            self.prober = Prober(peer, period=probe_period, probes=probes_per_period)
+            self.prober = Prober(
+                peer, period=config.probe_period_s, probes=config.probes_per_period
+            )
             self.prober.start()
         self._closed = False
 
@@ -214,10 +179,12 @@ class Averager:
                 return RoundResult(
                     False, self._idle_reason, matchmaking_s=time.monotonic() - started
                 )
-            key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, self.codec.spec))
+            # peers that would cut the vector differently never group
+            spec = f"{self.codec.spec}|share={self.config.max_share:g}"
+            key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, spec))
             group = await self.matchmaker.form_group(
                 key,
-                self.matchmaking_timeout,
+                self.config.matchmaking_timeout_s,
                 expected=expected,
                 patience=self.patience,
                 leader=leader,
@@ -226,7 +193,8 @@ class Averager:
             if isinstance(group, str):
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
-            return await self._allreduce(tensors, numel, weight, group, matchmaking_s)
+            deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
+            return await self._allreduce(tensors, numel, weight, group, matchmaking_s, deadline)
 
     async def _round_key(self, round_: int | None) -> tuple[str | None, int, PeerRecord | None]:
         """This round's group key under ``grouping``, from the prober's view of the peers (None:
@@ -238,7 +206,7 @@ class Averager:
         if self.prober is None or self.grouping == "fixed":
             return self.group_key, 0, None
         try:  # one fresh read per round: peers that start a round together see the same peers
-            await asyncio.wait_for(self.prober.refresh(), self.matchmaking_timeout / 4)
+            await asyncio.wait_for(self.prober.refresh(), self.config.matchmaking_timeout_s / 4)
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
         view, me = self.prober.view(), self.peer.peer_id
@@ -275,6 +243,9 @@ class Averager:
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
+        for fut in self._rounds.values():
+            if not fut.done():
+                fut.set_result(None)
         if self.prober is not None and self._own_prober:
             await self.prober.close()
         await self.matchmaker.close()
@@ -295,33 +266,57 @@ class Averager:
         weight: float,
         group: GroupInfo,
         matchmaking_s: float,
+        deadline: float,
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
-        plan = PartPlan.create(numel, group.bandwidths, self._chunk_elems)
+        # an owner this peer accused owns nothing in its plan (and its streams are refused)
+        bandwidths = [
+            0.0 if m.peer_id in self.excluded else b
+            for m, b in zip(group.members, group.bandwidths, strict=True)
+        ]
+        plan = PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
         flat, result = await loop.run_in_executor(self._pool, self._gather, tensors, numel)
+        flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
-        runner = AllReduceRunner(
-            self.peer.transport,
-            group,
-            me,
-            plan,
-            flat,
-            result,
-            weight,
-            self._feedback_for(numel),
-            self._pool,
-            self.settings,
-            self.fault_triggered,
+        ctx = RoundContext(
+            group=group,
+            me=me,
+            weight=weight,
+            feedback=self._feedback_for(numel, flat.device),
+            workers=Workers(self._pool),
+            stall=self.stall,
+            deadline=deadline,
+            faults=self.faults,
+            aggregator=self.config.aggregator,
+            weight_cap=self.config.weight_cap,
+            excluded=frozenset(
+                i for i, m in enumerate(group.members) if m.peer_id in self.excluded
+            ),
         )
-        self._runners[group.group_id] = runner
+        round_ = AllReduce(
+            self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
+        )
+        fut = self._round_future(group.group_id)
+        if fut.done():  # a stream gave up waiting for this group: later ones find it
+            fut = self._rounds[group.group_id] = loop.create_future()
+        fut.set_result(round_)
         self.current_group = group
         try:
-            parts_idx, notes = await runner.run()
+            outcome = await round_.run()
         finally:
-            self._runners.pop(group.group_id, None)
-            self._finished.append(group.group_id)
+            self._end_round(group.group_id)
             self.current_group = None
+        parts_idx, notes = outcome.parts, outcome.notes
+        refusals = [
+            Refusal(m.peer_id, "excluded", -1, self.excluded[m.peer_id])
+            for m in group.members
+            if m.peer_id in self.excluded
+        ]
+        for r in outcome.refusals:
+            refusals.append(r)
+            if r.action == "accused" and r.peer not in self.excluded:
+                self.excluded[r.peer] = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
         ranges = [plan.ranges[j] for j in sorted(parts_idx)]
         await loop.run_in_executor(self._pool, _scatter, tensors, result, ranges)
         allreduce_s = time.monotonic() - started
@@ -332,7 +327,7 @@ class Averager:
         if not averaged and not reason:
             reason = "no part was averaged"
         logger.info(
-            "round %s: %d peers, %d/%d parts averaged, %.2f s + %.2f s%s",
+            "round %s: %d peers, %d/%d parts averaged, %.2f s + %.2f s%s%s",
             group.group_id.hex()[:8],
             len(ids),
             len(parts),
@@ -340,6 +335,7 @@ class Averager:
             matchmaking_s,
             allreduce_s,
             f" ({reason})" if reason else "",
+            f"; refused: {'; '.join(map(str, refusals))}" if refusals else "",
         )
         return RoundResult(
             averaged=averaged,
@@ -347,10 +343,11 @@ class Averager:
             group_id=group.group_id,
             members=ids,
             parts=parts,
-            bytes_sent=runner.bytes_sent,
-            bytes_received=runner.bytes_received,
+            bytes_sent=outcome.bytes_sent,
+            bytes_received=outcome.bytes_received,
             matchmaking_s=matchmaking_s,
             allreduce_s=allreduce_s,
+            refusals=tuple(refusals),
         )
 
     def _check_tensors(self, tensors: list[torch.Tensor]) -> None:
@@ -361,19 +358,16 @@ class Averager:
                 raise AveragingError("average() takes contiguous tensors (use .contiguous())")
 
     def _gather(self, tensors: list[torch.Tensor], numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This peer's values as one flat float32 CPU vector, and the staging buffer (reused)."""
-        if self._result is None or self._result.numel() != numel:
-            self._result = torch.empty(numel, dtype=torch.float32)
+        """This peer's values as one flat float32 vector on the tensors' device, and the staging
+        buffer (both reused). Tensors spread over several devices gather on the first one's."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if self._result is None or self._result.numel() != numel or self._result.device != device:
+            self._result = torch.empty(numel, dtype=torch.float32, device=device)
         single = tensors[0] if len(tensors) == 1 else None
-        if (
-            single is not None
-            and single.dtype == torch.float32
-            and single.device.type == "cpu"
-            and single.is_contiguous()
-        ):
+        if single is not None and single.dtype == torch.float32 and single.is_contiguous():
             return single.detach().view(-1), self._result
-        if self._flat is None or self._flat.numel() != numel:
-            self._flat = torch.empty(numel, dtype=torch.float32)
+        if self._flat is None or self._flat.numel() != numel or self._flat.device != device:
+            self._flat = torch.empty(numel, dtype=torch.float32, device=device)
         offset = 0
         for t in tensors:
             n = t.numel()
@@ -381,9 +375,10 @@ class Averager:
             offset += n
         return self._flat, self._result
 
-    def _feedback_for(self, numel: int) -> FlatFeedback:
-        if self._feedback is None or self._feedback.numel != numel:
-            self._feedback = FlatFeedback(self.codec, numel)
+    def _feedback_for(self, numel: int, device: torch.device) -> FlatFeedback:
+        fb = self._feedback
+        if fb is None or fb.numel != numel or fb.device != device:
+            self._feedback = FlatFeedback(self.codec, numel, device)
             if self._saved_feedback is not None:
                 self._feedback.load_state_dict(self._saved_feedback)
         return self._feedback
@@ -395,30 +390,51 @@ class Averager:
         group_id = header.get("g")
         if not isinstance(group_id, bytes) or len(group_id) != GROUP_ID_BYTES:
             raise TransportError("part stream without a valid group id", status=400)
-        runner = await self._runner_for(group_id)
-        if runner is None:
+        round_ = await self._round_for(group_id)
+        if round_ is None:
             raise TransportError("unknown or finished group", status=404)
         try:
-            sender = runner.group.index_of(request.sender.peer_id)
+            sender = round_.group.index_of(request.sender.peer_id)
         except AveragingError:
             raise AuthError(
                 f"{request.sender.peer_id.short} is not a member of group {group_id.hex()[:8]}"
             ) from None
-        if sender == runner.me:
+        if sender == round_.me:
             raise AuthError("a member does not stream to itself")
-        await runner.handle_part(request, reply, sender, header)
+        if request.sender.peer_id in self.excluded:
+            raise AuthError(f"{request.sender.peer_id.short} is excluded: it was accused")
+        await round_.serve(request, reply, sender, header)
 
-    async def _runner_for(self, group_id: bytes) -> AllReduceRunner | None:
-        waited = 0.0
-        while not self._closed:
-            runner = self._runners.get(group_id)
-            if runner is not None or group_id in self._finished:
-                return runner
-            if waited >= _UNKNOWN_GROUP_WAIT_S:
-                return None
-            await asyncio.sleep(0.02)
-            waited += 0.02
-        return None
+    def _round_future(self, group_id: bytes) -> asyncio.Future[AllReduce | None]:
+        """The future an inbound stream of ``group_id`` waits on (created on first use)."""
+        fut = self._rounds.get(group_id)
+        if fut is None:
+            awaited = [g for g, f in self._rounds.items() if not f.done()]
+            if len(awaited) >= _RECENT_GROUPS:  # bounded: streams for unknown groups give up
+                self._rounds.pop(awaited[0]).set_result(None)
+            fut = self._rounds[group_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def _end_round(self, group_id: bytes) -> None:
+        self._rounds[group_id] = fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        self._finished.append(group_id)
+        while len(self._finished) > _RECENT_GROUPS - 1:
+            self._rounds.pop(self._finished.popleft(), None)
+
+    async def _round_for(self, group_id: bytes) -> AllReduce | None:
+        """The round of ``group_id``: waits (a bounded time) for it to start; None when it is
+        over or never starts here."""
+        if self._closed:
+            return None
+        fut = self._round_future(group_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), _UNKNOWN_GROUP_WAIT_S)
+        except asyncio.TimeoutError:
+            if self._rounds.get(group_id) is fut and not fut.done():
+                del self._rounds[group_id]
+                fut.set_result(None)
+            return None
 
 
 def _scatter(

@@ -25,11 +25,13 @@ LOSSLESS = ("none",)
 
 
 class FlatFeedback:
-    """Residuals for encoding slices of one flat float32 vector of ``numel`` elements."""
+    """Residuals for encoding slices of one flat float32 vector of ``numel`` elements, kept on
+    the vector's ``device``."""
 
-    def __init__(self, codec: Codec, numel: int):
+    def __init__(self, codec: Codec, numel: int, device: torch.device | str = "cpu"):
         self.codec = codec
         self.numel = numel
+        self.device = torch.device(device)
         self.enabled = codec.name not in LOSSLESS
         self._sender: torch.Tensor | None = None
         self._owner: torch.Tensor | None = None
@@ -40,7 +42,7 @@ class FlatFeedback:
         if not self.enabled:
             return self.codec.encode(values)
         if self._sender is None:
-            self._sender = torch.zeros(self.numel, dtype=torch.float32)
+            self._sender = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         r = self._sender[start : start + values.numel()]
         return _encode_with(self.codec, values, r)
 
@@ -49,7 +51,7 @@ class FlatFeedback:
         if not self.enabled:
             return
         if (start, end) != self._owner_range or self._owner is None:
-            self._owner = torch.zeros(end - start, dtype=torch.float32)
+            self._owner = torch.zeros(end - start, dtype=torch.float32, device=self.device)
             self._owner_range = (start, end)
 
     def encode_owned(self, values: torch.Tensor, offset: int) -> bytes:
@@ -82,7 +84,8 @@ class FlatFeedback:
             self._owner[offset : offset + n].zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.spec, "sender": self._sender}
+        sender = self._sender.cpu() if self._sender is not None else None  # portable checkpoints
+        return {"codec": self.codec.spec, "sender": sender}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sender residual (ignored when the codec or size differs)."""
@@ -90,7 +93,7 @@ class FlatFeedback:
         if state.get("codec") != self.codec.spec or not isinstance(saved, torch.Tensor):
             return
         if saved.numel() == self.numel and saved.is_floating_point():
-            self._sender = saved.detach().reshape(-1).to(torch.float32, copy=True)
+            self._sender = saved.detach().reshape(-1).to(self.device, torch.float32, copy=True)
 
     def reset(self) -> None:
         self._sender = None

@@ -31,6 +31,7 @@ from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, Transp
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.net.streams import RemotePeer
+from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class Matchmaker:
 
     def __init__(
         self,
-        peer: Any,
+        peer: Peer,
         *,
         rpc_name: str,
         min_group_size: int,

@@ -65,6 +65,39 @@ def split_parts(numel: int, bandwidths: Sequence[float]) -> tuple[tuple[int, int
     return tuple(ranges)
 
 
+def cap_shares(bandwidths: Sequence[float], max_share: float) -> list[float]:
+    """Shares of the vector (summing to 1 over members with bandwidth > 0) proportional to
+    ``bandwidths``, none above ``max_share / n`` where ``n`` members have bandwidth > 0: an
+    announced bandwidth cannot buy a larger part than that (the excess goes to the others in
+    proportion to theirs).
+
+    Raises:
+        AveragingError: a negative or non-finite bandwidth, or ``max_share < 1``.
+    """
+    bws = [float(b) for b in bandwidths]
+    if any(not math.isfinite(b) or b < 0 for b in bws):
+        raise AveragingError(f"bandwidths must be finite and >= 0, got {bws}")
+    if not max_share >= 1:
+        raise AveragingError(f"max_share must be >= 1, got {max_share}")
+    owners = [i for i, b in enumerate(bws) if b > 0]
+    if not owners:
+        return bws
+    cap = max_share / len(owners)
+    capped: set[int] = set()
+    while True:  # water-filling: at most len(owners) passes
+        free = [i for i in owners if i not in capped]
+        free_total = sum(bws[i] for i in free)
+        left = 1.0 - cap * len(capped)
+        over = {i for i in free if bws[i] / free_total * left > cap}
+        if not over:
+            break
+        capped |= over
+    shares = [0.0] * len(bws)
+    for i in owners:
+        shares[i] = cap if i in capped else bws[i] / free_total * left
+    return shares
+
+
 def chunk_elems_for(codec: Codec, max_bytes: int = MAX_CHUNK_BYTES) -> int:
     """Largest multiple of :data:`CHUNK_ALIGN` elements whose payload fits in ``max_bytes``."""
     per_elem_bound = codec.estimate_size(1 << 20) / float(1 << 20)
@@ -84,9 +117,19 @@ class PartPlan:
     chunk_elems: int  # elements per chunk (the last chunk of a part may be shorter)
 
     @classmethod
-    def create(cls, numel: int, bandwidths: Sequence[float], chunk_elems: int) -> PartPlan:
+    def create(
+        cls,
+        numel: int,
+        bandwidths: Sequence[float],
+        chunk_elems: int,
+        max_share: float | None = None,
+    ) -> PartPlan:
+        """The plan for ``bandwidths``; with ``max_share``, no member owns more than
+        ``max_share / n`` of the vector (:func:`cap_shares`)."""
         if chunk_elems < 1:
             raise AveragingError("chunk_elems must be >= 1")
+        if max_share is not None:
+            bandwidths = cap_shares(bandwidths, max_share)
         return cls(numel, split_parts(numel, bandwidths), chunk_elems)
 
     def __len__(self) -> int:

@@ -23,12 +23,12 @@ import logging
 import math
 import random
 import time
-from typing import Any
 
 from swarm.averaging.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.errors import ConfigError, SwarmError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
+from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Prober:
 
     def __init__(
         self,
-        peer: Any,
+        peer: Peer,
         *,
         period: float = 5.0,
         probes: int = 4,

@@ -9,6 +9,12 @@ partial contribution cannot be taken back, so the owner resets the part and asks
 senders for their values again (:meth:`PartReducer.restart`); receivers stage averaged chunks
 and apply a part only once its owner confirmed it, so nothing half-received reaches the result.
 
+With ``aggregator="centered_clip"`` (the default) the senders' chunks are decoded into one row
+each instead of being added, and a chunk is reduced by :func:`~swarm.averaging.robust.
+centered_clip` with weights capped at ``weight_cap`` times the group's median once every sender
+delivered it (or was dropped); ``aggregator="mean"`` is the plain weighted mean above, for
+swarms whose peers are all trusted.
+
 The tensor work (:meth:`PartReducer.begin`, :meth:`add_chunk`, :meth:`finish_chunk`) is meant
 for a worker thread; the bookkeeping methods are cheap and belong to the event loop. Work on one
 chunk is serialized by a lock per chunk (a cancelled caller does not stop a running add).
@@ -24,10 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.averaging.robust import cap_weights, centered_clip
 from swarm.compression import decode_into, read_header
+from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError
 
 MAX_WEIGHT = 1e30
+
+CLIPPED_BELOW = 0.1  # a sender whose offset was scaled below this is reported as clipped
 
 
 def check_weight(weight: object) -> float:
@@ -65,14 +75,31 @@ class PartReducer:
         acc: the part's accumulator (a contiguous float32 view; it receives the result).
         chunks: ``(start, end)`` of every chunk, relative to ``acc``.
         senders: the members expected to contribute (not the owner itself).
+        aggregator: ``centered_clip`` or ``mean``.
+        weight_cap: with ``centered_clip``, no weight counts for more than this times the median
+            weight of the group.
     """
 
     def __init__(
-        self, acc: torch.Tensor, chunks: tuple[tuple[int, int], ...], senders: Iterable[int]
+        self,
+        acc: torch.Tensor,
+        chunks: tuple[tuple[int, int], ...],
+        senders: Iterable[int],
+        aggregator: str = "centered_clip",
+        weight_cap: float = 2.0,
     ):
+        if aggregator not in AGGREGATORS:
+            raise AveragingError(f"aggregator must be one of {AGGREGATORS}, not {aggregator!r}")
         self.acc = acc
         self.chunks = chunks
         self.expected = tuple(senders)
+        self.robust = aggregator == "centered_clip"
+        self.weight_cap = weight_cap
+        self._slots = {s: i + 1 for i, s in enumerate(self.expected)}
+        # centered_clip: row 0 holds the owner's values, row slot(s) sender s's decoded values
+        self._rows: torch.Tensor | None = None
+        self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
+        self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
         self.own_weight = 0.0
         self._own: torch.Tensor | None = None
         self._senders: dict[int, _Sender] = {}
@@ -85,6 +112,12 @@ class PartReducer:
     def begin(self, own: torch.Tensor, own_weight: float) -> None:
         """Start from the owner's own values: ``acc = own_weight * own``."""
         self._own, self.own_weight = own, check_weight(own_weight)
+        if self.robust:
+            if self._rows is None:
+                shape = (1 + len(self.expected), self.acc.numel())
+                self._rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
+            self._rows[0].copy_(own)
+            return
         torch.mul(own, self.own_weight, out=self.acc)
 
     def add_chunk(self, sender: int, index: int, payload: bytes | memoryview) -> None:
@@ -98,20 +131,54 @@ class PartReducer:
         if header.numel != end - start:
             raise CompressionError(f"chunk {index} holds {header.numel}, expected {end - start}")
         with self._locks[index]:
-            decode_into(payload, self.acc[start:end], self._senders[sender].weight)
+            if self._rows is not None:
+                row = self._rows[self._slots[sender], start:end]
+                row.zero_()
+                decode_into(payload, row, 1.0)
+            else:
+                decode_into(payload, self.acc[start:end], self._senders[sender].weight)
 
     def finish_chunk(self, index: int, total: float) -> torch.Tensor:
-        """Divide chunk ``index`` by ``total`` (:meth:`chunk_total`); returns the chunk.
+        """Reduce chunk ``index``; returns the chunk. ``total`` (:meth:`chunk_total`) is the
+        weight it holds under the plain mean (unused by CenteredClip).
 
         When the weights sum to 0 the owner's own values are restored (nothing to average).
         """
         start, end = self.chunks[index]
+        if self._rows is not None:
+            return self._clip_chunk(index, start, end)
         with self._locks[index]:
             if total > 0:
                 self.acc[start:end].div_(total)
             elif self._own is not None:
                 self.acc[start:end].copy_(self._own[start:end])
         return self.acc[start:end]
+
+    def _clip_chunk(self, index: int, start: int, end: int) -> torch.Tensor:
+        if self._own is None or self._rows is None:
+            raise AveragingError("finish_chunk() before begin()")
+        live = sorted(self.delivered(index), key=self._slots.__getitem__)  # row order
+        weights = cap_weights([self.own_weight, *(self._senders[s].weight for s in live)])
+        out = self.acc[start:end]
+        with self._locks[index]:
+            if not live or sum(weights) <= 0:
+                out.copy_(self._own[start:end])
+                return out
+            slots = [0, *(self._slots[s] for s in live)]
+            if len(slots) == self._rows.shape[0]:  # everyone delivered: a view, no copy
+                rows = self._rows[:, start:end]
+            else:
+                index = torch.tensor(slots, device=self._rows.device)
+                rows = self._rows[index, start:end]
+            clip = centered_clip(rows, weights)
+            out.copy_(clip.center)
+        for sender, scale in zip(live, clip.scales[1:], strict=True):
+            if scale < CLIPPED_BELOW:
+                self.clipped[sender] = min(scale, self.clipped.get(sender, 1.0))
+        for sender, w in zip(live, weights[1:], strict=True):
+            if w < self._senders[sender].weight:
+                self.capped[sender] = self._senders[sender].weight
+        return out
 
     def restart(self) -> tuple[int, ...]:
         """Reset to the owner's values for a new attempt with the complete senders only.
@@ -120,7 +187,8 @@ class PartReducer:
         """
         if self._own is None:
             raise AveragingError("restart() before begin()")
-        torch.mul(self._own, self.own_weight, out=self.acc)
+        if not self.robust:
+            torch.mul(self._own, self.own_weight, out=self.acc)
         self.expected = self.contributors()
         self._senders = {}
         self.attempt += 1
@@ -204,6 +272,14 @@ class PartReducer:
         return self.own_weight + sum(
             s.weight
             for s in self._senders.values()
+            if s.state is not SenderState.FAILED and s.next_chunk > index
+        )
+
+    def delivered(self, index: int) -> tuple[int, ...]:
+        """The live senders that delivered chunk ``index``."""
+        return tuple(
+            x
+            for x, s in list(self._senders.items())  # a snapshot: worker threads call this
             if s.state is not SenderState.FAILED and s.next_chunk > index
         )
 

@@ -1,11 +1,24 @@
-"""What one averaging round reports, and the faults tests inject through the real code."""
+"""What one averaging round reports."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from swarm.identity import PeerID
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A peer whose contribution or answer this peer did not take as it came, and why."""
+
+    peer: PeerID  # who
+    action: str  # clipped, weight-capped, dropped, refused, accused or excluded
+    part: int  # the part concerned (-1: the whole round)
+    why: str  # human-readable detail
+
+    def __str__(self) -> str:
+        where = f" in part {self.part}" if self.part >= 0 else ""
+        return f"{self.peer.short} {self.action}{where}: {self.why}"
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,7 @@ class RoundResult:
     bytes_received: int = 0  # payload bytes this peer received (both phases)
     matchmaking_s: float = 0.0  # time to form (or fail to form) the group
     allreduce_s: float = 0.0  # time of the all-reduce itself
+    refusals: tuple[Refusal, ...] = ()  # peers clipped, capped, dropped, refused or accused
 
     @property
     def group_size(self) -> int:
@@ -40,11 +54,3 @@ class RoundResult:
             f"matchmaking {self.matchmaking_s:.2f} s, all-reduce {self.allreduce_s:.2f} s"
             + (f" ({self.reason})" if self.reason else "")
         )
-
-
-class Fault(enum.Enum):
-    """Misbehaviour a test can switch on in one averager (real code paths, no mocks)."""
-
-    NONE = "none"
-    STALL_MID_STREAM = "stall"  # stop sending halfway through every part stream, stay connected
-    SKIP_REPLY = "skip-reply"  # as an owner, never answer (hold every stream open)

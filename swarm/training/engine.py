@@ -41,6 +41,7 @@ class RoundOutcome:
     bytes_sent: int
     bytes_received: int
     reason: str = ""  # why not averaged
+    refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ class TrainingEngine:
             wait_s=waited,
             utilization=self.utilization.value,
             reason=outcome.reason,
+            refusals=outcome.refusals,
         )
 
     def local_report(self) -> StepReport:

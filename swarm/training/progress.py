@@ -25,6 +25,7 @@ class StepReport:
     wait_s: float  # seconds step() blocked on the swarm (matchmaking + all-reduce)
     utilization: float  # share of wall time spent computing (not waiting) since the start
     reason: str = ""  # why not averaged ("" when averaged or no round was due)
+    refusals: tuple[str, ...] = ()  # peers the round clipped, capped, dropped, refused, accused
 
     def line(self, loss: float | None = None) -> str:
         """One progress line, e.g. for a log or a script's stdout."""

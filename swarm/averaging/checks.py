@@ -1,0 +1,48 @@
+"""Is an owner's average plausible? (sans-I/O) A receiver's check on the parts it gets back.
+
+An owner could return anything as "the average" of its part. Every member knows its own values
+of every part, and the owners of the other parts are other peers, mostly honest: so a member
+compares, part by part, how far the returned average lies from its own values, relative to the
+size of its own values,
+
+    r_j = ||avg_j - mine_j|| / ||mine_j||,
+
+and refuses a part whose ``r_j`` exceeds ``factor`` times the median over all the parts it got
+back (its own part included). An honest owner's robust mean lies about as far from each member's
+values as the other honest owners' do; an owner that returns huge, flipped or unrelated values
+does not. A part refused this way keeps the member's own values, and the owner is accused.
+
+This is cheaper than BTARD's validators (no re-download, no recomputation: one pass over the
+vector) and needs no agreement; what it cannot see is a lie smaller than ``factor`` times the
+honest spread, whose damage is bounded by that same amount.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+
+PLAUSIBLE_FACTOR = 4.0
+_MIN_PARTS = 3  # the median of fewer parts says nothing
+_EPS = 1e-6  # relative deviations this small are always plausible (lossless, identical values)
+
+
+def implausible_parts(
+    deviations: Mapping[int, float], factor: float = PLAUSIBLE_FACTOR
+) -> dict[int, str]:
+    """Parts whose relative deviation is not plausible, each with why.
+
+    Args:
+        deviations: part -> ``r_j`` for every part averaged this round (own part included).
+        factor: how many times the median deviation a part may reach.
+    """
+    if len(deviations) < _MIN_PARTS or any(math.isnan(d) for d in deviations.values()):
+        return {}
+    median = statistics.median(deviations.values())  # inf when most own values are 0: no verdict
+    bound = factor * median + _EPS
+    return {
+        part: f"average {d:.3g} from own values, over {factor:g}x the median {median:.3g}"
+        for part, d in deviations.items()
+        if d > bound
+    }

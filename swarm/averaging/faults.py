@@ -1,0 +1,107 @@
+"""Misbehaviour that tests switch on in one averager: the real code paths, no mocks.
+
+A :class:`FaultInjector` is consulted at the few points where a faulty peer differs from an
+honest one (what it contributes, the weight it claims, the bandwidth it announces, the bytes it
+sends, the average it returns as an owner, whether it answers at all); an honest averager holds
+``Fault.NONE`` and every hook is then the identity. The hostile faults are the attacks of the
+robustness tests and of ``benchmarks/byzantine.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+
+import torch
+
+_FAULT_SLEEP_S = 3600.0
+HUGE = 1e30
+OVERFLOW = 3e38  # near the float32 limit: a plain float32 accumulator overflows
+FLIP_SCALE = -10.0
+HUGE_WEIGHT = 1e30  # the largest weight check_weight accepts
+HUGE_BANDWIDTH = 1e300
+
+
+class Fault(enum.Enum):
+    """Misbehaviour a test can switch on in one averager (real code paths, no mocks)."""
+
+    NONE = "none"
+    STALL_MID_STREAM = "stall"  # stop sending halfway through every part stream, stay connected
+    SKIP_REPLY = "skip-reply"  # as an owner, never answer (hold every stream open): a frozen owner
+    HUGE_VALUES = "huge"  # contribute 1e30 everywhere
+    SIGN_FLIP = "sign-flip"  # contribute -10 times its values
+    HUGE_WEIGHT = "huge-weight"  # contribute 1000.0 with weight 1e30
+    OVERFLOW = "overflow"  # contribute 3e38 with weight 1e30
+    NAN = "nan"  # contribute a NaN in every chunk (crafted bytes: the codec refuses to encode it)
+    LYING_OWNER = "lying-owner"  # return 1e30 as the average of the part it owns
+    HUGE_BANDWIDTH = "huge-bandwidth"  # announce 1e300 bytes/s, then lie as owner
+
+
+_CONTRIBUTIONS = {
+    Fault.HUGE_VALUES: HUGE,
+    Fault.HUGE_WEIGHT: 1000.0,
+    Fault.OVERFLOW: OVERFLOW,
+}
+_LIARS = (Fault.LYING_OWNER, Fault.HUGE_BANDWIDTH)
+
+
+class FaultInjector:
+    """The hooks of one averager's fault; ``triggered`` is set when it fires."""
+
+    def __init__(self, fault: Fault = Fault.NONE, triggered: asyncio.Event | None = None):
+        self.fault = fault
+        self.triggered = triggered or asyncio.Event()
+
+    @property
+    def active(self) -> bool:
+        return self.fault is not Fault.NONE
+
+    def bandwidth(self, announced: float) -> float:
+        """The bandwidth to announce."""
+        return HUGE_BANDWIDTH if self.fault is Fault.HUGE_BANDWIDTH else announced
+
+    def contribution(self, flat: torch.Tensor) -> torch.Tensor:
+        """The values to contribute instead of ``flat`` (never modified in place)."""
+        if self.fault in _CONTRIBUTIONS:
+            self.triggered.set()
+            return torch.full_like(flat, _CONTRIBUTIONS[self.fault])
+        if self.fault is Fault.SIGN_FLIP:
+            self.triggered.set()
+            return flat * FLIP_SCALE
+        return flat
+
+    def weight(self, weight: float) -> float:
+        """The weight to claim."""
+        return HUGE_WEIGHT if self.fault in (Fault.HUGE_WEIGHT, Fault.OVERFLOW) else weight
+
+    def payload(self, payload: bytes) -> bytes:
+        """The bytes to send for one chunk (a NaN where the last float32 value was)."""
+        if self.fault is not Fault.NAN or len(payload) < 4:
+            return payload
+        self.triggered.set()
+        return payload[:-4] + struct.pack("<f", float("nan"))
+
+    def averaged(self, values: torch.Tensor) -> None:
+        """Owner side: tamper with an averaged chunk (in place) before it is encoded."""
+        if self.fault in _LIARS:
+            self.triggered.set()
+            values.fill_(HUGE)
+
+    async def before_chunk(self, index: int, count: int) -> None:
+        """Sender side, before chunk ``index`` of ``count`` goes out."""
+        if self.fault is Fault.STALL_MID_STREAM and index >= count // 2:
+            await self._hang()
+
+    @property
+    def owner_silent(self) -> bool:
+        """Owner side: accept streams but never answer them."""
+        return self.fault is Fault.SKIP_REPLY
+
+    async def hold(self) -> None:
+        """Owner side with :attr:`owner_silent`: keep a reply open, unanswered."""
+        await self._hang()
+
+    async def _hang(self) -> None:
+        self.triggered.set()
+        await asyncio.sleep(_FAULT_SLEEP_S)

@@ -1,0 +1,99 @@
+"""Robust aggregation of one chunk (sans-I/O): capped weights and CenteredClip.
+
+A part owner cannot trust what the senders hand it: a weight is what a peer *says* it trained
+on, and values may be huge, sign-flipped or crafted to overflow a float32 accumulator. So:
+
+- :func:`cap_weights`: no weight counts for more than ``ratio`` times the group's median weight;
+- :func:`centered_clip` (Karimireddy et al., 2021, as used by BTARD-SGD): start from the medoid
+  (the contribution with the smallest median distance to the others) and, a few times, move the
+  centre by the weighted mean of the offsets, each offset clipped to the radius ``tau`` = the
+  median of the contributions' distances to the centre. A contribution far from the others moves
+  the result by at most its weight share times ``tau``, however large its values; one clipped
+  hard (its offset scaled below :data:`OUTLIER_SCALE`) counts at most the median weight, so a
+  claimed weight cannot amplify an outlier's pull. When every contribution lies within ``tau``
+  a step gives the exact weighted mean.
+
+The work runs on the chunk's device, in float32 when no difference or norm can overflow there
+and in float64 otherwise (values near the float32 limit).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+CLIP_ITERATIONS = 2
+OUTLIER_SCALE = 0.1  # a contribution scaled below this is an outlier (reported, weight limited)
+_SAFE_F32 = 1e18  # max |value| * sqrt(n) below which float32 norms of differences cannot overflow
+
+
+def cap_weights(weights: Sequence[float], ratio: float = 2.0) -> list[float]:
+    """Each weight capped at ``ratio`` times the median of ``weights``."""
+    if not weights:
+        return []
+    cap = ratio * statistics.median(weights)
+    return [min(w, cap) for w in weights]
+
+
+@dataclass(frozen=True)
+class ClipResult:
+    """What :func:`centered_clip` did to each row."""
+
+    center: torch.Tensor  # the robust mean (on the rows' device; float32 or float64)
+    scales: tuple[float, ...]  # per row, the factor its offset was scaled by (1.0: untouched)
+    radius: float  # the last clipping radius
+
+
+def centered_clip(
+    rows: torch.Tensor, weights: Sequence[float], iterations: int = CLIP_ITERATIONS
+) -> ClipResult:
+    """CenteredClip of ``rows`` (one contribution per row) with ``weights``.
+
+    Args:
+        rows: ``[k, n]`` float tensor, every value finite.
+        weights: ``k`` weights >= 0; when they sum to 0 every row counts the same.
+        iterations: clipping steps after the medoid start.
+    """
+    k, n = rows.shape
+    low, high = torch.aminmax(rows) if rows.numel() else (torch.zeros(()), torch.zeros(()))
+    big = max(-float(low), float(high))
+    x = rows.float() if big * math.sqrt(max(n, 1)) < _SAFE_F32 else rows.double()
+    w = torch.tensor([float(v) for v in weights], dtype=x.dtype, device=x.device)
+    if float(w.sum()) <= 0:
+        w = torch.ones(k, dtype=x.dtype, device=x.device)
+    if k == 1:
+        return ClipResult(x[0].clone(), (1.0,), 0.0)
+    # distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
+    # matrix-vector product: no k x n temporary per iteration
+    gram = x @ x.T
+    sq = gram.diagonal().clone()
+    start, dist2 = _medoid(gram)
+    v = x[start].clone()
+    median_weight = float(w.median())
+    scale = torch.ones(k, dtype=x.dtype, device=x.device)
+    tau = 0.0
+    for step in range(iterations):
+        if step == 0:  # from the medoid: its distances are in the Gram matrix already
+            dist = torch.sqrt(dist2[start])
+        else:
+            dist = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
+        tau = float(dist.median())
+        scale = torch.where(dist > tau, tau / torch.clamp(dist, min=torch.finfo(x.dtype).tiny), 1.0)
+        wk = torch.where(scale < OUTLIER_SCALE, torch.clamp(w, max=median_weight), w)
+        c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v)
+        v = c @ x + (1 - c.sum()) * v
+    return ClipResult(v, tuple(float(s) for s in scale.cpu()), tau)
+
+
+def _medoid(gram: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The row with the smallest median distance to the rows, and the squared distances between
+    rows, from their Gram matrix."""
+    sq = gram.diagonal()
+    dist2 = torch.clamp(sq[:, None] + sq[None, :] - 2 * gram, min=0)
+    scale = float(dist2.max()) or 1.0  # ties on the median go to the smallest mean distance
+    score = dist2.median(dim=1).values / scale + 1e-6 * dist2.mean(dim=1) / scale
+    return int(score.argmin()), dist2

@@ -1,0 +1,186 @@
+"""The sender's side of one part: stream this member's share to its owner, stage the average.
+
+Member ``i`` opens one stream to the owner of part ``j`` (route ``{name}.part``) with the header
+``{"g": group id, "p": part, "a": attempt, "w": weight}`` and streams its compressed values of
+part ``j`` chunk by chunk (with its error feedback). The averaged chunks come back on the reply
+while later chunks still go out; they land in a staging buffer, and the part counts as averaged
+only after the owner's ``ok`` trailer, with every chunk received and a valid contributor list.
+A ``retry`` trailer starts the part again with the same payloads (once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from swarm.averaging.context import RoundContext
+from swarm.averaging.outcome import FAILURES, MAX_ATTEMPTS, SentPart
+from swarm.averaging.result import Refusal
+from swarm.compression import decode_into, read_header
+from swarm.errors import AveragingError, CompressionError
+from swarm.protocols import StreamTransport
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_TICK_S = 0.2
+
+
+class OwnerStalled(AveragingError):
+    """The owner of a part stopped making progress."""
+
+
+class PartSender:
+    """Streams this member's values of part ``part`` to its owner and stages the average.
+
+    Args:
+        ctx: the round.
+        transport: the peer's transport.
+        stream_name: the owner's route.
+        part: the part (and its owner's index).
+        chunks: absolute ``(start, end)`` of every chunk of the part.
+        flat: this member's values (read-only during the round).
+        result: the staging buffer (same size as ``flat``).
+    """
+
+    def __init__(
+        self,
+        ctx: RoundContext,
+        transport: StreamTransport,
+        stream_name: str,
+        part: int,
+        chunks: tuple[tuple[int, int], ...],
+        flat: torch.Tensor,
+        result: torch.Tensor,
+    ):
+        self.ctx = ctx
+        self.transport, self.stream_name = transport, stream_name
+        self.group, self.me, self.part, self.chunks = ctx.group, ctx.me, part, chunks
+        self.flat, self.result, self.weight = flat, result, ctx.weight
+        self.feedback, self.workers = ctx.feedback, ctx.workers
+        self.deadline, self.faults = ctx.deadline, ctx.faults
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._stored: list[bytes] | None = [] if ctx.feedback.enabled else None
+        self._progress: list[float] = [time.monotonic()]  # when chunks went out or came back
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    async def run(self) -> SentPart:
+        """Send the part (and once more if the owner asks); never raises for a failed owner."""
+        owner = self.group.members[self.part]
+        try:
+            for attempt in range(MAX_ATTEMPTS):
+                header = {"g": self.group.group_id, "p": self.part, "a": attempt, "w": self.weight}
+                exchange = self._exchange(owner, header, self._body(attempt))
+                contributors = await self._watched(exchange)
+                if contributors is not None:
+                    return SentPart(self.part, contributors, "")
+            raise AveragingError("owner asked for too many retries")
+        except OwnerStalled as e:
+            logger.warning("part %d: dropping owner %s: %s", self.part, owner.peer_id.short, e)
+            refusal = Refusal(owner.peer_id, "dropped", self.part, str(e))
+            return SentPart(self.part, None, f"part {self.part}: owner {e}", (refusal,))
+        except (*FAILURES, asyncio.TimeoutError) as e:
+            reason = str(e) or type(e).__name__
+            logger.info(
+                "part %d (owner %s) not averaged: %s", self.part, owner.peer_id.short, reason
+            )
+            return SentPart(self.part, None, f"part {self.part}: {reason}")
+
+    async def _watched(self, exchange: Coroutine[Any, Any, T]) -> T:
+        """Run one exchange until it ends, the deadline passes, or the owner stalls: nothing
+        went out or came back for longer than the stall policy allows at the pace measured on
+        this stream (a frozen owner costs seconds, not the round)."""
+        task = asyncio.ensure_future(exchange)
+        self._progress = [time.monotonic()]
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_TICK_S)
+                if done:
+                    return task.result()
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise asyncio.TimeoutError("all-reduce deadline")
+                marks = self._progress
+                pace = (marks[-1] - marks[0]) / (len(marks) - 1) if len(marks) > 1 else None
+                limit = self.ctx.stall.reply_limit(pace)
+                if now - marks[-1] > limit:
+                    raise OwnerStalled(
+                        f"stalled: no progress for {now - marks[-1]:.1f} s (limit {limit:.1f} s)"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _body(self, attempt: int) -> AsyncIterator[bytes]:
+        stored = self._stored
+        for i, (s, e) in enumerate(self.chunks):
+            await self.faults.before_chunk(i, len(self.chunks))
+            if attempt > 0 and stored is not None:
+                payload = stored[i]
+            else:
+                payload = await self.workers.run(self.feedback.encode, self.flat[s:e], s)
+                if stored is not None:
+                    stored.append(payload)
+            payload = self.faults.payload(payload)
+            self.bytes_sent += len(payload)
+            yield payload
+            self._progress.append(time.monotonic())  # the previous chunk was taken
+
+    async def _exchange(
+        self, owner: Any, header: dict[str, Any], body: AsyncIterator[bytes]
+    ) -> tuple[int, ...] | None:
+        """One stream to the owner; returns the contributors, or None when asked to retry."""
+        chunks = self.chunks
+        timeout = max(1.0, self._remaining())
+        async with self.transport.stream(
+            owner, self.stream_name, header, body, timeout=timeout
+        ) as s:
+            if s.header.get("ok") is not True:
+                raise AveragingError(f"owner refused: {s.header.get('why')!s:.200}")
+            received = 0
+            async for payload in s:  # staged in ``result``; applied after an ok trailer only
+                if received >= len(chunks):
+                    raise AveragingError("owner sent more chunks than the part has")
+                cs, ce = chunks[received]
+                await self.workers.run(self._stage_chunk, payload, cs, ce)
+                self.bytes_received += len(payload)
+                received += 1
+                self._progress.append(time.monotonic())
+            outcome = s.trailer
+        if outcome.get("retry") is True:
+            return None
+        if outcome.get("ok") is not True:
+            raise AveragingError(f"owner gave up: {outcome.get('why')!s:.200}")
+        if received != len(chunks):
+            raise AveragingError(f"owner sent {received} of {len(chunks)} chunks")
+        return self._check_contributors(outcome.get("c"))
+
+    def _check_contributors(self, value: Any) -> tuple[int, ...]:
+        n = len(self.group.members)
+        if (
+            not isinstance(value, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+            or len(set(value)) != len(value)
+            or not all(0 <= i < n for i in value)
+            or self.part not in value
+            or self.me not in value
+        ):
+            raise AveragingError("owner sent an invalid contributor list")
+        return tuple(sorted(value))
+
+    def _stage_chunk(self, payload: bytes, start: int, end: int) -> None:
+        header = read_header(payload, max_numel=end - start)
+        if header.numel != end - start:
+            raise CompressionError(f"averaged chunk holds {header.numel}, expected {end - start}")
+        out = self.result[start:end]
+        out.zero_()
+        decode_into(payload, out, 1.0)
