@@ -11,9 +11,9 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from swarm.address import PeerAddress
     from swarm.dht.records import DHTEntry
     from swarm.identity import PeerID
-    from swarm.net.address import PeerAddress
     from swarm.net.record import PeerRecord
     from swarm.net.streams import InboundStream, OutboundStream, RemotePeer, ReplyStream
 
@@ -86,6 +86,11 @@ class Peer(Protocol):
 
     @property
     def dht(self) -> RecordStore: ...
+
+    @property
+    def departed(self) -> set[PeerID]:
+        """Peers whose leave marker this peer has read: nobody waits for them."""
+        ...
 
     async def announce(self) -> int: ...
 

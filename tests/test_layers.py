@@ -16,7 +16,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     2: ("identity",),
     3: ("auth",),
     4: ("compression", "net", "dht", "peer_config"),
-    5: ("monitor",),
+    5: ("monitor", "protocols"),
     6: ("peer", "config"),
     7: ("averaging", "training", "dashboard"),
     8: ("api", "cli"),
