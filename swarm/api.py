@@ -10,17 +10,22 @@ thread) and :class:`AsyncSwarm` (``await``; runs on the caller's loop)::
             swarm.step(samples=len(batch))   # instead of optimizer.step()
             optimizer.zero_grad()            # step() does NOT zero gradients, as optimizer.step()
 
-Averaging blocks ``step()`` for the length of a round (no overlap with the next inner steps): with
-``diloco`` that is one round every ``inner_steps`` steps, so compute utilization is
-``1 - round time / (round time + inner_steps x step time)``; every report carries it.
+With ``diloco`` a due round runs in the background while the next inner steps go on (``overlap``,
+the default): ``step()`` returns at once, and the round's outer update lands at a later step; it
+waits only when the next round is due before the last one has finished. With ``overlap=False``
+(and in ``local_sgd``/``gradients``) ``step()`` blocks for the whole round, so compute
+utilization is ``1 - round time / (round time + inner_steps x step time)``; every report
+carries it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -31,6 +36,7 @@ from swarm.config import SPARSE_CODECS, PeerConfig, SwarmConfig
 from swarm.errors import SwarmError, TrainingError
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
+from swarm.training.overlap import RoundHandle
 from swarm.training.progress import StepReport
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
@@ -91,6 +97,7 @@ class AsyncSwarm:
         self.peer: Any = None
         self.averager: Any = None
         self._provider = StateProvider(self.engine)
+        self._rounds: set[asyncio.Task[RoundOutcome]] = set()  # rounds running in the background
 
     @classmethod
     async def create(
@@ -168,8 +175,15 @@ class AsyncSwarm:
                 self.config.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
-            return RoundOutcome(False, 0, 0, 0, f"{type(e).__name__}: {e}")
-        return outcome_of(result)
+            return RoundOutcome(False, 0, 0, 0, f"{type(e).__name__}: {e}", _since(plan))
+        return dataclasses.replace(outcome_of(result), round_s=_since(plan))
+
+    def start_round(self, plan: RoundPlan) -> RoundHandle:
+        """Start :meth:`average_round` as a task on this loop (an overlapped round)."""
+        task = asyncio.ensure_future(self.average_round(plan))
+        self._rounds.add(task)
+        task.add_done_callback(self._rounds.discard)
+        return task
 
     async def step(self, samples: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
@@ -181,7 +195,15 @@ class AsyncSwarm:
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
-        return await arun_step(self.engine.step(samples), self.average_round)
+        return await arun_step(self.engine.step(samples), self.average_round, self.start_round)
+
+    async def wait_round(self) -> StepReport | None:
+        """Wait for the round in flight (overlap) and apply it; None when none runs.
+
+        Call before evaluating the swarm's model at the end of training; :meth:`save`,
+        :meth:`load` and :meth:`average_parameters` call it themselves.
+        """
+        return await arun_step(self.engine.wait_round(), self.average_round, self.start_round)
 
     async def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
@@ -198,6 +220,7 @@ class AsyncSwarm:
                 "run the swarm with a dense codec (none, fp16, int8) to use it"
             )
         e = self.engine
+        await self.wait_round()  # the slots are the round in flight's until it lands
         with e.lock:
             e.outer.load_values()
         plan = RoundPlan(e.outer.slots, max(e.samples_in_round, 1.0), 0.0)
@@ -224,13 +247,19 @@ class AsyncSwarm:
         return await self.peer.known_peers()
 
     async def save(self, path: str | Path) -> None:
-        """Checkpoint model, optimizer, outer state, error-feedback residuals and round."""
+        """Checkpoint model, optimizer, outer state, error-feedback residuals and round.
+
+        A round in flight is waited for and applied first: the checkpoint holds the state the
+        peers agree on after it.
+        """
+        await self.wait_round()
         state = await asyncio.to_thread(self.engine.state_dict, _averager_state(self.averager))
         await asyncio.to_thread(write_checkpoint, path, state)
 
     async def load(self, path: str | Path) -> None:
         """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
         state = await asyncio.to_thread(read_checkpoint, path)
+        await self.wait_round()
         averager_state = await asyncio.to_thread(self.engine.load_state_dict, state)
         if averager_state and hasattr(self.averager, "load_state_dict"):
             self.averager.load_state_dict(averager_state)
@@ -245,7 +274,11 @@ class AsyncSwarm:
         return str(self.peer.address)
 
     async def close(self) -> None:
-        """Leave the swarm (closes the averager, then the peer)."""
+        """Leave the swarm (cancels a round in flight, closes the averager, then the peer)."""
+        rounds, self._rounds = list(self._rounds), set()
+        for task in rounds:
+            task.cancel()
+        await asyncio.gather(*rounds, return_exceptions=True)
         averager, self.averager = self.averager, None
         if averager is not None and hasattr(averager, "close"):
             await averager.close()
@@ -311,20 +344,32 @@ class Swarm:
     def step(self, samples: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
-        Every ``inner_steps`` steps this blocks for an averaging round (at most
+        Every ``inner_steps`` steps an averaging round starts. With ``overlap`` (the default
+        for ``diloco``) it runs in the background on the swarm's loop thread and lands at a
+        later step; a step blocks only when the next round is due before the last one
+        finished (the report's ``wait_s``). Otherwise the step blocks for the round (at most
         ``round_timeout_s``). A failed round is reported (``averaged=False``, ``reason``) and
         logged once at WARNING; training goes on.
 
         Args:
             samples: samples in this step's batch (weights rounds); default 1 per step.
         """
-        return run_step(self.engine.step(samples), self._round)
+        return run_step(self.engine.step(samples), self._round, self._start_round)
+
+    def wait_round(self) -> StepReport | None:
+        """Wait for the round in flight and apply it; see :meth:`AsyncSwarm.wait_round`."""
+        return run_step(self.engine.wait_round(), self._round, self._start_round)
 
     def _round(self, plan: RoundPlan) -> RoundOutcome:
         try:
             return self._run(self._async.average_round(plan), self.config.round_timeout_s + 10)
         except concurrent.futures.TimeoutError:
             return RoundOutcome(False, 0, 0, 0, "round timed out")
+
+    def _start_round(self, plan: RoundPlan) -> RoundHandle:
+        if self._closed:
+            raise TrainingError("the swarm is closed")
+        return asyncio.run_coroutine_threadsafe(self._async.average_round(plan), self._loop)
 
     def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training)."""
@@ -339,12 +384,18 @@ class Swarm:
         return self._run(self._async.known_peers(), 60)
 
     def save(self, path: str | Path) -> None:
-        """Checkpoint model, optimizer, outer state, error-feedback residuals and round."""
+        """Checkpoint model, optimizer, outer state, error-feedback residuals and round.
+
+        A round in flight is waited for and applied first (see :meth:`AsyncSwarm.save`).
+        """
+        self.wait_round()
         write_checkpoint(path, self.engine.state_dict(_averager_state(self._async.averager)))
 
     def load(self, path: str | Path) -> None:
         """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
-        averager_state = self.engine.load_state_dict(read_checkpoint(path))
+        state = read_checkpoint(path)
+        self.wait_round()
+        averager_state = self.engine.load_state_dict(state)
         averager = self._async.averager
         if averager_state and hasattr(averager, "load_state_dict"):
             averager.load_state_dict(averager_state)
@@ -397,6 +448,10 @@ def outcome_of(result: RoundResult) -> RoundOutcome:
         bytes_received=result.bytes_received,
         reason="" if result.averaged else (result.reason or "not averaged"),
     )
+
+
+def _since(plan: RoundPlan) -> float:
+    return time.perf_counter() - plan.started if plan.started else 0.0
 
 
 def _averager_state(averager: Any) -> dict[str, Any]:
