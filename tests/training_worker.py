@@ -140,10 +140,13 @@ def main() -> None:
                 if report.round_due:
                     print_round(report)
                 if report.round_due and report.round == args.save_at_round and args.save:
+                    landed = swarm.wait_round()  # save() lands a round in flight first
+                    if landed is not None:
+                        print_round(landed)
                     swarm.save(args.save)
                     if args.out:
                         torch.save(model.state_dict(), args.out + ".saved")
-                    print(f"SAVED {report.round}", flush=True)
+                    print(f"SAVED {swarm.round}", flush=True)
         if args.final_average:
             outcome = swarm.average_parameters()
             final = {

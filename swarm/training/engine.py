@@ -223,7 +223,7 @@ class TrainingEngine:
         local = self.launch()
         handle = yield RoundPlan(plan.tensors, plan.weight, plan.started, background=True)
         self._flight = Flight(handle, plan.started, plan.weight, local)
-        if handle.done():  # the driver ran it in place
+        if handle.done() and landed is None:  # already over (run in place, or alone): land it
             return (yield from self.land())
         return dataclasses.replace(landed, in_flight=True) if landed else self.local_report()
 
