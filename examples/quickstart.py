@@ -75,6 +75,7 @@ def train_peer(
                 with torch.no_grad():
                     full = torch.nn.functional.cross_entropy(model(x), y).item()
                 print(f"peer 0 {report.line(full)}", flush=True)
+        swarm.wait_round()  # the last round runs in the background: land it
         ready.wait()  # stay up until everyone has finished their last round
 
 
