@@ -71,6 +71,10 @@ class AsyncSwarm:
 
     Create with ``swarm = await AsyncSwarm.create(model, optimizer, ...)`` or
     ``async with AsyncSwarm(model, optimizer, ...) as swarm``.
+
+    An overlapped round is a task on the caller's loop: it moves on while the loop runs (each
+    ``await swarm.step()`` gives it one turn), so a script that awaits its data or sleeps between
+    steps hides the round best; a purely compute-bound loop waits for it at the next due round.
     """
 
     def __init__(
