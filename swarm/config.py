@@ -93,8 +93,9 @@ class SwarmConfig:
             False blocks ``step()`` for the whole round. None = on for ``diloco``.
         outer_device: where the fp32 outer state (anchor, momentum, averaging slots and the
             error-feedback residuals) lives; None = the model's device. ``"cpu"`` with a CUDA
-            model keeps it in pinned host memory, which saves about 12-16 bytes of GPU memory
-            per parameter (more with overlap) at the cost of two copies per round.
+            model keeps it in pinned host memory: 12 bytes of GPU memory per parameter saved
+            (anchor, momentum, averaging slots), 16 with overlap (its in-flight copy), for two
+            copies between host and GPU per round. Error-feedback residuals follow the slots.
     """
 
     peer: PeerConfig = field(default_factory=PeerConfig)
