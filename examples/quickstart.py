@@ -86,6 +86,7 @@ def train_peer(
                 with torch.no_grad():
                     full = torch.nn.functional.cross_entropy(model(x), y).item()
                 print(f"peer 0 {report.line(full)}", flush=True)
+        swarm.wait_round()  # the last round runs in the background: land it
         summaries[rank] = (
             f"peer {rank} ({swarm.peer.peer_id.short}): {report.round} rounds, {report.step} "
             f"steps, last loss {loss.item():.4f}, utilization {report.utilization:.0%}"

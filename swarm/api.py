@@ -10,15 +10,19 @@ thread) and :class:`AsyncSwarm` (``await``; runs on the caller's loop)::
             swarm.step(samples=len(batch))   # instead of optimizer.step()
             optimizer.zero_grad()            # step() does NOT zero gradients, as optimizer.step()
 
-Averaging blocks ``step()`` for the length of a round (no overlap with the next inner steps): with
-``diloco`` that is one round every ``inner_steps`` steps, so compute utilization is
-``1 - round time / (round time + inner_steps x step time)``; every report carries it.
+With ``diloco`` a due round runs in the background while the next inner steps go on (``overlap``,
+the default): ``step()`` returns at once, and the round's outer update lands at a later step; it
+waits only when the next round is due before the last one has finished. With ``overlap=False``
+(and in ``local_sgd``/``gradients``) ``step()`` blocks for the whole round, so compute
+utilization is ``1 - round time / (round time + inner_steps x step time)``; every report
+carries it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -33,6 +37,7 @@ from swarm.errors import SwarmError, TrainingError
 from swarm.monitor.tracker import RoundFigures
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
+from swarm.training.overlap import RoundHandle
 from swarm.training.progress import StepReport
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
@@ -75,6 +80,10 @@ class AsyncSwarm:
 
     Create with ``swarm = await AsyncSwarm.create(model, optimizer, ...)`` or
     ``async with AsyncSwarm(model, optimizer, ...) as swarm``.
+
+    An overlapped round is a task on the caller's loop: it moves on while the loop runs (each
+    ``await swarm.step()`` gives it one turn), so a script that awaits its data or sleeps between
+    steps hides the round best; a purely compute-bound loop waits for it at the next due round.
     """
 
     def __init__(
@@ -101,6 +110,7 @@ class AsyncSwarm:
         self.peer: Any = None
         self.averager: Any = None
         self._provider = StateProvider(self.engine)
+        self._rounds: set[asyncio.Task[RoundOutcome]] = set()  # rounds running in the background
 
     @classmethod
     async def create(
@@ -175,9 +185,16 @@ class AsyncSwarm:
             reason = f"{type(e).__name__}: {e}"
             seconds = time.perf_counter() - started
             self.peer.record_round(RoundFigures(False, reason, "", 0, 0, 0, seconds, seconds, 0.0))
-            return RoundOutcome(False, 0, 0, 0, reason)
+            return RoundOutcome(False, 0, 0, 0, reason, round_s=_since(plan))
         self.peer.record_round(round_figures(result, time.perf_counter() - started))
-        return outcome_of(result)
+        return dataclasses.replace(outcome_of(result), round_s=_since(plan))
+
+    def start_round(self, plan: RoundPlan) -> RoundHandle:
+        """Start :meth:`average_round` as a task on this loop (an overlapped round)."""
+        task = asyncio.ensure_future(self.average_round(plan))
+        self._rounds.add(task)
+        task.add_done_callback(self._rounds.discard)
+        return task
 
     async def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
@@ -192,7 +209,15 @@ class AsyncSwarm:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
         self.peer.progress.note_loss(loss)
-        return await arun_step(self.engine.step(samples), self.average_round)
+        return await arun_step(self.engine.step(samples), self.average_round, self.start_round)
+
+    async def wait_round(self) -> StepReport | None:
+        """Wait for the round in flight (overlap) and apply it; None when none runs.
+
+        Call before evaluating the swarm's model at the end of training; :meth:`save`,
+        :meth:`load` and :meth:`average_parameters` call it themselves.
+        """
+        return await arun_step(self.engine.wait_round(), self.average_round, self.start_round)
 
     async def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
@@ -209,6 +234,7 @@ class AsyncSwarm:
                 "run the swarm with a dense codec (none, fp16, int8) to use it"
             )
         e = self.engine
+        await self.wait_round()  # the slots are the round in flight's until it lands
         with e.lock:
             e.outer.load_values()
         plan = RoundPlan(e.outer.slots, max(e.samples_in_round, 1.0), 0.0)
@@ -235,13 +261,19 @@ class AsyncSwarm:
         return await self.peer.known_peers()
 
     async def save(self, path: str | Path) -> None:
-        """Checkpoint model, optimizer, outer state, error-feedback residuals and round."""
+        """Checkpoint model, optimizer, outer state, error-feedback residuals and round.
+
+        A round in flight is waited for and applied first: the checkpoint holds the state the
+        peers agree on after it.
+        """
+        await self.wait_round()
         state = await asyncio.to_thread(self.engine.state_dict, _averager_state(self.averager))
         await asyncio.to_thread(write_checkpoint, path, state)
 
     async def load(self, path: str | Path) -> None:
         """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
         state = await asyncio.to_thread(read_checkpoint, path)
+        await self.wait_round()
         averager_state = await asyncio.to_thread(self.engine.load_state_dict, state)
         if averager_state and hasattr(self.averager, "load_state_dict"):
             self.averager.load_state_dict(averager_state)
@@ -256,7 +288,11 @@ class AsyncSwarm:
         return str(self.peer.address)
 
     async def close(self) -> None:
-        """Leave the swarm (closes the averager, then the peer)."""
+        """Leave the swarm (cancels a round in flight, closes the averager, then the peer)."""
+        rounds, self._rounds = list(self._rounds), set()
+        for task in rounds:
+            task.cancel()
+        await asyncio.gather(*rounds, return_exceptions=True)
         averager, self.averager = self.averager, None
         if averager is not None and hasattr(averager, "close"):
             await averager.close()
@@ -322,7 +358,10 @@ class Swarm:
     def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
-        Every ``inner_steps`` steps this blocks for an averaging round (at most
+        Every ``inner_steps`` steps an averaging round starts. With ``overlap`` (the default
+        for ``diloco``) it runs in the background on the swarm's loop thread and lands at a
+        later step; a step blocks only when the next round is due before the last one
+        finished (the report's ``wait_s``). Otherwise the step blocks for the round (at most
         ``round_timeout_s``). A failed round is reported (``averaged=False``, ``reason``) and
         logged once at WARNING; training goes on.
 
@@ -331,13 +370,22 @@ class Swarm:
             loss: this step's loss, optional; shown by ``swarm-peer status`` and the dashboard.
         """
         self.peer.progress.note_loss(loss)
-        return run_step(self.engine.step(samples), self._round)
+        return run_step(self.engine.step(samples), self._round, self._start_round)
+
+    def wait_round(self) -> StepReport | None:
+        """Wait for the round in flight and apply it; see :meth:`AsyncSwarm.wait_round`."""
+        return run_step(self.engine.wait_round(), self._round, self._start_round)
 
     def _round(self, plan: RoundPlan) -> RoundOutcome:
         try:
             return self._run(self._async.average_round(plan), self.config.round_timeout_s + 10)
         except concurrent.futures.TimeoutError:
             return RoundOutcome(False, 0, 0, 0, "round timed out")
+
+    def _start_round(self, plan: RoundPlan) -> RoundHandle:
+        if self._closed:
+            raise TrainingError("the swarm is closed")
+        return asyncio.run_coroutine_threadsafe(self._async.average_round(plan), self._loop)
 
     def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training)."""
@@ -352,12 +400,18 @@ class Swarm:
         return self._run(self._async.known_peers(), 60)
 
     def save(self, path: str | Path) -> None:
-        """Checkpoint model, optimizer, outer state, error-feedback residuals and round."""
+        """Checkpoint model, optimizer, outer state, error-feedback residuals and round.
+
+        A round in flight is waited for and applied first (see :meth:`AsyncSwarm.save`).
+        """
+        self.wait_round()
         write_checkpoint(path, self.engine.state_dict(_averager_state(self._async.averager)))
 
     def load(self, path: str | Path) -> None:
         """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
-        averager_state = self.engine.load_state_dict(read_checkpoint(path))
+        state = read_checkpoint(path)
+        self.wait_round()
+        averager_state = self.engine.load_state_dict(state)
         averager = self._async.averager
         if averager_state and hasattr(averager, "load_state_dict"):
             averager.load_state_dict(averager_state)
@@ -427,6 +481,10 @@ def round_figures(result: Any, seconds: float) -> RoundFigures:
         matchmaking_s=float(result.matchmaking_s),
         allreduce_s=float(result.allreduce_s),
     )
+
+
+def _since(plan: RoundPlan) -> float:
+    return time.perf_counter() - plan.started if plan.started else 0.0
 
 
 def _averager_state(averager: Any) -> dict[str, Any]:

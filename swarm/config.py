@@ -206,6 +206,15 @@ class SwarmConfig:
         state_timeout_s: upper bound on that download.
         max_state_bytes: largest state a joiner accepts from others (protects its memory).
         state_parts: largest number of providers a joiner downloads parts from at once.
+        overlap: ``diloco`` only (the default there): a due round runs in the background while
+            the next inner steps go on, and its outer update lands one or more steps late (see
+            :mod:`swarm.training.overlap`); a slow link then costs bandwidth, not compute.
+            False blocks ``step()`` for the whole round. None = on for ``diloco``.
+        outer_device: where the fp32 outer state (anchor, momentum, averaging slots and the
+            error-feedback residuals) lives; None = the model's device. ``"cpu"`` with a CUDA
+            model keeps it in pinned host memory: 12 bytes of GPU memory per parameter saved
+            (anchor, momentum, averaging slots), 16 with overlap (its in-flight copy), for two
+            copies between host and GPU per round. Error-feedback residuals follow the slots.
     """
 
     peer: PeerConfig = field(default_factory=PeerConfig)
@@ -223,6 +232,8 @@ class SwarmConfig:
     state_timeout_s: float = 120.0
     max_state_bytes: int = 16 << 30
     state_parts: int = 4
+    overlap: bool | None = None
+    outer_device: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer, PeerConfig):
@@ -259,6 +270,17 @@ class SwarmConfig:
             raise ConfigError("state_timeout_s must be positive")
         if self.max_state_bytes < 1 or self.state_parts < 1:
             raise ConfigError("max_state_bytes and state_parts must be >= 1")
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", mode.has_outer_step)
+        elif not isinstance(self.overlap, bool):
+            raise ConfigError("overlap must be True, False or None")
+        elif self.overlap and not mode.has_outer_step:
+            raise ConfigError(
+                f"overlap applies the outer step late, which only mode='diloco' has; "
+                f"{mode.value} rounds block"
+            )
+        if self.outer_device not in (None, "cpu"):
+            raise ConfigError("outer_device must be None (the model's device) or 'cpu'")
 
     @property
     def averaging(self) -> AveragingConfig:

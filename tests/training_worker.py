@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--model", default="mlp")
     p.add_argument("--inner-steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=0, help="train this many steps (not --rounds)")
+    p.add_argument("--overlap", choices=["on", "off"], default=None)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--min-group", type=int, default=2)
@@ -93,6 +95,7 @@ def main() -> None:
         matchmaking_timeout_s=args.matchmaking_timeout,
         round_timeout_s=60.0,
         heartbeat_s=2.0,
+        overlap=None if args.overlap is None else args.overlap == "on",
     )
     try:
         print(f"ADDRESS {swarm.address}", flush=True)
@@ -110,9 +113,25 @@ def main() -> None:
                 break
             time.sleep(0.2)
         print(f"START {swarm.round} {full_loss(model, x, y)}", flush=True)
+
+        def print_round(report) -> None:
+            fields = {
+                "round": report.round,
+                "step": report.step,
+                "loss": full_loss(model, x, y),
+                "averaged": report.averaged,
+                "group": report.group_size,
+                "reason": report.reason,
+                "bytes_sent": report.bytes_sent,
+                "wait_s": report.wait_s,
+                "round_s": report.round_s,
+            }
+            print("ROUND " + json.dumps(fields), flush=True)
+
         g = torch.Generator().manual_seed(1000 + args.rank)
-        start_round = swarm.round
-        while swarm.round < start_round + args.rounds:
+        start_round, steps = swarm.round, 0
+        while (steps < args.steps) if args.steps else (swarm.round < start_round + args.rounds):
+            steps += 1
             batch = mine[torch.randint(len(mine), (args.batch,), generator=g)]
             loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
             loss.backward()
@@ -120,22 +139,20 @@ def main() -> None:
             optimizer.zero_grad()
             if args.step_delay:
                 time.sleep(args.step_delay)
-            if report.round_due:
-                fields = {
-                    "round": report.round,
-                    "step": report.step,
-                    "loss": full_loss(model, x, y),
-                    "averaged": report.averaged,
-                    "group": report.group_size,
-                    "reason": report.reason,
-                    "bytes_sent": report.bytes_sent,
-                }
-                print("ROUND " + json.dumps(fields), flush=True)
-                if report.round == args.save_at_round and args.save:
+            reports = [report]
+            if args.steps and steps == args.steps and report.in_flight:
+                reports.append(swarm.wait_round())  # land the last round before the end
+            for report in reports:
+                if report.round_due:
+                    print_round(report)
+                if report.round_due and report.round == args.save_at_round and args.save:
+                    landed = swarm.wait_round()  # save() lands a round in flight first
+                    if landed is not None:
+                        print_round(landed)
                     swarm.save(args.save)
                     if args.out:
                         torch.save(model.state_dict(), args.out + ".saved")
-                    print(f"SAVED {report.round}", flush=True)
+                    print(f"SAVED {swarm.round}", flush=True)
         if args.final_average:
             outcome = swarm.average_parameters()
             final = {

@@ -2,14 +2,24 @@
 
 ``step()`` = (``gradients``: average the gradients) → ``optimizer.step()`` → (every
 ``inner_steps``: an averaging round). :meth:`TrainingEngine.step` writes that sequence once, as a
-generator that yields the round it needs; the facades differ only in how they wait for the round
-(:func:`run_step` blocks on the loop thread, :func:`arun_step` awaits). Averaging works on fp32
-copies (:class:`~swarm.training.outer.OuterState`), so a failed or cut round never leaves the
-model half-averaged: the peer goes on alone and the step report says why.
+generator that yields what it needs from the network; the facades differ only in how they wait
+(:func:`run_step` blocks on the loop thread, :func:`arun_step` awaits). It yields
+
+- a :class:`RoundPlan` with ``background`` False: run the round now, send its outcome back;
+- a :class:`RoundPlan` with ``background`` True (``diloco`` with ``overlap``): start the round
+  and send back its handle at once; a later step lands it (:mod:`swarm.training.overlap`);
+- a :class:`~swarm.training.overlap.RoundWait`: a round is due while the last one still runs:
+  wait for that one and send its outcome back.
+
+Averaging works on fp32 copies (:class:`~swarm.training.outer.OuterState`), so a failed or cut
+round never leaves the model half-averaged: the peer goes on alone and the step report says why.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -20,9 +30,10 @@ from typing import Any
 import torch
 
 from swarm.config import SPARSE_CODECS, Mode, SwarmConfig
-from swarm.errors import CheckpointError
+from swarm.errors import CheckpointError, TrainingError
 from swarm.training.checkpoint import check_checkpoint
 from swarm.training.outer import OuterState
+from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait
 from swarm.training.progress import StepReport, Utilization
 from swarm.training.snapshot import Snapshot, pack_snapshot
 from swarm.training.tensors import ModelTensors
@@ -42,6 +53,7 @@ class RoundOutcome:
     bytes_received: int
     reason: str = ""  # why not averaged
     refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
+    round_s: float = 0.0  # seconds from the round's start to its outcome
 
 
 @dataclass(frozen=True)
@@ -51,32 +63,101 @@ class RoundPlan:
     tensors: list[torch.Tensor]
     weight: float
     started: float  # perf_counter() when the round began
+    background: bool = False  # start it and hand back its handle instead of waiting for it
 
 
-StepFlow = Generator[RoundPlan, RoundOutcome, StepReport]
-"""One step in progress: yields each round to run, is sent its outcome, returns the report."""
+StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
+"""One step in progress: yields what it needs (see the module docstring), returns the report."""
 
 
-def run_step(flow: StepFlow, run_round: Callable[[RoundPlan], RoundOutcome]) -> StepReport:
-    """Drive :meth:`TrainingEngine.step`, blocking on ``run_round`` for each round it asks for."""
+class _Ran(concurrent.futures.Future):  # type: ignore[type-arg]
+    """The handle of a background round that its driver ran in place: already done."""
+
+    def __init__(self, outcome: RoundOutcome):
+        super().__init__()
+        self.set_result(outcome)
+
+
+def run_step(
+    flow: StepFlow,
+    run_round: Callable[[RoundPlan], RoundOutcome],
+    start_round: Callable[[RoundPlan], RoundHandle] | None = None,
+) -> StepReport:
+    """Drive :meth:`TrainingEngine.step`, blocking on ``run_round`` for each round it asks for.
+
+    ``start_round`` starts a background round and returns its ``concurrent.futures.Future``;
+    without it a background round runs in place and lands at once, like a blocking one.
+    """
     try:
-        plan = next(flow)
+        request = next(flow)
         while True:
-            plan = flow.send(run_round(plan))
+            if isinstance(request, RoundWait):
+                reply: Any = _wait(request)
+            elif request.background:
+                reply = start_round(request) if start_round else _Ran(run_round(request))
+            else:
+                reply = run_round(request)
+            request = flow.send(reply)
     except StopIteration as done:
         return done.value
 
 
 async def arun_step(
-    flow: StepFlow, run_round: Callable[[RoundPlan], Awaitable[RoundOutcome]]
+    flow: StepFlow,
+    run_round: Callable[[RoundPlan], Awaitable[RoundOutcome]],
+    start_round: Callable[[RoundPlan], RoundHandle] | None = None,
 ) -> StepReport:
-    """Drive :meth:`TrainingEngine.step`, awaiting ``run_round`` for each round it asks for."""
+    """Drive :meth:`TrainingEngine.step`, awaiting ``run_round`` for each round it asks for.
+
+    ``start_round`` starts a background round as a task on this loop and returns the task.
+    """
     try:
-        plan = next(flow)
+        request = next(flow)
         while True:
-            plan = flow.send(await run_round(plan))
+            if isinstance(request, RoundWait):
+                reply: Any = await _await(request)
+            elif request.background:
+                reply = start_round(request) if start_round else _Ran(await run_round(request))
+            else:
+                reply = await run_round(request)
+            request = flow.send(reply)
     except StopIteration as done:
+        # One turn of the loop per step, so a round in flight moves on between busy steps.
+        await asyncio.sleep(0)
         return done.value
+
+
+def _wait(request: RoundWait) -> RoundOutcome:
+    handle: Any = request.handle
+    try:
+        return handle.result(request.timeout)
+    except concurrent.futures.TimeoutError:
+        handle.cancel()
+        return RoundOutcome(False, 0, 0, 0, "round timed out")
+    except concurrent.futures.CancelledError:
+        return RoundOutcome(False, 0, 0, 0, "round cancelled")
+
+
+async def _await(request: RoundWait) -> RoundOutcome:
+    handle: Any = request.handle
+    future = handle if asyncio.isfuture(handle) else asyncio.wrap_future(handle)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), request.timeout)
+    except asyncio.TimeoutError:
+        future.cancel()
+        return RoundOutcome(False, 0, 0, 0, "round timed out")
+    except asyncio.CancelledError:
+        if not future.cancelled():
+            raise  # this step itself was cancelled, not the round
+        return RoundOutcome(False, 0, 0, 0, "round cancelled")
+
+
+def _outcome(handle: RoundHandle) -> RoundOutcome:
+    """The outcome of a round whose handle is done."""
+    try:
+        return handle.result()
+    except (asyncio.CancelledError, concurrent.futures.CancelledError):
+        return RoundOutcome(False, 0, 0, 0, "round cancelled")
 
 
 class TrainingEngine:
@@ -92,7 +173,11 @@ class TrainingEngine:
         dense = config.codec.split(":")[0] not in SPARSE_CODECS
         self.tensors = ModelTensors.of(model, with_buffers=dense)
         self.schema = self.tensors.schema_hash()
-        self.outer = OuterState(self.tensors, keep_momentum=self.mode.has_outer_step)
+        self.outer = OuterState(
+            self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
+        )
+        self.overlap = Overlap(self.outer)
+        self._flight: Flight | None = None  # the round running in the background (overlap)
         # what a round averages: written into the fp32 slots before it
         self._load_slots = {
             Mode.DILOCO: self.outer.load_pseudo_grads,
@@ -107,14 +192,17 @@ class TrainingEngine:
         self.utilization = Utilization()
         # Held while the model/anchor change, so a snapshot for a joiner is never torn.
         self.lock = threading.Lock()
+        self._landed = threading.Condition(self.lock)  # notified when a round in flight lands
         self._last_failure = ""
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, samples: float | None = None) -> StepFlow:
         """One ``swarm.step()``: the local step, and the averaging round when one is due.
 
-        Yields the :class:`RoundPlan` of a due round and takes the :class:`RoundOutcome` back
-        (see :func:`run_step`, :func:`arun_step`); returns the :class:`StepReport`.
+        Yields what it needs from the network (see the module docstring) and returns the
+        :class:`StepReport`. With ``overlap``, a due round starts in the background and this
+        step returns at once; the round lands at the first later step that finds it done, or
+        at the next due round, which waits for it (``wait_s`` in that step's report).
 
         Raises:
             ValueError: ``samples`` is negative or not a number.
@@ -127,10 +215,27 @@ class TrainingEngine:
             self.inner_step()
             return report
         self.inner_step()
+        landed = None
+        if self._flight is not None and (due or self._flight.handle.done()):
+            landed = yield from self.land()
         if not due:
-            return self.local_report()
+            return landed or self.local_report()
         plan = self.begin_round()
-        return self.finish_round(plan, (yield plan))
+        if not self.config.overlap:
+            return self.finish_round(plan, (yield plan))
+        local = self.launch()
+        handle = yield RoundPlan(plan.tensors, plan.weight, plan.started, background=True)
+        self._flight = Flight(handle, plan.started, plan.weight, local)
+        if handle.done() and landed is None:  # already over (run in place, or alone): land it
+            return (yield from self.land())
+        return dataclasses.replace(landed, in_flight=True) if landed else self.local_report()
+
+    def wait_round(self) -> Generator[RoundWait, Any, StepReport | None]:
+        """Wait for the round in flight and land it (before a save, a final average or an
+        evaluation of the swarm's model); returns its report, or None when no round runs."""
+        if self._flight is None:
+            return None
+        return (yield from self.land())
 
     def count(self, samples: float | None) -> bool:
         """Count a local step; True when this step ends a round."""
@@ -178,6 +283,58 @@ class TrainingEngine:
             self.round += 1
             self.steps_in_round = 0
             self.samples_in_round = 0.0
+        return self._round_report(outcome, waited, outcome.round_s or waited)
+
+    # -- overlapped rounds (diloco) -----------------------------------------------------------
+    def launch(self) -> list[torch.Tensor]:
+        """Keep ``Δ_local`` (just loaded) for the landing, take the eager outer step with it
+        and start the next round's count."""
+        cfg = self.config
+        with self.lock:
+            local = self.overlap.keep_local()
+            self.overlap.eager_step(lr=cfg.outer_lr, beta=cfg.outer_momentum, nesterov=cfg.nesterov)
+            self.steps_in_round = 0
+            self.samples_in_round = 0.0
+        return local
+
+    def land(self) -> Generator[RoundWait, Any, StepReport]:
+        """Apply the round in flight (waiting for it if still running), one step or more late."""
+        flight = self._flight
+        if flight is None:
+            raise TrainingError("no round in flight")
+        waited = 0.0
+        if flight.handle.done():
+            outcome = _outcome(flight.handle)
+        else:
+            t0 = time.perf_counter()
+            outcome = yield RoundWait(flight.handle, self.config.round_timeout_s + 10.0)
+            waited = time.perf_counter() - t0
+            self.utilization.add_wait(waited)
+            logger.info(
+                "round %d still running when the next was due: waited %.2fs for it",
+                self.round + 1,
+                waited,
+            )
+        cfg = self.config
+        with self._landed:
+            self.overlap.land(
+                averaged=outcome.averaged,
+                lr=cfg.outer_lr,
+                beta=cfg.outer_momentum,
+                nesterov=cfg.nesterov,
+            )
+            self.round += 1
+            self._flight = None
+            self._landed.notify_all()
+        round_s = outcome.round_s or time.perf_counter() - flight.started
+        return self._round_report(outcome, waited, round_s)
+
+    @property
+    def in_flight(self) -> bool:
+        """A round runs in the background (started, not landed yet)."""
+        return self._flight is not None
+
+    def _round_report(self, outcome: RoundOutcome, waited: float, round_s: float) -> StepReport:
         if outcome.averaged:
             self._last_failure = ""
             logger.debug("round %d averaged with %d peers", self.round, outcome.group_size - 1)
@@ -199,11 +356,22 @@ class TrainingEngine:
             utilization=self.utilization.value,
             reason=outcome.reason,
             refusals=outcome.refusals,
+            round_s=round_s,
+            in_flight=self.in_flight,
         )
 
     def local_report(self) -> StepReport:
         return StepReport(
-            self.step_count, self.round, False, False, 0, 0, 0, 0.0, self.utilization.value
+            self.step_count,
+            self.round,
+            False,
+            False,
+            0,
+            0,
+            0,
+            0.0,
+            self.utilization.value,
+            in_flight=self.in_flight,
         )
 
     # -- snapshots for late joiners ---------------------------------------------------------
@@ -225,9 +393,16 @@ class TrainingEngine:
 
         Between rounds a DiLoCo or local-SGD peer's anchor is the state every peer agreed on
         at the last round, so joiners get that (plus the averaged floating buffers) rather than
-        this peer's local drift. Call from a worker thread: it copies the whole model.
+        this peer's local drift. While a round is in flight the peers are about to move their
+        anchors, so this waits (bounded) for it to land and serves the state after it. Call
+        from a worker thread: it copies the whole model.
         """
-        with self.lock:
+        bound = min(self.config.round_timeout_s, self.config.state_timeout_s / 4)
+        with self._landed:
+            if not self._landed.wait_for(lambda: self._flight is None, bound):
+                logger.warning(
+                    "serving round %d's state: the round in flight did not land", self.round
+                )
             values = list(
                 self.tensors.params if self.mode.averages_gradients else self.outer.anchor
             )
@@ -241,6 +416,7 @@ class TrainingEngine:
     @torch.no_grad()
     def load_snapshot(self, snap: Snapshot, steps_in_round: int) -> None:
         """Adopt a downloaded state: model, anchor, momentum and round; inner state resets."""
+        self._no_flight("load a downloaded state")
         with self.lock:
             for name, t in zip(self.tensors.names, self.tensors.all, strict=True):
                 t.copy_(snap.tensors[f"model.{name}"].view(t.shape))
@@ -281,6 +457,7 @@ class TrainingEngine:
                 f"the checkpoint was written in mode {state.get('mode')!r}, "
                 f"this swarm runs {self.mode.value!r}"
             )
+        self._no_flight("load a checkpoint")
         # All-or-nothing: everything is checked before the first value is written.
         t = self.tensors
         outer = {f"anchor.{n}": x.shape for n, x in zip(t.names, t.all, strict=True)}
@@ -300,6 +477,10 @@ class TrainingEngine:
                 raise CheckpointError(f"the checkpoint does not match this model: {e}") from e
         averager = state.get("averager", {})
         return averager if isinstance(averager, dict) else {}
+
+    def _no_flight(self, doing: str) -> None:
+        if self._flight is not None:
+            raise TrainingError(f"a round is in flight: land it (wait_round) before you {doing}")
 
     def _load_outer(self, outer: dict[str, torch.Tensor]) -> None:
         if not isinstance(outer, dict):

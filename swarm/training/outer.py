@@ -4,8 +4,10 @@ DiLoCo (Douillard et al., 2023, Algorithm 1): every ``inner_steps`` local steps,
 computes the pseudo-gradient ``Δ = θ_anchor - θ``, the swarm averages it, and an outer optimizer
 (Nesterov SGD, lr 0.7, momentum 0.9) moves the shared anchor; every worker then restarts from it.
 
-The anchor, the pseudo-gradient and the momentum are fp32 master copies on the model's device, so
-fp16/bf16 models do not lose the small outer updates to rounding.
+The anchor, the pseudo-gradient and the momentum are fp32 master copies, so fp16/bf16 models do not
+lose the small outer updates to rounding. They live on the model's device, or (``outer_device=
+"cpu"`` with a CUDA model) in pinned host memory, which leaves the GPU to the model: the copies to
+and from the GPU then happen once per round.
 """
 
 from __future__ import annotations
@@ -51,17 +53,50 @@ class OuterState:
     Args:
         tensors: the model's parameters and floating buffers (see :class:`ModelTensors`).
         keep_momentum: False for ``local_sgd``/``gradients``, which need no outer momentum.
+        device: where the fp32 state lives; None = the model's device. ``cpu`` with a CUDA
+            model keeps it in pinned host memory (the averager's residuals follow the slots).
     """
 
-    def __init__(self, tensors: ModelTensors, *, keep_momentum: bool = True):
+    def __init__(
+        self,
+        tensors: ModelTensors,
+        *,
+        keep_momentum: bool = True,
+        device: torch.device | str | None = None,
+    ):
         self.tensors = tensors
+        self.device = torch.device(device) if device is not None else tensors.device
+        # off the model's GPU: pinned, so copies to and from it can run asynchronously
+        self.offloaded = self.device != tensors.device and tensors.device.type == "cuda"
         # What the averager sees and averages in place: one fp32 tensor per model tensor.
-        self.slots = [
-            torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tensors.all
-        ]
-        self.anchor = [t.detach().float().clone() for t in tensors.params]
-        self.buffer_anchor = [b.detach().float().clone() for b in tensors.buffers]
-        self.momentum = [torch.zeros_like(a) for a in self.anchor] if keep_momentum else []
+        self.slots = [self.new_like(t) for t in tensors.all]
+        self.anchor = [self.new_like(t).copy_(t.detach()) for t in tensors.params]
+        self.buffer_anchor = [self.new_like(b).copy_(b.detach()) for b in tensors.buffers]
+        self.momentum = [self.new_like(a) for a in self.anchor] if keep_momentum else []
+
+    def new_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A zero fp32 tensor shaped like ``t`` where this state lives (pinned when offloaded)."""
+        return torch.zeros(
+            t.shape, dtype=torch.float32, device=self.device, pin_memory=self.offloaded
+        )
+
+    def _difference(
+        self,
+        out: Sequence[torch.Tensor],
+        anchors: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+    ) -> None:
+        """out ← anchors - values, with ``values`` on the model's device."""
+        if not self.offloaded:
+            for o, a, t in zip(out, anchors, values, strict=True):
+                torch.sub(a, t, out=o)
+            return
+        for o, t in zip(out, values, strict=True):
+            o.copy_(t, non_blocking=True)
+        # A CPU-GPU sync point, once per round: the copies must land before the CPU reads them.
+        torch.cuda.synchronize(self.tensors.device)
+        for o, a in zip(out, anchors, strict=True):
+            torch.sub(a, o, out=o)
 
     @property
     def _n(self) -> int:
@@ -76,10 +111,7 @@ class OuterState:
     @torch.no_grad()
     def load_pseudo_grads(self) -> None:
         """slots ← θ_anchor - θ for parameters and buffers alike (DiLoCo)."""
-        for slot, a, t in zip(
-            self.slots, self.anchor + self.buffer_anchor, self.tensors.all, strict=True
-        ):
-            torch.sub(a, t, out=slot)
+        self._difference(self.slots, self.anchor + self.buffer_anchor, self.tensors.all)
 
     @torch.no_grad()
     def load_values(self) -> None:
@@ -98,10 +130,7 @@ class OuterState:
         self._load_buffer_changes()
 
     def _load_buffer_changes(self) -> None:
-        for slot, a, b in zip(
-            self.slots[self._n :], self.buffer_anchor, self.tensors.buffers, strict=True
-        ):
-            torch.sub(a, b, out=slot)
+        self._difference(self.slots[self._n :], self.buffer_anchor, self.tensors.buffers)
 
     def _apply_buffer_changes(self) -> None:
         for a, b, slot in zip(
@@ -132,7 +161,7 @@ class OuterState:
         """Gradients ← averaged slots; floating buffers ← anchor - mean change."""
         for p, slot in zip(self.tensors.params, self.slots[: self._n], strict=True):
             if p.grad is None:
-                p.grad = slot.to(p.dtype).clone()
+                p.grad = slot.to(device=p.device, dtype=p.dtype, copy=True)
             else:
                 p.grad.copy_(slot)
         self._apply_buffer_changes()

@@ -13,6 +13,7 @@ class StepReport:
     Most steps are plain local steps (``round_due`` False). On a step that ends an averaging
     round, ``averaged`` says whether the swarm average was applied; when it was not, ``reason``
     says why and the peer went on alone (a DiLoCo peer then applies its own pseudo-gradient).
+    With overlapped rounds a round ends at the step where it lands, not where it started.
     """
 
     step: int  # local optimizer steps taken by this peer so far (this one included)
@@ -26,6 +27,8 @@ class StepReport:
     utilization: float  # share of wall time spent computing (not waiting) since the start
     reason: str = ""  # why not averaged ("" when averaged or no round was due)
     refusals: tuple[str, ...] = ()  # peers the round clipped, capped, dropped, refused, accused
+    round_s: float = 0.0  # seconds the round took, start to outcome (overlapped: not all waited)
+    in_flight: bool = False  # a round still runs in the background after this step (overlap)
 
     def line(self, loss: float | None = None) -> str:
         """One progress line, e.g. for a log or a script's stdout."""

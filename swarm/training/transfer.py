@@ -71,7 +71,8 @@ class StateProvider:
     async def _current(self) -> tuple[int, bytes, str]:
         async with self._build:
             round_ = self.engine.round
-            if round_ not in self._cache:
+            # a round in flight is about to move the anchor: build the state after it lands
+            if round_ not in self._cache or self.engine.in_flight:
                 round_, blob = await asyncio.to_thread(self.engine.snapshot)
                 digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
                 self._cache[round_] = (blob, digest)

@@ -1,0 +1,227 @@
+"""Compute utilization of DiLoCo peers with blocking vs overlapped rounds, and the loss they reach.
+
+Prints one JSON object per line and configuration::
+
+    {"setting": "loopback"|"tbf100", "peers": N, "params": P, "codec": ..., "overlap": bool,
+     "fragments": 1, "inner_steps": H, "step_s": ..., "round_s": ..., "utilization": ...,
+     "final_loss": ..., "blocking_final_loss": ..., "gpu_mem_overhead_bytes_per_param": null}
+
+Every peer is its own process (this script with ``--peer``) training an MLP on a fixed synthetic
+regression task (its own shard) with ``Swarm``; the width is chosen so that one round's transfer
+takes about as long as the ``inner_steps`` of compute between rounds. Each configuration runs
+once with ``overlap=False`` and once with ``overlap=True`` for the same number of steps;
+``blocking_final_loss`` is the first run's loss.
+
+- ``step_s``: median compute seconds of one step (forward, backward, ``swarm.step()`` minus
+  the time it blocked on the swarm), median over peers;
+- ``round_s``: median seconds of a round from its start to its outcome;
+- ``utilization``: compute time / wall time over the timed rounds (after ``--warmup`` rounds),
+  i.e. 1 - time blocked on the swarm / wall time, mean over peers;
+- ``final_loss``: the mean over peers of the full-data loss after the last round has landed.
+
+On loopback all peers share this machine's cores, so a background round also slows the compute
+of the steps it overlaps. ``tbf100`` (Linux, as root) puts every peer in its own network
+namespace behind 100 Mbit/s ``tc tbf`` links both ways, the setting of ``allreduce.py`` (its
+namespace code is reused, not copied).
+
+    python benchmarks/utilization.py [--peers 4] [--width 1024] [--inner-steps 20]
+        [--rounds 8] [--settings loopback tbf100] [--codec int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from allreduce import rate_limited_namespaces, tbf_available  # noqa: E402
+
+DIM, ITEMS = 64, 8192
+
+
+def peer_main(args: argparse.Namespace) -> None:
+    import torch
+
+    from swarm.api import Swarm
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ITEMS, DIM, generator=g)
+    y = torch.tanh(x @ torch.randn(DIM, 1, generator=g) / 4)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, args.width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(args.width, args.width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(args.width, 1),
+    )
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    swarm = Swarm(
+        model,
+        optimizer,
+        run_id="utilization",
+        initial_peers=args.initial_peers,
+        listen=args.listen,
+        inner_steps=args.inner_steps,
+        codec=args.codec,
+        overlap=args.overlap == "on",
+        min_group_size=args.peers,
+        target_group_size=args.peers,
+        matchmaking_timeout_s=30.0,
+        round_timeout_s=300.0,
+    )
+    try:
+        print(json.dumps({"address": swarm.address}), flush=True)
+        deadline = time.monotonic() + 60
+        while len(swarm.known_peers()) < args.peers and time.monotonic() < deadline:
+            time.sleep(0.2)
+        mine = torch.arange(args.rank, ITEMS, args.peers)
+        sample = torch.Generator().manual_seed(100 + args.rank)
+        warmup_steps = args.warmup * args.inner_steps
+        total = (args.warmup + args.rounds) * args.inner_steps
+        step_times, round_times, waited, start = [], [], 0.0, 0.0
+        for step in range(1, total + 1):
+            if step == warmup_steps + 1:
+                start, waited = time.perf_counter(), 0.0
+            t0 = time.perf_counter()
+            idx = mine[torch.randint(len(mine), (args.batch,), generator=sample)]
+            torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            report = swarm.step(samples=args.batch)
+            optimizer.zero_grad()
+            if step > warmup_steps:
+                step_times.append(time.perf_counter() - t0 - report.wait_s)
+                waited += report.wait_s
+            if report.round_due and step > warmup_steps:
+                round_times.append(report.round_s)
+        t0 = time.perf_counter()
+        last = swarm.wait_round()
+        waited += time.perf_counter() - t0
+        if last is not None:
+            round_times.append(last.round_s)
+        wall = time.perf_counter() - start
+        with torch.no_grad():
+            loss = torch.nn.functional.mse_loss(model(x), y).item()
+        print(
+            json.dumps(
+                {
+                    "params": params,
+                    "step_s": statistics.median(step_times),
+                    "round_s": statistics.median(round_times) if round_times else None,
+                    "utilization": max(0.0, 1 - waited / wall),
+                    "final_loss": loss,
+                }
+            ),
+            flush=True,
+        )
+        time.sleep(2.0)  # let the others finish their last round with us
+    finally:
+        swarm.close()
+
+
+def run(args: argparse.Namespace, setting: str, overlap: str, places) -> list[dict]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    common = [sys.executable, __file__, "--peer", "--overlap", overlap]
+    common += ["--peers", str(args.peers), "--width", str(args.width), "--codec", args.codec]
+    common += ["--inner-steps", str(args.inner_steps), "--rounds", str(args.rounds)]
+    common += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
+    procs: list[subprocess.Popen] = []
+    address = ""
+    try:
+        for rank, (prefix, ip) in enumerate(places):
+            extra = ["--rank", str(rank), "--listen", f"{ip}:0"]
+            if rank:
+                extra += ["--initial-peers", address]
+            procs.append(
+                subprocess.Popen(
+                    [*prefix, *common, *extra], stdout=subprocess.PIPE, text=True, env=env
+                )
+            )
+            if rank == 0:
+                address = json.loads(procs[0].stdout.readline())["address"]
+        outputs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rows = [
+        json.loads(line) for out in outputs for line in out.splitlines() if '"final_loss"' in line
+    ]
+    if len(rows) != args.peers:
+        raise RuntimeError(
+            f"{args.peers - len(rows)} peer(s) did not report ({setting}, {overlap})"
+        )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--listen", default="127.0.0.1:0", help=argparse.SUPPRESS)
+    p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--overlap", default="on", help=argparse.SUPPRESS)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--codec", default="int8")
+    p.add_argument("--settings", nargs="+", default=["loopback", "tbf100"])
+    args = p.parse_args()
+    if args.peer:
+        peer_main(args)
+        return
+    for setting in args.settings:
+        if setting == "tbf100" and (why := tbf_available()):
+            print(f"skipping tbf100: {why}", file=sys.stderr)
+            continue
+        blocking = None
+        for overlap in ("off", "on"):
+            if setting == "tbf100":
+                with rate_limited_namespaces(args.peers, 100_000_000) as places:
+                    rows = run(args, setting, overlap, places)
+            else:
+                places = [([], f"127.0.0.{i + 1}") for i in range(args.peers)]
+                rows = run(args, setting, overlap, places)
+            final = statistics.mean(r["final_loss"] for r in rows)
+            blocking = final if overlap == "off" else blocking
+            rounds = [r["round_s"] for r in rows if r["round_s"] is not None]
+            print(
+                json.dumps(
+                    {
+                        "setting": setting,
+                        "peers": args.peers,
+                        "params": rows[0]["params"],
+                        "codec": args.codec,
+                        "overlap": overlap == "on",
+                        "fragments": 1,
+                        "inner_steps": args.inner_steps,
+                        "step_s": round(statistics.median(r["step_s"] for r in rows), 4),
+                        "round_s": round(statistics.median(rounds), 3) if rounds else None,
+                        "utilization": round(statistics.mean(r["utilization"] for r in rows), 3),
+                        "final_loss": round(final, 5),
+                        "blocking_final_loss": round(blocking, 5),
+                        "gpu_mem_overhead_bytes_per_param": None,
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""A small GPT trained by a local swarm on the Python standard library's own source text.
+
+    python examples/language_model.py                  # 2 peers, CPU, a few minutes
+    python examples/language_model.py --peers 4 --layers 4 --dim 256 --steps 2000   # on a GPU
+
+The corpus is every ``*.py`` file of this Python installation's standard library (offline, no
+download), read as bytes (a 256-symbol vocabulary). Each peer trains on its own shard of the
+text with AdamW, gradient accumulation and, on a GPU, ``torch.autocast`` in bfloat16; every
+``--inner-steps`` optimizer steps the peers average their pseudo-gradients (int8 + error
+feedback) in the background while training goes on (overlapped DiLoCo). Peer 0 prints one line
+per round with its held-out loss. On several machines, run one peer per machine with
+``initial_peers=["HOST:PORT"]`` and ``listen="0.0.0.0:7000"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from swarm.api import Swarm
+
+
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    """The standard library's source, as one byte tensor (deterministic file order)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: byte embedding, learned positions, pre-norm blocks."""
+
+    def __init__(self, context: int, dim: int, layers: int, heads: int):
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.position = nn.Parameter(torch.zeros(context, dim))
+        block = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 256, bias=False)
+        self.head.weight = self.embed.weight  # tied input and output embeddings
+        nn.init.normal_(self.position, std=0.02)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
+        h = self.embed(tokens) + self.position[:n]
+        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
+
+
+def batch_of(text: torch.Tensor, size: int, context: int, g: torch.Generator, device: str):
+    start = torch.randint(len(text) - context - 1, (size,), generator=g)
+    rows = torch.stack([text[s : s + context + 1] for s in start.tolist()]).to(device)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+        logits = model(x)
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def train_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)  # one initial model; joiners download peer 0's anyway
+    model = GPT(args.context, args.dim, args.layers, args.heads).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    with Swarm(
+        model,
+        optimizer,
+        run_id="language-model",
+        initial_peers=peers,
+        listen="127.0.0.1:0",
+        inner_steps=args.inner_steps,
+        codec="int8",
+        matchmaking_timeout_s=5.0,
+        round_timeout_s=120.0,
+    ) as swarm:
+        out[rank] = swarm
+        ready.wait()  # every peer is up: the shards are disjoint
+        shard = text[rank * len(text) // args.peers : (rank + 1) * len(text) // args.peers]
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(args.steps):
+            for _ in range(args.accumulate):  # gradient accumulation: a larger effective batch
+                x, y = batch_of(shard, args.batch, args.context, g, device)
+                (loss_of(model, x, y, device) / args.accumulate).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            report = swarm.step(samples=args.batch * args.accumulate)
+            optimizer.zero_grad(set_to_none=True)
+            if report.round_due and rank == 0:
+                with torch.no_grad():
+                    x, y = held_out
+                    held = loss_of(model, x.to(device), y.to(device), device).item()
+                print(f"peer 0 {report.line(held)} ({held / math.log(2):.2f} bits/byte)")
+        swarm.wait_round()  # land the last round before leaving
+        ready.wait()  # stay up until everyone has finished their last round
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per peer")
+    p.add_argument("--inner-steps", type=int, default=25)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=96)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, torch.get_num_threads() // args.peers))
+    text = load_corpus(args.corpus_bytes)
+    held_text, text = text[: len(text) // 20], text[len(text) // 20 :]
+    held_out = batch_of(held_text, 64, args.context, torch.Generator().manual_seed(99), "cpu")
+    print(f"corpus: {len(text)} bytes of standard-library source, {args.peers} peers")
+    ready = threading.Barrier(args.peers)
+    swarms: list[Swarm | None] = [None] * args.peers
+    first = threading.Thread(target=train_peer, args=(0, args, text, held_out, [], ready, swarms))
+    first.start()
+    while swarms[0] is None and first.is_alive():
+        first.join(0.05)
+    if swarms[0] is None:
+        raise SystemExit("peer 0 failed to start")
+    others = [
+        threading.Thread(
+            target=train_peer, args=(r, args, text, held_out, [swarms[0].address], ready, swarms)
+        )
+        for r in range(1, args.peers)
+    ]
+    for t in others:
+        t.start()
+    for t in [first, *others]:
+        t.join()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Overlapped DiLoCo rounds in the engine: landing, waits, failures, snapshots and checkpoints
+while a round is in flight, and the outer state off the GPU."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+
+from swarm.config import SwarmConfig
+from swarm.errors import ConfigError, TrainingError
+from swarm.training.checkpoint import read_checkpoint, write_checkpoint
+from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, run_step
+from swarm.training.snapshot import unpack_snapshot
+
+INNER = 3
+
+
+def make(overlap: bool = True, seed: int = 0, **kw: object) -> TrainingEngine:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = SwarmConfig(inner_steps=INNER, codec="none", overlap=overlap, **kw)
+    return TrainingEngine(model, opt, config)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+
+
+def backward(e: TrainingEngine, step: int) -> None:
+    x, y = batch(step)
+    e.optimizer.zero_grad()
+    torch.nn.functional.mse_loss(e.model(x), y).backward()
+
+
+class Rounds:
+    """A driver's ``start_round``: rounds finish when the test says so, with a chosen average."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[RoundPlan, concurrent.futures.Future]] = []
+        self.on_wait = None  # called when a step blocks on an unfinished round
+        self.waits = 0
+
+    def start(self, plan: RoundPlan) -> concurrent.futures.Future:
+        future = _Pending(self)
+        self.started.append((plan, future))
+        return future
+
+    def finish(self, average: list[torch.Tensor] | None, reason: str = "") -> None:
+        plan, future = self.started[-1]
+        if average is None:
+            for t in plan.tensors:
+                t.fill_(float("nan"))  # a cut round leaves garbage behind
+            future.set_result(RoundOutcome(False, 0, 0, 0, reason))
+            return
+        for t, value in zip(plan.tensors, average, strict=True):
+            t.copy_(value)
+        future.set_result(RoundOutcome(True, 2, 10, 10))
+
+
+class _Pending(concurrent.futures.Future):
+    """A round's future; a step that blocks on it first lets the test finish the round."""
+
+    def __init__(self, rounds: Rounds):
+        super().__init__()
+        self.rounds = rounds
+
+    def result(self, timeout: float | None = None) -> RoundOutcome:
+        if not self.done():
+            self.rounds.waits += 1
+            if self.rounds.on_wait is not None:
+                self.rounds.on_wait()
+        return super().result(timeout)
+
+
+def no_blocking_round(plan: RoundPlan) -> RoundOutcome:
+    raise AssertionError("an overlapped engine asked for a blocking round")
+
+
+def test_overlap_is_the_default_for_diloco_only() -> None:
+    assert SwarmConfig().overlap is True
+    assert SwarmConfig(mode="local_sgd").overlap is False
+    assert SwarmConfig(mode="gradients").overlap is False
+    with pytest.raises(ConfigError, match="diloco"):
+        SwarmConfig(mode="local_sgd", overlap=True)
+    with pytest.raises(ConfigError, match="outer_device"):
+        SwarmConfig(outer_device="tpu")
+
+
+def test_a_round_that_lands_before_any_inner_step_is_the_blocking_round() -> None:
+    """Driven without start_round, a background round runs in place and lands at once."""
+    overlapped, blocking = make(True), make(False)
+    average = None
+
+    def run_round(plan: RoundPlan) -> RoundOutcome:
+        nonlocal average
+        if average is None:  # the same "group average" for both engines
+            average = [t * 0.5 + 0.01 for t in plan.tensors]
+        for t, value in zip(plan.tensors, average, strict=True):
+            t.copy_(value)
+        return RoundOutcome(True, 2, 0, 0)
+
+    for e in (overlapped, blocking):
+        average = None
+        reports = []
+        for step in range(1, 2 * INNER + 1):
+            backward(e, step)
+            reports.append(run_step(e.step(16), run_round))
+        assert [r.round for r in reports if r.round_due] == [1, 2]
+        assert not reports[-1].in_flight
+    a_state, b_state = overlapped.model.state_dict(), blocking.model.state_dict()
+    for p, q in zip(a_state.values(), b_state.values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    for a, b in zip(overlapped.outer.momentum, blocking.outer.momentum, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_round_in_flight_when_the_next_is_due_is_waited_for_and_reported() -> None:
+    e, rounds = make(), Rounds()
+    reports = []
+    for step in range(1, INNER + 1):
+        backward(e, step)
+        reports.append(run_step(e.step(16), no_blocking_round, rounds.start))
+    # the round started at the due step, which returned at once
+    assert len(rounds.started) == 1 and reports[-1].in_flight and not reports[-1].round_due
+    assert e.round == 0
+    average = [t.clone() for t in rounds.started[0][0].tensors]
+    for step in range(INNER + 1, 2 * INNER):
+        backward(e, step)
+        reports.append(run_step(e.step(16), no_blocking_round, rounds.start))
+        assert not reports[-1].round_due and reports[-1].in_flight  # still running
+    # the next round is due: the step waits, and the round finishes while it waits
+    rounds.on_wait = lambda: rounds.finish(average)
+    backward(e, 2 * INNER)
+    report = run_step(e.step(16), no_blocking_round, rounds.start)
+    assert rounds.waits == 1
+    assert report.round_due and report.averaged and report.round == 1 and report.wait_s > 0
+    assert report.in_flight and len(rounds.started) == 2  # and the next one started
+    assert e.utilization.waited >= report.wait_s
+
+
+def test_a_round_failing_in_flight_leaves_a_finite_consistent_state() -> None:
+    e, rounds = make(), Rounds()
+    for step in range(1, INNER + 1):
+        backward(e, step)
+        run_step(e.step(16), no_blocking_round, rounds.start)
+    rounds.finish(None, reason="peer vanished")
+    backward(e, INNER + 1)
+    report = run_step(e.step(16), no_blocking_round, rounds.start)
+    assert report.round_due and not report.averaged and report.reason == "peer vanished"
+    assert e.round == 1 and not e.in_flight
+    state = e.model.state_dict()
+    assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+    assert all(torch.isfinite(a).all() for a in e.outer.anchor + e.outer.momentum)
+
+
+def test_a_landed_round_moves_every_peer_to_the_same_anchor() -> None:
+    """Two peers with different data: after landing, anchors and momenta agree exactly."""
+    engines = [make(seed=0), make(seed=0)]
+    drivers = [Rounds(), Rounds()]
+    for step in range(1, 2 * INNER):
+        for k, (e, d) in enumerate(zip(engines, drivers, strict=True)):
+            backward(e, 100 * k + step)
+            run_step(e.step(16), no_blocking_round, d.start)
+        if step == INNER + 1:  # the round lands one step later, after an inner step ran
+            mean = [
+                (a + b) / 2
+                for a, b in zip(*(d.started[0][0].tensors for d in drivers), strict=True)
+            ]
+            for d in drivers:
+                d.finish(mean)
+    assert all(e.round == 1 for e in engines)
+    for a, b in zip(engines[0].outer.anchor, engines[1].outer.anchor, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for a, b in zip(engines[0].outer.momentum, engines[1].outer.momentum, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_joiner_served_while_a_round_is_in_flight_gets_the_state_after_it() -> None:
+    e, rounds = make(), Rounds()
+    for step in range(1, INNER + 1):
+        backward(e, step)
+        run_step(e.step(16), no_blocking_round, rounds.start)
+    served: list[tuple[int, bytes]] = []
+    provider = threading.Thread(target=lambda: served.append(e.snapshot()))
+    provider.start()
+    provider.join(0.2)
+    assert provider.is_alive() and not served  # it waits for the round to land
+    rounds.finish([t.clone() * 0.5 for t in rounds.started[0][0].tensors])
+    report = run_step(e.wait_round(), no_blocking_round, rounds.start)
+    provider.join(30)
+    assert report is not None and report.averaged and not e.in_flight
+    ((round_, blob),) = served
+    assert round_ == e.round == 1
+    joiner = make(seed=3)
+    snap = unpack_snapshot(bytearray(blob), schema=joiner.schema, expected=joiner.snapshot_layout())
+    joiner.load_snapshot(snap, steps_in_round=0)
+    for a, p in zip(e.outer.anchor, joiner.model.parameters(), strict=True):
+        assert torch.equal(a, p.detach())
+    for a, b in zip(e.outer.momentum, joiner.outer.momentum, strict=True):
+        assert torch.equal(a, b)
+    assert run_step(e.wait_round(), no_blocking_round, rounds.start) is None  # nothing in flight
+
+
+def test_checkpoints_while_a_round_is_in_flight_are_consistent(tmp_path) -> None:
+    e, rounds = make(), Rounds()
+    for step in range(1, INNER + 2):
+        backward(e, step)
+        run_step(e.step(16), no_blocking_round, rounds.start)
+    assert e.in_flight
+    # a state written mid-flight is one coherent state: anchor, momentum, model, round 0
+    path = tmp_path / "mid.ckpt"
+    write_checkpoint(path, e.state_dict(None))
+    with pytest.raises(TrainingError, match="in flight"):
+        e.load_state_dict(read_checkpoint(path))
+    resumed = make(seed=5)
+    resumed.load_state_dict(read_checkpoint(path))
+    assert resumed.round == 0 and not resumed.in_flight
+    for a, b in zip(e.outer.anchor, resumed.outer.anchor, strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(e.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # the resumed peer goes on: its next round's pseudo-gradient holds the unlanded progress
+    backward(resumed, 99)
+    resumed.count(16)
+    resumed.inner_step()
+    rounds.finish([t.clone() for t in rounds.started[0][0].tensors])
+    assert run_step(e.wait_round(), no_blocking_round, rounds.start).round == 1
+
+
+def test_outer_device_cpu_on_a_cpu_model_changes_nothing() -> None:
+    plain, offloaded = make(), make(outer_device="cpu")
+    assert not offloaded.outer.offloaded
+    for e in (plain, offloaded):
+        for step in range(1, 3 * INNER + 1):
+            backward(e, step)
+            run_step(e.step(16), lambda plan: RoundOutcome(False, 0, 0, 0, "alone"))
+    a_state, b_state = plain.model.state_dict(), offloaded.model.state_dict()
+    for p, q in zip(a_state.values(), b_state.values(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("outer_device", [None, "cpu"])
+def test_outer_state_off_the_gpu_costs_no_gpu_memory_per_parameter(outer_device) -> None:
+    """Stated bound: with outer_device='cpu' the outer state adds 0 persistent GPU bytes per
+    parameter (anchor, momentum, slots and the overlap copy are pinned host memory); on the
+    GPU it adds at least 16 (4 fp32 copies)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    numel = sum(p.numel() for p in model.parameters())
+    x = torch.randn(32, 256, device="cuda")
+    model(x).pow(2).mean().backward()  # gradients exist before we measure
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    e = TrainingEngine(
+        model, opt, SwarmConfig(inner_steps=2, codec="none", outer_device=outer_device)
+    )
+    rounds = Rounds()
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        run_step(e.step(32), no_blocking_round, rounds.start)
+    rounds.finish([t.clone() for t in rounds.started[0][0].tensors])
+    run_step(e.wait_round(), no_blocking_round, rounds.start)
+    torch.cuda.synchronize()
+    overhead = (torch.cuda.memory_allocated() - base) / numel
+    if outer_device == "cpu":
+        assert e.outer.offloaded
+        assert all(not t.is_cuda and t.is_pinned() for t in e.outer.anchor + e.outer.slots)
+        assert overhead < 1, overhead  # transients freed; no per-parameter state on the GPU
+    else:
+        assert overhead >= 16, overhead
+    assert all(p.is_cuda and torch.isfinite(p).all() for p in model.parameters())
