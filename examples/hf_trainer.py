@@ -111,6 +111,7 @@ def main() -> None:
             optimizers=(optimizer, schedule),
         )
         result = trainer.train()
+        optimizer.wait_round()  # the last round runs in the background: land it
         print(
             f"steps {optimizer.swarm.engine.step_count} rounds {optimizer.swarm.round} "
             f"train loss {result.training_loss:.4f}",

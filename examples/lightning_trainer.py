@@ -62,6 +62,7 @@ class Regressor(L.LightningModule):
         }
 
     def on_train_end(self) -> None:
+        self.swarm_optimizer.wait_round()  # the last round runs in the background: land it
         self.swarm_optimizer.close()
 
 

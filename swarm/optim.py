@@ -204,6 +204,11 @@ class SwarmOptimizer(torch.optim.Optimizer):
             raise ConfigError("the swarm's tensors are fixed when it starts: add groups before")
         super().add_param_group(param_group)
 
+    def wait_round(self) -> StepReport | None:
+        """Land the round still in flight (overlapped DiLoCo); call it before evaluating or
+        saving the model at the end of training. None when no round runs."""
+        return self.swarm.wait_round()
+
     def close(self) -> None:
         """Leave the swarm (when this wrapper created it)."""
         if self._own_swarm:

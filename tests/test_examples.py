@@ -30,7 +30,7 @@ def run(script: str, *args: str, env: dict[str, str] | None = None, timeout: flo
     )
 
 
-@pytest.mark.parametrize(("script", "options"), [("quickstart.py", 7), ("image_classifier.py", 14)])
+@pytest.mark.parametrize(("script", "options"), [("quickstart.py", 8), ("image_classifier.py", 14)])
 def test_help_has_a_text_and_a_default_for_every_option(script, options) -> None:
     out = run(script, "--help")
     assert out.returncode == 0, out.stderr

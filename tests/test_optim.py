@@ -17,6 +17,7 @@ OPTIONS = {
     "listen": "127.0.0.1:0",
     "codec": "none",
     "inner_steps": 4,
+    "overlap": False,  # rounds land at a fixed step, so both runs can agree to the bit
     "matchmaking_timeout_s": 0.2,
     "round_timeout_s": 30.0,
     "run_id": "optim-test",
@@ -55,6 +56,7 @@ def run_with_swarm_step():
             else:
                 swarm.step(samples=BATCH)
             scheduler.step()
+        swarm.wait_round()  # the last round may still be in flight (overlapped DiLoCo)
         counters = (swarm.engine.step_count, swarm.round)
     return model, inner, counters
 
@@ -76,6 +78,7 @@ def run_with_swarm_optimizer():
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
+        optimizer.wait_round()
         counters = (optimizer.swarm.engine.step_count, optimizer.swarm.round)
     return model, inner, counters, scaler
 
