@@ -28,6 +28,7 @@ import hmac
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,8 +137,14 @@ class DatagramAuth:
             tag = i.sign(message) + self.membership.mac(_SIG_CONTEXT, signed)
         return msgpack.packb([signed, tag], use_bin_type=True)
 
-    def open(self, data: bytes) -> Datagram:
+    def open(self, data: bytes, may_verify: Callable[[], bool] | None = None) -> Datagram:
         """Check and decode a datagram.
+
+        Args:
+            data: the datagram.
+            may_verify: asked before any public-key work (a signature check, or a key agreement
+                with a sender not seen before); False refuses the datagram. Cheap checks (sizes,
+                the swarm-key MAC, a cached pairwise MAC) come first and are never metered.
 
         Raises:
             DHTError: malformed (size, msgpack, types).
@@ -173,12 +180,16 @@ class DatagramAuth:
         if target:
             if target != self.identity.agreement_key:
                 raise AuthError("datagram is addressed to another node")
+            if not self._knows(sender) and may_verify is not None and not may_verify():
+                raise AuthError("public-key work budget of this source is spent")
             expected = hmac.new(self._pair_key(sender), signed, hashlib.sha256).digest()
             if not hmac.compare_digest(tag, expected):
                 raise AuthError("bad datagram MAC (tampered, or wrong swarm key)")
         else:
             signature, mac = tag[:SIGNATURE_BYTES], tag[SIGNATURE_BYTES:]
             self.membership.check_mac(mac, _SIG_CONTEXT, signed)
+            if may_verify is not None and not may_verify():
+                raise AuthError("public-key work budget of this source is spent")
             if not verify_signature(public, signature, _SIG_CONTEXT + signed):
                 raise AuthError("bad datagram signature")
             self._check_binding(sender)
@@ -186,9 +197,9 @@ class DatagramAuth:
         self._replay.check(float(ts), nonce)
         return Datagram(kind, msg_id, sender, bool(target), body)
 
-    def check_binding(self, keys: SenderKeys) -> None:
-        """Raise :class:`AuthError` unless ``keys.agreement_key`` is signed by its owner."""
-        self._check_binding(keys)
+    def _knows(self, peer: SenderKeys) -> bool:
+        """Whether the pairwise key with ``peer`` is cached (no public-key work to open)."""
+        return (peer.public_key, peer.agreement_key) in self._pair_keys
 
     def _check_binding(self, keys: SenderKeys) -> None:
         cache_key = (keys.public_key, keys.agreement_key, keys.agreement_signature)

@@ -36,6 +36,7 @@ class LookupResult:
     asked: int = 0  # requests sent
     failed: int = 0  # requests that got no answer
     truncated: bool = False  # some node held more entries than one datagram carries
+    more: list[tuple[Contact, list[int]]] = field(default_factory=list)  # holder, next cursor
 
 
 async def lookup(
@@ -117,6 +118,9 @@ async def lookup(
                     known[found.id] = found
             if value and _collect(body, target, result):
                 holding += 1
+                cursor = _cursor(body.get("next"))
+                if cursor is not None:
+                    result.more.append((contact, cursor))
         if holders is not None and holding >= holders:
             break
     result.closest = [c for c in ranked() if c.id in answered]
@@ -133,6 +137,33 @@ def _contacts(nodes: Any) -> list[Contact]:
         except DHTError as e:
             logger.debug("ignoring a malformed contact in an answer: %s", e)
     return found
+
+
+def _cursor(value: Any) -> list[int] | None:
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 20 for v in value)
+    ):
+        return value
+    return None
+
+
+async def more_pages(
+    protocol: SwarmProtocol, key: bytes, holder: Contact, cursor: list[int], pages: int
+) -> list[DHTEntry]:
+    """Follow a holder's ``next`` cursors for up to ``pages`` more answer pages."""
+    result = LookupResult(closest=[])
+    for _ in range(pages):
+        body = await protocol.call(holder, "find_value", key, cursor)
+        if not isinstance(body, dict) or "error" in body:
+            break
+        _collect(body, key, result)
+        next_cursor = _cursor(body.get("next"))
+        if next_cursor is None or next_cursor <= cursor:
+            break
+        cursor = next_cursor
+    return result.entries
 
 
 def _collect(body: dict[str, Any], key: bytes, result: LookupResult) -> bool:

@@ -24,8 +24,8 @@ from typing import Any
 
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
-from swarm.dht.lookup import lookup
-from swarm.dht.protocol import SwarmProtocol
+from swarm.dht.lookup import lookup, more_pages
+from swarm.dht.protocol import MAX_PAGES_PER_GET, SwarmProtocol
 from swarm.dht.records import DHTEntry, RecordStorage, check_expiration, key_digest
 from swarm.dht.routing import Contact
 from swarm.errors import ConfigError, DHTError
@@ -39,6 +39,8 @@ DEFAULT_KSIZE = 20
 DEFAULT_ALPHA = 3
 DEFAULT_GET_QUORUM = 5
 _VERIFIED_CACHE = 16384
+BOOTSTRAP_ATTEMPTS = 4
+BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 
 
 class DHTNode:
@@ -160,9 +162,16 @@ class DHTNode:
         """
         parsed = [PeerAddress.parse(text) for text in addresses]
         resolved = await asyncio.gather(*(self._resolve(a) for a in parsed))
-        targets = {addr for group in resolved for addr in group}
-        answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in targets))
-        answered = sum(a is not None for a in answers)
+        targets = sorted({addr for group in resolved for addr in group})
+        answered = 0
+        for attempt in range(BOOTSTRAP_ATTEMPTS):
+            if attempt:  # a lost datagram or a flooded peer: try again, backing off
+                await asyncio.sleep(BOOTSTRAP_BACKOFF_S * 2 ** (attempt - 1))
+                logger.info("no initial peer answered yet; retry %d", attempt)
+            answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in targets))
+            answered = sum(a is not None for a in answers)
+            if answered or not targets:
+                break
         if answered == 0:
             logger.warning("no initial peer answered: %s", ", ".join(map(str, parsed)))
             return 0
@@ -230,11 +239,19 @@ class DHTNode:
             value=True,
             holders=self.get_quorum,
         )
-        if found.truncated:
-            logger.warning("%r holds more entries than one answer carries; some are missing", key)
+        # holders answer one fair page (one entry per owner) at a time; read on from two of them
+        extra = await asyncio.gather(
+            *(
+                more_pages(self._protocol, digest, holder, cursor, MAX_PAGES_PER_GET)
+                for holder, cursor in found.more[:2]
+            )
+        )
         now = time.time()
         merged: dict[tuple[bytes, str], DHTEntry] = {}
-        for entry in [*self.storage.entries(digest, now), *found.entries]:
+        candidates = [*self.storage.entries(digest, now), *found.entries]
+        for entries in extra:
+            candidates += entries
+        for entry in candidates:
             if entry.expiration <= now:
                 continue
             current = merged.get(entry.slot)
