@@ -335,3 +335,54 @@ def test_parse_rejects_a_malformed_cursor_and_padding():
             continue
         raise AssertionError(f"accepted {body!r}")
     assert msgpack.packb(["ping", []])  # sanity: the module still packs
+
+
+def _seal_at(auth: DatagramAuth, target, body, timestamp: float) -> bytes:
+    """A targeted request stamped with ``timestamp`` (what a hostile sender controls)."""
+    import hashlib
+    import hmac
+
+    i = auth.identity
+    signed = msgpack.packb(
+        [
+            1,
+            REQUEST,
+            os.urandom(16),
+            i.public_key,
+            i.agreement_key,
+            i.agreement_signature,
+            target.agreement_key,
+            timestamp,
+            os.urandom(16),
+            body,
+        ],
+        use_bin_type=True,
+    )
+    tag = hmac.new(auth._pair_key(target), signed, hashlib.sha256).digest()
+    return msgpack.packb([signed, tag], use_bin_type=True)
+
+
+async def test_future_stamped_nonce_flood_does_not_lock_out_other_senders():
+    async with swarm_of(3) as nodes:
+        await announce_all(nodes)
+        victim = nodes[0]
+        guard = victim.protocol.auth._replay
+        guard.max_entries, guard.max_per_sender = 300, 100  # the flood below overflows both
+        target = victim.protocol.source_node.keys
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((HOST, 0))
+        try:
+            for _ in range(3):
+                auth = DatagramAuth(Identity.generate(), Membership.open())
+                for _ in range(200):
+                    body = ["ping", [], False, b"", bytes(96)]
+                    sock.sendto(_seal_at(auth, target, body, time.time() + 29), (HOST, victim.port))
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            assert len(guard) <= 300
+            for node in nodes[1:]:
+                assert await node.protocol.call(victim.protocol.source_node, "ping") is not None
+            found = await nodes[1].get(PEERS_KEY)
+            assert {n.identity.public_key for n in nodes} <= owners(found)
+        finally:
+            sock.close()

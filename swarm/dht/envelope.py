@@ -194,7 +194,7 @@ class DatagramAuth:
                 raise AuthError("bad datagram signature")
             self._check_binding(sender)
         self.membership.check_admitted(public)
-        self._replay.check(float(ts), nonce)
+        self._replay.check(float(ts), nonce, sender=public + agreement)
         return Datagram(kind, msg_id, sender, bool(target), body)
 
     def _knows(self, peer: SenderKeys) -> bool:

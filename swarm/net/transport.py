@@ -278,7 +278,7 @@ class Transport:
                 auth.target == b"" and request.path in _PUBLIC_PATHS
             ):
                 raise AuthError("request addressed to another peer")
-            self._replay.check(auth.timestamp, auth.nonce)
+            self._replay.check(auth.timestamp, auth.nonce, sender=auth.public_key)
         except AuthError as e:
             return self._refuse(request, 401, e)
         if not self.membership.admits(auth.public_key):
