@@ -44,6 +44,7 @@ from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
 from swarm.identity import Identity, PeerID
 from swarm.net.address import PeerAddress
 from swarm.net.client import Client, empty_body
+from swarm.net.confidential import seal_reply
 from swarm.net.frames import (
     DEFAULT_CIPHER,
     TO_CLIENT,
@@ -337,10 +338,22 @@ class Transport:
         return response
 
     async def _handle_ping(self, request: web.Request) -> web.Response:
-        return web.Response(text="pong")
+        return self._public_reply(request, b"pong")
 
     async def _handle_info(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.record().serialize(), content_type="application/msgpack")
+        return self._public_reply(request, self.record().serialize())
+
+    def _public_reply(self, request: web.Request, body: bytes) -> web.Response:
+        """In a keyed swarm, an eavesdropper must not read our record: seal it for the caller."""
+        auth = request[_AUTH_KEY]
+        sealed = seal_reply(
+            self.membership,
+            caller=auth.public_key,
+            request_nonce=auth.nonce,
+            path=request.path,
+            body=body,
+        )
+        return web.Response(body=sealed, content_type="application/octet-stream")
 
     async def _handle_stream(self, request: web.Request) -> web.StreamResponse:
         auth = request[_AUTH_KEY]
