@@ -216,10 +216,25 @@ class DHTNode:
         own = protocol.source_node.long_id ^ goal
         if not self.client and (furthest is None or len(closest) < self.ksize or own < furthest):
             stored += self.storage.merge(entry)
-        results = await asyncio.gather(
-            *(protocol.send_entries(c, digest, [entry]) for c in closest)
-        )
-        stored += sum(1 for r in results if r > 0)
+        tasks = [
+            t for c in closest if (t := protocol.spawn(protocol.send_entries(c, digest, [entry])))
+        ]
+        # the k closest answered the lookup moments ago, yet one may have died since: once a
+        # quorum took the entry, a few RTTs more is all we wait (the rest finish in background)
+        pending = set(tasks)
+        deadline: float | None = None
+        loop = asyncio.get_running_loop()
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            done, pending = await asyncio.wait(
+                pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            taken = sum(map(_took, tasks))
+            if deadline is None and taken >= self.get_quorum:
+                deadline = loop.time() + protocol.stall_after
+        stored += sum(map(_took, tasks))
         logger.debug("stored %r on %d node(s)", key, stored)
         return stored
 
@@ -300,3 +315,10 @@ class DHTNode:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _took(task: asyncio.Task[Any]) -> bool:
+    """Whether a finished ``send_entries`` task had its entries taken."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return False
+    return bool(task.result() > 0)
