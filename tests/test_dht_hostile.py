@@ -191,9 +191,17 @@ async def test_presigned_store_floods_cost_bounded_signature_checks():
             for b in range(40)
         ]
         protocol = attacker.protocol
-        flood = asyncio.gather(*(protocol.call(contact, "store", digest, b) for b in batches))
+
+        async def flood() -> None:  # paced a little: a burst would overflow the UDP buffer
+            calls = []
+            for batch in batches:
+                calls.append(protocol.spawn(protocol.call(contact, "store", digest, batch)))
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*calls)
+
+        flooding = asyncio.ensure_future(flood())
         found = await honest[1].get(PEERS_KEY)
-        await flood
+        await flooding
         assert {n.identity.public_key for n in honest} <= owners(found)
         assert victim.protocol.verify_budget.refused > 0  # most were never checked
         checked = len(victim.storage.entries(digest))

@@ -47,6 +47,7 @@ async def lookup(
     alpha: int,
     value: bool = False,
     holders: int | None = None,
+    skip_suspects: bool = True,
 ) -> LookupResult:
     """Find the ``ksize`` nodes closest to ``target``; with ``value``, also their entries.
 
@@ -58,6 +59,8 @@ async def lookup(
         value: send ``find_value`` (collect entries) instead of ``find_node``.
         holders: with ``value``, end as soon as this many nodes answered with entries (they are
             asked closest first, so they are the ones that hold the key).
+        skip_suspects: count nodes that failed to answer moments ago as failed without asking
+            (False for a second, thorough pass).
     """
     goal = int.from_bytes(target, "big")
     own_id = protocol.source_node.id
@@ -84,7 +87,7 @@ async def lookup(
             if contact.id in queried:
                 continue
             queried.add(contact.id)
-            if protocol.is_suspect(contact.id):
+            if skip_suspects and protocol.is_suspect(contact.id):
                 failed.add(contact.id)  # failed moments ago: do not wait for it again
                 continue
             task = protocol.spawn(protocol.call(contact, method, target))

@@ -147,6 +147,10 @@ class DHTNode:
             raise DHTError("the DHT node is not running")
         return self.protocol
 
+    def counters(self) -> dict[str, int]:
+        """What this node refused or dropped so far, by cause (see the protocol's limits)."""
+        return self._protocol.counters()
+
     def contacts(self) -> list[Contact]:
         """The routing table's contacts."""
         return self._protocol.router.contacts()
@@ -254,6 +258,19 @@ class DHTNode:
             value=True,
             holders=self.get_quorum,
         )
+        if not found.entries and not self.storage.entries(digest):
+            # nothing at all: the first pass may have skipped a holder that failed to answer
+            # once (a lost datagram, a busy host), or stopped short of where a store under the
+            # same conditions put the entry; ask again, everyone, twice as wide
+            found = await lookup(
+                self._protocol,
+                digest,
+                ksize=2 * self.ksize,
+                alpha=self.alpha,
+                value=True,
+                holders=self.get_quorum,
+                skip_suspects=False,
+            )
         # holders answer one fair page (one entry per owner) at a time; read on from two of them
         extra = await asyncio.gather(
             *(

@@ -19,7 +19,17 @@ RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
   deviations, as TCP does, between ``MIN_TIMEOUT_S`` and ``request_timeout``), so a dead node
   stalls a lookup for about a second on a fast network instead of the full timeout;
 - a *client* node (``client=True``: a one-shot ``swarm-peer peers`` listing, say) flags its
-  requests so that nobody adds it to a routing table: it would be a dead contact a moment later.
+  requests so that nobody adds it to a routing table: it would be a dead contact a moment later;
+- work per datagram is bounded, cheap checks first (see :mod:`swarm.dht.limits`): a token bucket
+  per source address before anything is parsed, then the MAC, then a per-source budget for
+  public-key work (signatures, key agreement with an unseen sender, the entries of a store, at
+  most ``MAX_ENTRIES_PER_STORE`` of them); entries a node already holds are not checked again;
+- answers carry a return-routability cookie; a request without a valid one gets an answer no
+  larger than itself (BEP 42, DNS cookies), and only a sender that echoed one enters the routing
+  table, so a spoofed source or a replayed first-contact ping cannot use us;
+- ``find_value`` answers one fair page (at most one entry per owner) with a ``next`` cursor, so
+  one owner's many entries never crowd the others out of an answer;
+- replication to newcomers is one bounded queue sent at ``REPLICATION_RATE``, not a task per key.
 """
 
 from __future__ import annotations
@@ -221,8 +231,17 @@ class SwarmProtocol(KademliaProtocol):
         stored = 0
         for entry in fresh:
             entry.verify()  # a forged entry refuses the whole request: nothing is applied
+        refused = self.storage.refused
         for entry in fresh:
             stored += self.storage.merge(entry, now)
+        if self.storage.refused > refused:
+            source = f"{sender.ip}:{sender.port}"
+            self._refusals.warn(
+                source,
+                "DHT storage quota: refused %d entries from %s",
+                self.storage.refused - refused,
+                source,
+            )
         if verified:
             self.welcome_if_new(sender)
         return {"stored": stored}
@@ -472,6 +491,17 @@ class SwarmProtocol(KademliaProtocol):
             if isinstance(count, int) and not isinstance(count, bool):
                 stored += count
         return stored
+
+    def counters(self) -> dict[str, int]:
+        """What was refused or dropped so far, by cause (for logs and metrics)."""
+        return {
+            "datagrams_over_rate": self.datagram_budget.refused,
+            "public_key_work_over_budget": self.verify_budget.refused,
+            "answers_cut_to_request_size": self.refused_amplification,
+            "entries_over_quota": self.storage.refused,
+            "entries_evicted": self.storage.evicted,
+            "replication_queue": len(self._replication),
+        }
 
     # ---- task bookkeeping
 

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.auth import RateLimitedWarning
 from swarm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ConnectionLimits:
         self._per_address: dict[str, int] = {}
         self._total = 0
         self.refused = 0
+        self._warnings = RateLimitedWarning(logger)
 
     @property
     def total(self) -> int:
@@ -110,7 +112,13 @@ class ConnectionLimits:
             if self.admit(address):
                 admitted[handler] = address
             else:
-                logger.debug("refused a connection from %s: over the connection limits", address)
+                self._warnings.warn(
+                    address,
+                    "refused a connection from %s: over the limits (%d per address, %d in all)",
+                    address,
+                    self.max_per_address,
+                    self.max_connections,
+                )
                 transport.abort()
 
         def connection_lost(handler: Any, exc: BaseException | None = None) -> None:

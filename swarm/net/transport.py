@@ -247,6 +247,16 @@ class Transport:
             raise TransportError("transport not started")
         return self.bound_address.port
 
+    def counters(self) -> dict[str, int]:
+        """What the server's limits refused so far, by cause (for logs and metrics)."""
+        budget = self.stream_limits.budget
+        return {
+            "connections_over_limit": self.connection_limits.refused,
+            "connections_open": self.connection_limits.total,
+            "streams_stalled": self.stream_limits.stalled,
+            "partial_frame_bytes": budget.used if budget is not None else 0,
+        }
+
     # ---- record
 
     def record(self) -> PeerRecord:
