@@ -225,13 +225,14 @@ class SwarmProtocol(KademliaProtocol):
             raise DHTError(f"a store carries a list of at most {MAX_ENTRIES_PER_STORE} entries")
         parsed = [DHTEntry.from_wire(key, obj) for obj in entries]
         fresh = [e for e in parsed if not self.storage.holds(e)]
+        held = len(parsed) - len(fresh)  # already here (a retried store): they count as taken
         if fresh and not self.verify_budget.take(sender.address, len(fresh)):
             raise DHTError(f"signature budget spent: {len(fresh)} entries not checked")
         now = time.time()
-        stored = 0
         for entry in fresh:
             entry.verify()  # a forged entry refuses the whole request: nothing is applied
         refused = self.storage.refused
+        stored = held
         for entry in fresh:
             stored += self.storage.merge(entry, now)
         if self.storage.refused > refused:
