@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import time
 from collections.abc import Iterable
@@ -26,7 +27,13 @@ from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
 from swarm.dht.lookup import lookup, more_pages
 from swarm.dht.protocol import MAX_PAGES_PER_GET, SwarmProtocol
-from swarm.dht.records import DHTEntry, RecordStorage, check_expiration, key_digest
+from swarm.dht.records import (
+    KEY_DIGEST_BYTES,
+    DHTEntry,
+    RecordStorage,
+    check_expiration,
+    key_digest,
+)
 from swarm.dht.routing import Contact
 from swarm.errors import ConfigError, DHTError
 from swarm.identity import Identity, PeerID
@@ -39,6 +46,8 @@ DEFAULT_KSIZE = 20
 DEFAULT_ALPHA = 3
 DEFAULT_GET_QUORUM = 5
 _VERIFIED_CACHE = 16384
+_MAX_REFRESH_BANDS = 24  # covers swarms of millions of nodes
+_REFRESH_IN_PARALLEL = 6
 BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 
@@ -180,6 +189,8 @@ class DHTNode:
             logger.warning("no initial peer answered: %s", ", ".join(map(str, parsed)))
             return 0
         await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
+        if not self.client:
+            await self.refresh_buckets()
         count = len(self.contacts())
         logger.info("DHT joined through %d initial peer(s); %d contacts", answered, count)
         return count
@@ -314,8 +325,37 @@ class DHTNode:
             self.storage.cull()
             try:
                 await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
+                await self.refresh_buckets()
             except DHTError as e:
                 logger.debug("routing-table refresh failed: %s", e)
+
+    async def refresh_buckets(self) -> None:
+        """Look up a random id at each distance from ours (kademlia section 2.3: a joining node
+        refreshes every bucket further away than its closest neighbour).
+
+        A lookup of our own id only meets nodes near us; without this, a node may know nobody
+        in the other half of the key space, and its stores then land on the closest nodes of
+        *its* half, where no reader looks. Band ``d`` holds the ids that share exactly ``d``
+        leading bits with ours; bands are refreshed until one comes back empty.
+        """
+        protocol = self._protocol
+        own = int.from_bytes(self.node_id, "big")
+        bits = KEY_DIGEST_BYTES * 8
+        for first in range(0, _MAX_REFRESH_BANDS, _REFRESH_IN_PARALLEL):
+            bands = range(first, min(first + _REFRESH_IN_PARALLEL, _MAX_REFRESH_BANDS))
+            targets = []
+            for depth in bands:
+                flip = 1 << (bits - 1 - depth)
+                below = flip - 1
+                target = ((own ^ flip) & ~below) | (random.getrandbits(bits) & below)
+                targets.append(target.to_bytes(KEY_DIGEST_BYTES, "big"))
+            found = await asyncio.gather(
+                *(lookup(protocol, t, ksize=self.ksize, alpha=self.alpha) for t in targets)
+            )
+            for depth, result in zip(bands, found, strict=True):
+                in_band = [c for c in result.closest if _shared_bits(c.long_id, own) == depth]
+                if not in_band:
+                    return
 
     async def close(self) -> None:
         """Stop answering, cancel every task and close the socket."""
@@ -339,3 +379,8 @@ def _took(task: asyncio.Task[Any]) -> bool:
     if not task.done() or task.cancelled() or task.exception() is not None:
         return False
     return bool(task.result() > 0)
+
+
+def _shared_bits(a: int, b: int) -> int:
+    """How many leading bits two 160-bit ids share."""
+    return KEY_DIGEST_BYTES * 8 - (a ^ b).bit_length()
