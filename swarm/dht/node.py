@@ -48,6 +48,7 @@ DEFAULT_GET_QUORUM = 5
 _VERIFIED_CACHE = 16384
 _MAX_REFRESH_BANDS = 24  # covers swarms of millions of nodes
 _REFRESH_IN_PARALLEL = 6
+_REFRESH_KSIZE = 4
 BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 
@@ -349,8 +350,10 @@ class DHTNode:
                 below = flip - 1
                 target = ((own ^ flip) & ~below) | (random.getrandbits(bits) & below)
                 targets.append(target.to_bytes(KEY_DIGEST_BYTES, "big"))
+            # a few nodes per band are enough (and much cheaper than k): each one that answers
+            # enters the routing table, and its bucket fills as it is used
             found = await asyncio.gather(
-                *(lookup(protocol, t, ksize=self.ksize, alpha=self.alpha) for t in targets)
+                *(lookup(protocol, t, ksize=_REFRESH_KSIZE, alpha=self.alpha) for t in targets)
             )
             for depth, result in zip(bands, found, strict=True):
                 in_band = [c for c in result.closest if _shared_bits(c.long_id, own) == depth]
