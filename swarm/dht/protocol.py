@@ -120,9 +120,8 @@ class SwarmProtocol(KademliaProtocol):
         self.datagram_budget = TokenBuckets(DATAGRAM_RATE, DATAGRAM_BURST)
         self.verify_budget = TokenBuckets(VERIFY_RATE, VERIFY_BURST)
         self.cookies = Cookies()
-        self._cookies_held: OrderedDict[tuple[str, int], bytes] = (
-            OrderedDict()
-        )  # theirs, by address
+        # cookies others gave us, by their address: echoed in our requests to them
+        self._cookies_held: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self.refused_amplification = 0  # answers cut down to the request's size
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refusals = RateLimitedWarning(logger)
