@@ -97,12 +97,23 @@ async def lookup(
             result.asked += 1
         active = [t for t in in_flight if t not in stalled]
         if not active:
-            break
-        # wake on an answer, or when the oldest active request stalls: a dead node then stops
-        # holding up the lookup, while its request runs on to count the failure
-        oldest = min(in_flight[t][1] for t in active)
-        wait_s = max(0.0, oldest + protocol.stall_after - loop.time())
-        done, _ = await asyncio.wait(active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            # nothing left to ask; but a stalled request to a node closer than any that answered
+            # may be a slow node, not a dead one, and the only way into the target's region: on
+            # a busy host, ending without it put stores and gets in different places. Wait for
+            # those (each ends by its own timeout at the latest).
+            best = min((c.long_id ^ goal for c in known.values() if c.id in answered), default=None)
+            closer = [t for t in stalled if best is None or in_flight[t][0].long_id ^ goal < best]
+            if not closer:
+                break
+            done, _ = await asyncio.wait(closer, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            # wake on an answer, or when the oldest active request stalls: a dead node then
+            # stops holding up the lookup, while its request runs on to count the failure
+            oldest = min(in_flight[t][1] for t in active)
+            wait_s = max(0.0, oldest + protocol.stall_after - loop.time())
+            done, _ = await asyncio.wait(
+                active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
         now = loop.time()
         for task in active:
             if task not in done and now - in_flight[task][1] >= protocol.stall_after:

@@ -66,7 +66,7 @@ MAX_ENTRIES_PER_STORE = 64
 EVICT_AFTER_FAILURES = 2
 MIN_TIMEOUT_S = 1.0
 MIN_STALL_S = 0.1
-SUSPECT_FOR_S = 60.0  # a node that failed to answer is skipped by lookups this long
+SUSPECT_FOR_S = 30.0  # a node that failed twice in a row is skipped by lookups this long
 _MAX_SUSPECTS = 4096
 REPLICATE_BATCH_S = 0.5  # newcomers met within this long get their records in one pass
 REPLICATION_QUEUE = 4096  # (newcomer, key) pairs waiting; past this, the oldest are dropped
@@ -402,11 +402,14 @@ class SwarmProtocol(KademliaProtocol):
         return True
 
     def _failed(self, contact: Contact) -> None:
-        if len(self._suspects) >= _MAX_SUSPECTS:
-            self._suspects.pop(next(iter(self._suspects)))
-        self._suspects[contact.id] = time.monotonic()
         count = self._failures.get(contact.id, 0) + 1
         if count >= EVICT_AFTER_FAILURES:
+            # one timeout on a busy host is no proof of death: skipping the node in every
+            # lookup for a minute after a single miss made stores and gets take different
+            # routes, and a get could miss every holder of a key
+            if len(self._suspects) >= _MAX_SUSPECTS:
+                self._suspects.pop(next(iter(self._suspects)))
+            self._suspects[contact.id] = time.monotonic()
             self._failures.pop(contact.id, None)
             logger.debug("%s did not answer twice; removed from the routing table", contact)
             self.router.remove_contact(contact)
