@@ -533,6 +533,7 @@ def run_attack(name: str, duration: float) -> dict[str, Any]:
         "peers_expected": expected,
         "amplification": amplification,
         "legit_calls": len(results),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
