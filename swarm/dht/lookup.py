@@ -26,6 +26,8 @@ from swarm.errors import DHTError
 
 logger = logging.getLogger(__name__)
 
+STALL_GRACE = 3.0  # stall periods a lookup may wait for stalled nodes closer than any answer
+
 
 @dataclass
 class LookupResult:
@@ -72,6 +74,7 @@ async def lookup(
     stalled: set[asyncio.Task[Any]] = set()
     result = LookupResult(closest=[])
     holding = 0
+    grace_until: float | None = None  # how long stalled closer nodes may still be awaited
     method = "find_value" if value else "find_node"
     loop = asyncio.get_running_loop()
 
@@ -100,12 +103,19 @@ async def lookup(
             # nothing left to ask; but a stalled request to a node closer than any that answered
             # may be a slow node, not a dead one, and the only way into the target's region: on
             # a busy host, ending without it put stores and gets in different places. Wait for
-            # those (each ends by its own timeout at the latest).
+            # those a little longer (a dead node must still not cost a full timeout).
             best = min((c.long_id ^ goal for c in known.values() if c.id in answered), default=None)
             closer = [t for t in stalled if best is None or in_flight[t][0].long_id ^ goal < best]
-            if not closer:
+            if grace_until is None:
+                grace_until = loop.time() + STALL_GRACE * protocol.stall_after
+            wait_s = grace_until - loop.time()
+            if not closer or wait_s <= 0:
                 break
-            done, _ = await asyncio.wait(closer, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
         else:
             # wake on an answer, or when the oldest active request stalls: a dead node then
             # stops holding up the lookup, while its request runs on to count the failure
