@@ -12,7 +12,8 @@ stored before (those the dead nodes held included) and fresh stores with their g
 
 Prints one JSON object per configuration: nodes, killed_fraction, success_rate, get_p50_ms,
 get_p90_ms, store_p50_ms, store_p90_ms, bootstrap_s, rss_mb_per_node (the growth of the workers'
-resident memory while creating their nodes, per node), plus the operation counts.
+resident memory while creating their nodes, per node), plus the operation counts and the host's
+1-minute load average (load_avg_1m).
 """
 
 from __future__ import annotations
@@ -160,7 +161,17 @@ def report(nodes: int, killed: float, boot_s: float, rss: float, stores, gets) -
         "gets": len(gets[0]),
         "failed_stores": len(stores[0]) - sum(stores[0]),
         "failed_gets": len(gets[0]) - sum(gets[0]),
+        "load_avg_1m": load_average(),
     }
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average (None where the OS has none): latencies on a shared,
+    busy host are queueing delays, not the DHT's."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def bench(total: int, processes: int, ops: int, kill: float, timeout: float) -> list[dict]:

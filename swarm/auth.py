@@ -126,22 +126,39 @@ class Membership:
 class ReplayGuard:
     """Refuses a (timestamp, nonce) pair that is outside the window or was seen before.
 
-    Nonces are remembered for as long as their timestamp stays inside the window, so memory is
-    bounded by the message rate times ``2 * window_s``; ``max_entries`` caps it regardless (the
-    oldest nonces are forgotten first, and their timestamps are then refused anyway once they
-    leave the window).
+    Nonces are kept per sender (its public key), so that no sender can flood the guard into
+    refusing the others: each sender keeps at most ``max_per_sender`` nonces, and when it sends
+    more inside one window its oldest are forgotten and timestamps before them refused, for that
+    sender only. At most ``max_entries`` nonces are kept in all; past that the least recently
+    active sender is forgotten whole, remembering only the newest timestamp it used (later
+    messages from it must be newer: an idle sender rarely has older ones in flight).
     """
 
-    def __init__(self, window_s: float = 30.0, max_entries: int = 1_000_000):
+    def __init__(
+        self,
+        window_s: float = 30.0,
+        max_entries: int = 200_000,
+        max_per_sender: int = 4096,
+        max_forgotten: int = 65_536,
+    ):
         if window_s <= 0:
             raise ConfigError("the replay window must be positive")
         self.window_s = window_s
         self.max_entries = max_entries
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
-        self._oldest_allowed = 0.0  # timestamps before this were evicted: refuse them
+        self.max_per_sender = max_per_sender
+        self.max_forgotten = max_forgotten
+        self._senders: OrderedDict[bytes, _SenderNonces] = OrderedDict()
+        self._forgotten: OrderedDict[bytes, float] = OrderedDict()  # sender -> newest timestamp
+        self._count = 0
 
-    def check(self, timestamp: float, nonce: bytes, *, now: float | None = None) -> None:
-        """Record the pair, or raise :class:`ReplayError` when it must be refused."""
+    def __len__(self) -> int:
+        return self._count
+
+    def check(
+        self, timestamp: float, nonce: bytes, *, sender: bytes = b"", now: float | None = None
+    ) -> None:
+        """Record the pair for ``sender``, or raise :class:`ReplayError` when it must be
+        refused."""
         now = time.time() if now is None else now
         if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
             raise AuthError(f"a nonce is {NONCE_BYTES} bytes")
@@ -152,24 +169,50 @@ class ReplayGuard:
                 f"timestamp {timestamp:.3f} is {now - timestamp:+.1f} s from now, "
                 f"outside the {self.window_s:.0f} s window (check the clocks)"
             )
-        if timestamp < self._oldest_allowed:
-            raise ReplayError("timestamp is older than the forgotten nonces")
-        self._expire(now)
-        if nonce in self._seen:
+        seen = self._senders.get(sender)
+        if seen is None:
+            seen = _SenderNonces(self._forgotten.pop(sender, float("-inf")))
+            self._senders[sender] = seen
+        self._senders.move_to_end(sender)
+        self._count -= seen.expire(now - self.window_s)
+        if timestamp <= seen.floor:
+            raise ReplayError("timestamp is older than this sender's forgotten nonces")
+        if nonce in seen.nonces:
             raise ReplayError("nonce seen before (replayed message)")
-        self._seen[nonce] = timestamp
-        if len(self._seen) > self.max_entries:
-            _, evicted_ts = self._seen.popitem(last=False)
-            self._oldest_allowed = max(self._oldest_allowed, evicted_ts)
+        seen.nonces[nonce] = timestamp
+        self._count += 1
+        if len(seen.nonces) > self.max_per_sender:
+            _, evicted_ts = seen.nonces.popitem(last=False)
+            seen.floor = max(seen.floor, evicted_ts)
+            self._count -= 1
+        while self._count > self.max_entries and len(self._senders) > 1:
+            old_sender, old = self._senders.popitem(last=False)
+            self._count -= len(old.nonces)
+            newest = max(old.nonces.values(), default=old.floor)
+            self._forgotten[old_sender] = max(newest, old.floor)
+            while len(self._forgotten) > self.max_forgotten:
+                self._forgotten.popitem(last=False)
 
-    def _expire(self, now: float) -> None:
-        # insertion order is close to timestamp order; stop at the first fresh entry
-        limit = now - self.window_s
-        while self._seen:
-            nonce, ts = next(iter(self._seen.items()))
+
+class _SenderNonces:
+    """One sender's nonces (insertion order is close to timestamp order) and its floor."""
+
+    __slots__ = ("floor", "nonces")
+
+    def __init__(self, floor: float):
+        self.floor = floor  # timestamps up to this are refused: their nonces were forgotten
+        self.nonces: OrderedDict[bytes, float] = OrderedDict()
+
+    def expire(self, limit: float) -> int:
+        """Drop nonces older than ``limit``; returns how many."""
+        dropped = 0
+        while self.nonces:
+            nonce, ts = next(iter(self.nonces.items()))
             if ts >= limit:
                 break
-            del self._seen[nonce]
+            del self.nonces[nonce]
+            dropped += 1
+        return dropped
 
 
 class RateLimitedWarning:

@@ -347,3 +347,31 @@ def test_frame_reader_detects_truncation() -> None:
             await reader.read_chunk()
 
     asyncio.run(run())
+
+
+def test_replay_guard_flood_of_future_nonces_locks_out_only_its_sender() -> None:
+    guard = ReplayGuard(window_s=30, max_entries=10_000, max_per_sender=1000)
+    attacker, honest = b"a" * 32, b"h" * 32
+    refused = 0
+    for i in range(20_000):
+        try:
+            guard.check(1029.0 - i * 1e-4, os.urandom(16), sender=attacker, now=1000.0)
+        except ReplayError:
+            refused += 1
+    assert len(guard) <= 1000 and refused >= 18_990
+    for i in range(100):  # other senders are not refused, before or after the flood's stamps
+        guard.check(1000.0 + i * 0.1, os.urandom(16), sender=honest, now=1000.0 + i * 0.1)
+    with pytest.raises(ReplayError):  # the attacker's own forgotten range is refused
+        guard.check(1027.0, os.urandom(16), sender=attacker, now=1000.0)
+
+
+def test_replay_guard_bounded_across_many_senders_and_forgotten_ones_stay_guarded() -> None:
+    guard = ReplayGuard(window_s=30, max_entries=500, max_per_sender=100)
+    first, nonce = os.urandom(32), os.urandom(16)
+    guard.check(1000.0, nonce, sender=first, now=1000.0)
+    for i in range(5000):
+        guard.check(1000.0, os.urandom(16), sender=i.to_bytes(4, "big"), now=1000.0)
+    assert len(guard) <= 500
+    with pytest.raises(ReplayError):  # forgotten, yet its old message is still refused
+        guard.check(1000.0, nonce, sender=first, now=1001.0)
+    guard.check(1001.0, os.urandom(16), sender=first, now=1001.0)  # newer ones pass

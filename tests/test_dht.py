@@ -290,3 +290,18 @@ async def test_a_client_node_is_not_added_to_routing_tables():
             assert all(client.node_id not in {c.id for c in n.contacts()} for n in nodes)
         finally:
             await client.close()
+
+
+async def test_every_node_knows_the_far_half_of_the_key_space_after_joining():
+    """A join refreshes every bucket (kademlia section 2.3): without it a node may know nobody
+    in the other half of the key space, and its stores land where no reader looks."""
+    from swarm.dht.node import _shared_bits
+
+    async with swarm_of(64) as nodes:
+        ids = [int.from_bytes(n.node_id, "big") for n in nodes]
+        for node in nodes:
+            own = int.from_bytes(node.node_id, "big")
+            known = {_shared_bits(c.long_id, own) for c in node.contacts()}
+            exist = {_shared_bits(other, own) for other in ids if other != own}
+            shallow = {d for d in exist if d < 4}  # bands of 4+ nodes on average
+            assert shallow <= known, (sorted(shallow), sorted(known))

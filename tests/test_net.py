@@ -20,6 +20,7 @@ from swarm.auth import AUTH_HEADER, Membership, RequestAuth, derive_stream_key
 from swarm.errors import AuthError, ConfigError, TransportError
 from swarm.identity import Identity
 from swarm.net import wire
+from swarm.net.confidential import open_reply
 from swarm.net.frames import DATA, END, HEADER, TO_SERVER, Sealer, make_aead
 from swarm.net.record import CONTEXT, PeerRecord
 from swarm.net.streams import MAX_HEADER_BYTES, InboundStream, ReplyStream
@@ -419,7 +420,15 @@ async def test_replayed_request_refused(
     url = b.bound_address.url + "/info"
     async with raw.get(url, headers=headers) as first:
         assert first.status == 200
-        assert PeerRecord.parse(await first.read()) == b.record()
+        nonce = RequestAuth.decode(headers[AUTH_HEADER]).nonce
+        body = open_reply(
+            KEY,
+            caller=a.identity.public_key,
+            request_nonce=nonce,
+            path="/info",
+            body=await first.read(),
+        )
+        assert PeerRecord.parse(body) == b.record()
     async with raw.get(url, headers=headers) as again:
         assert again.status == 401
     stale = RequestAuth.create(

@@ -2,6 +2,7 @@
 
 - :mod:`swarm.dht.records`: owner-signed entries and the merging storage (sans-I/O)
 - :mod:`swarm.dht.envelope`: sealing and opening authenticated datagrams (sans-I/O)
+- :mod:`swarm.dht.limits`: per-source token buckets and return-routability cookies (sans-I/O)
 - :mod:`swarm.dht.routing`: contacts with keys, the routing table with a complete neighbour search
 - :mod:`swarm.dht.protocol`: kademlia's protocol class with validated RPCs and fixed replication
 - :mod:`swarm.dht.lookup`: the iterative lookup that ends at the k closest nodes

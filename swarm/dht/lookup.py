@@ -26,6 +26,8 @@ from swarm.errors import DHTError
 
 logger = logging.getLogger(__name__)
 
+STALL_GRACE = 3.0  # stall periods a lookup may wait for stalled nodes closer than any answer
+
 
 @dataclass
 class LookupResult:
@@ -36,6 +38,7 @@ class LookupResult:
     asked: int = 0  # requests sent
     failed: int = 0  # requests that got no answer
     truncated: bool = False  # some node held more entries than one datagram carries
+    more: list[tuple[Contact, list[int]]] = field(default_factory=list)  # holder, next cursor
 
 
 async def lookup(
@@ -46,6 +49,7 @@ async def lookup(
     alpha: int,
     value: bool = False,
     holders: int | None = None,
+    skip_suspects: bool = True,
 ) -> LookupResult:
     """Find the ``ksize`` nodes closest to ``target``; with ``value``, also their entries.
 
@@ -57,6 +61,8 @@ async def lookup(
         value: send ``find_value`` (collect entries) instead of ``find_node``.
         holders: with ``value``, end as soon as this many nodes answered with entries (they are
             asked closest first, so they are the ones that hold the key).
+        skip_suspects: count nodes that failed to answer moments ago as failed without asking
+            (False for a second, thorough pass).
     """
     goal = int.from_bytes(target, "big")
     own_id = protocol.source_node.id
@@ -68,6 +74,7 @@ async def lookup(
     stalled: set[asyncio.Task[Any]] = set()
     result = LookupResult(closest=[])
     holding = 0
+    grace_until: float | None = None  # how long stalled closer nodes may still be awaited
     method = "find_value" if value else "find_node"
     loop = asyncio.get_running_loop()
 
@@ -83,7 +90,7 @@ async def lookup(
             if contact.id in queried:
                 continue
             queried.add(contact.id)
-            if protocol.is_suspect(contact.id):
+            if skip_suspects and protocol.is_suspect(contact.id):
                 failed.add(contact.id)  # failed moments ago: do not wait for it again
                 continue
             task = protocol.spawn(protocol.call(contact, method, target))
@@ -93,12 +100,30 @@ async def lookup(
             result.asked += 1
         active = [t for t in in_flight if t not in stalled]
         if not active:
-            break
-        # wake on an answer, or when the oldest active request stalls: a dead node then stops
-        # holding up the lookup, while its request runs on to count the failure
-        oldest = min(in_flight[t][1] for t in active)
-        wait_s = max(0.0, oldest + protocol.stall_after - loop.time())
-        done, _ = await asyncio.wait(active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            # nothing left to ask; but a stalled request to a node closer than any that answered
+            # may be a slow node, not a dead one, and the only way into the target's region: on
+            # a busy host, ending without it put stores and gets in different places. Wait for
+            # those a little longer (a dead node must still not cost a full timeout).
+            best = min((c.long_id ^ goal for c in known.values() if c.id in answered), default=None)
+            closer = [t for t in stalled if best is None or in_flight[t][0].long_id ^ goal < best]
+            if grace_until is None:
+                grace_until = loop.time() + STALL_GRACE * protocol.stall_after
+            wait_s = grace_until - loop.time()
+            if not closer or wait_s <= 0:
+                break
+            done, _ = await asyncio.wait(
+                closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+        else:
+            # wake on an answer, or when the oldest active request stalls: a dead node then
+            # stops holding up the lookup, while its request runs on to count the failure
+            oldest = min(in_flight[t][1] for t in active)
+            wait_s = max(0.0, oldest + protocol.stall_after - loop.time())
+            done, _ = await asyncio.wait(
+                active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
         now = loop.time()
         for task in active:
             if task not in done and now - in_flight[task][1] >= protocol.stall_after:
@@ -117,6 +142,9 @@ async def lookup(
                     known[found.id] = found
             if value and _collect(body, target, result):
                 holding += 1
+                cursor = _cursor(body.get("next"))
+                if cursor is not None:
+                    result.more.append((contact, cursor))
         if holders is not None and holding >= holders:
             break
     result.closest = [c for c in ranked() if c.id in answered]
@@ -133,6 +161,33 @@ def _contacts(nodes: Any) -> list[Contact]:
         except DHTError as e:
             logger.debug("ignoring a malformed contact in an answer: %s", e)
     return found
+
+
+def _cursor(value: Any) -> list[int] | None:
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 20 for v in value)
+    ):
+        return value
+    return None
+
+
+async def more_pages(
+    protocol: SwarmProtocol, key: bytes, holder: Contact, cursor: list[int], pages: int
+) -> list[DHTEntry]:
+    """Follow a holder's ``next`` cursors for up to ``pages`` more answer pages."""
+    result = LookupResult(closest=[])
+    for _ in range(pages):
+        body = await protocol.call(holder, "find_value", key, cursor)
+        if not isinstance(body, dict) or "error" in body:
+            break
+        _collect(body, key, result)
+        next_cursor = _cursor(body.get("next"))
+        if next_cursor is None or next_cursor <= cursor:
+            break
+        cursor = next_cursor
+    return result.entries
 
 
 def _collect(body: dict[str, Any], key: bytes, result: LookupResult) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import time
 from collections.abc import Iterable
@@ -25,9 +26,15 @@ from typing import Any
 from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
-from swarm.dht.lookup import lookup
-from swarm.dht.protocol import SwarmProtocol
-from swarm.dht.records import DHTEntry, RecordStorage, check_expiration, key_digest
+from swarm.dht.lookup import lookup, more_pages
+from swarm.dht.protocol import MAX_PAGES_PER_GET, SwarmProtocol
+from swarm.dht.records import (
+    KEY_DIGEST_BYTES,
+    DHTEntry,
+    RecordStorage,
+    check_expiration,
+    key_digest,
+)
 from swarm.dht.routing import Contact
 from swarm.errors import ConfigError, DHTError
 from swarm.identity import Identity, PeerID
@@ -39,6 +46,11 @@ DEFAULT_KSIZE = 20
 DEFAULT_ALPHA = 3
 DEFAULT_GET_QUORUM = 5
 _VERIFIED_CACHE = 16384
+_MAX_REFRESH_BANDS = 24  # covers swarms of millions of nodes
+_REFRESH_IN_PARALLEL = 6
+_REFRESH_KSIZE = 4
+BOOTSTRAP_ATTEMPTS = 4
+BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 
 
 class DHTNode:
@@ -154,6 +166,10 @@ class DHTNode:
         """Ping ``host:port`` (no known keys needed); the node that answered, or None."""
         return await self._protocol.ping_address((host, port))
 
+    def counters(self) -> dict[str, int]:
+        """What this node refused or dropped so far, by cause (see the protocol's limits)."""
+        return self._protocol.counters()
+
     def contacts(self) -> list[Contact]:
         """The routing table's contacts."""
         return self._protocol.router.contacts()
@@ -169,13 +185,22 @@ class DHTNode:
         """
         parsed = [PeerAddress.parse(text) for text in addresses]
         resolved = await asyncio.gather(*(self._resolve(a) for a in parsed))
-        targets = {addr for group in resolved for addr in group}
-        answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in targets))
-        answered = sum(a is not None for a in answers)
+        targets = sorted({addr for group in resolved for addr in group})
+        answered = 0
+        for attempt in range(BOOTSTRAP_ATTEMPTS):
+            if attempt:  # a lost datagram or a flooded peer: try again, backing off
+                await asyncio.sleep(BOOTSTRAP_BACKOFF_S * 2 ** (attempt - 1))
+                logger.info("no initial peer answered yet; retry %d", attempt)
+            answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in targets))
+            answered = sum(a is not None for a in answers)
+            if answered or not targets:
+                break
         if answered == 0:
             logger.warning("no initial peer answered: %s", ", ".join(map(str, parsed)))
             return 0
         await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
+        if not self.client:
+            await self.refresh_buckets()
         count = len(self.contacts())
         logger.info("DHT joined through %d initial peer(s); %d contacts", answered, count)
         return count
@@ -216,10 +241,25 @@ class DHTNode:
         own = protocol.source_node.long_id ^ goal
         if not self.client and (furthest is None or len(closest) < self.ksize or own < furthest):
             stored += self.storage.merge(entry)
-        results = await asyncio.gather(
-            *(protocol.send_entries(c, digest, [entry]) for c in closest)
-        )
-        stored += sum(1 for r in results if r > 0)
+        tasks = [
+            t for c in closest if (t := protocol.spawn(protocol.send_entries(c, digest, [entry])))
+        ]
+        # the k closest answered the lookup moments ago, yet one may have died since: once a
+        # quorum took the entry, a few RTTs more is all we wait (the rest finish in background)
+        pending = set(tasks)
+        deadline: float | None = None
+        loop = asyncio.get_running_loop()
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            done, pending = await asyncio.wait(
+                pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            taken = sum(map(_took, tasks))
+            if deadline is None and taken >= self.get_quorum:
+                deadline = loop.time() + protocol.stall_after
+        stored += sum(map(_took, tasks))
         logger.debug("stored %r on %d node(s)", key, stored)
         return stored
 
@@ -239,11 +279,32 @@ class DHTNode:
             value=True,
             holders=self.get_quorum,
         )
-        if found.truncated:
-            logger.warning("%r holds more entries than one answer carries; some are missing", key)
+        if not found.entries and not self.storage.entries(digest):
+            # nothing at all: the first pass may have skipped a holder that failed to answer
+            # once (a lost datagram, a busy host), or stopped short of where a store under the
+            # same conditions put the entry; ask again, everyone, twice as wide
+            found = await lookup(
+                self._protocol,
+                digest,
+                ksize=2 * self.ksize,
+                alpha=self.alpha,
+                value=True,
+                holders=self.get_quorum,
+                skip_suspects=False,
+            )
+        # holders answer one fair page (one entry per owner) at a time; read on from two of them
+        extra = await asyncio.gather(
+            *(
+                more_pages(self._protocol, digest, holder, cursor, MAX_PAGES_PER_GET)
+                for holder, cursor in found.more[:2]
+            )
+        )
         now = time.time()
         merged: dict[tuple[bytes, str], DHTEntry] = {}
-        for entry in [*self.storage.entries(digest, now), *found.entries]:
+        candidates = [*self.storage.entries(digest, now), *found.entries]
+        for entries in extra:
+            candidates += entries
+        for entry in candidates:
             if entry.expiration <= now:
                 continue
             current = merged.get(entry.slot)
@@ -274,8 +335,39 @@ class DHTNode:
             self.storage.cull()
             try:
                 await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
+                await self.refresh_buckets()
             except DHTError as e:
                 logger.debug("routing-table refresh failed: %s", e)
+
+    async def refresh_buckets(self) -> None:
+        """Look up a random id at each distance from ours (kademlia section 2.3: a joining node
+        refreshes every bucket further away than its closest neighbour).
+
+        A lookup of our own id only meets nodes near us; without this, a node may know nobody
+        in the other half of the key space, and its stores then land on the closest nodes of
+        *its* half, where no reader looks. Band ``d`` holds the ids that share exactly ``d``
+        leading bits with ours; bands are refreshed until one comes back empty.
+        """
+        protocol = self._protocol
+        own = int.from_bytes(self.node_id, "big")
+        bits = KEY_DIGEST_BYTES * 8
+        for first in range(0, _MAX_REFRESH_BANDS, _REFRESH_IN_PARALLEL):
+            bands = range(first, min(first + _REFRESH_IN_PARALLEL, _MAX_REFRESH_BANDS))
+            targets = []
+            for depth in bands:
+                flip = 1 << (bits - 1 - depth)
+                below = flip - 1
+                target = ((own ^ flip) & ~below) | (random.getrandbits(bits) & below)
+                targets.append(target.to_bytes(KEY_DIGEST_BYTES, "big"))
+            # a few nodes per band are enough (and much cheaper than k): each one that answers
+            # enters the routing table, and its bucket fills as it is used
+            found = await asyncio.gather(
+                *(lookup(protocol, t, ksize=_REFRESH_KSIZE, alpha=self.alpha) for t in targets)
+            )
+            for depth, result in zip(bands, found, strict=True):
+                in_band = [c for c in result.closest if _shared_bits(c.long_id, own) == depth]
+                if not in_band:
+                    return
 
     async def close(self) -> None:
         """Stop answering, cancel every task and close the socket."""
@@ -292,3 +384,15 @@ class DHTNode:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _took(task: asyncio.Task[Any]) -> bool:
+    """Whether a finished ``send_entries`` task had its entries taken."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return False
+    return bool(task.result() > 0)
+
+
+def _shared_bits(a: int, b: int) -> int:
+    """How many leading bits two 160-bit ids share."""
+    return KEY_DIGEST_BYTES * 8 - (a ^ b).bit_length()

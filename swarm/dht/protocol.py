@@ -19,7 +19,17 @@ RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
   deviations, as TCP does, between ``MIN_TIMEOUT_S`` and ``request_timeout``), so a dead node
   stalls a lookup for about a second on a fast network instead of the full timeout;
 - a *client* node (``client=True``: a one-shot ``swarm-peer peers`` listing, say) flags its
-  requests so that nobody adds it to a routing table: it would be a dead contact a moment later.
+  requests so that nobody adds it to a routing table: it would be a dead contact a moment later;
+- work per datagram is bounded, cheap checks first (see :mod:`swarm.dht.limits`): a token bucket
+  per source address before anything is parsed, then the MAC, then a per-source budget for
+  public-key work (signatures, key agreement with an unseen sender, the entries of a store, at
+  most ``MAX_ENTRIES_PER_STORE`` of them); entries a node already holds are not checked again;
+- answers carry a return-routability cookie; a request without a valid one gets an answer no
+  larger than itself (BEP 42, DNS cookies), and only a sender that echoed one enters the routing
+  table, so a spoofed source or a replayed first-contact ping cannot use us;
+- ``find_value`` answers one fair page (at most one entry per owner) with a ``next`` cursor, so
+  one owner's many entries never crowd the others out of an answer;
+- replication to newcomers is one bounded queue sent at ``REPLICATION_RATE``, not a task per key.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict, deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -43,6 +54,7 @@ from swarm.dht.envelope import (
     DatagramAuth,
     SenderKeys,
 )
+from swarm.dht.limits import Cookies, TokenBuckets
 from swarm.dht.records import KEY_DIGEST_BYTES, DHTEntry, RecordStorage
 from swarm.dht.routing import Contact, SwarmRoutingTable
 from swarm.errors import AuthError, DHTError
@@ -54,10 +66,20 @@ MAX_ENTRIES_PER_STORE = 64
 EVICT_AFTER_FAILURES = 2
 MIN_TIMEOUT_S = 1.0
 MIN_STALL_S = 0.1
-SUSPECT_FOR_S = 60.0  # a node that failed to answer is skipped by lookups this long
+SUSPECT_FOR_S = 30.0  # a node that failed twice in a row is skipped by lookups this long
 _MAX_SUSPECTS = 4096
 REPLICATE_BATCH_S = 0.5  # newcomers met within this long get their records in one pass
+REPLICATION_QUEUE = 4096  # (newcomer, key) pairs waiting; past this, the oldest are dropped
+REPLICATION_RATE = 200.0  # replication stores sent per second, at most
+REPLICATION_IN_FLIGHT = 8
+DATAGRAM_RATE = 500.0  # datagrams per second from one source address, sustained
+DATAGRAM_BURST = 1000.0
+VERIFY_RATE = 200.0  # signature checks per second for one source address, sustained
+VERIFY_BURST = 400.0
+MAX_PAGES_PER_GET = 8  # answer pages a reader follows per holder
 _ENVELOPE_OVERHEAD = 400
+_COOKIE_CACHE = 8192
+COOKIE_PAD_BYTES = 96  # padding of a request without a cookie (see _request_once)
 _METHODS = ("ping", "store", "find_node", "find_value")
 
 
@@ -93,6 +115,14 @@ class SwarmProtocol(KademliaProtocol):
         self._suspects: dict[bytes, float] = {}  # node id -> monotonic time of last failure
         self._newcomers: dict[bytes, Contact] = {}
         self._replicator: asyncio.Task[Any] | None = None  # sends newcomers their records
+        self._replication: deque[tuple[Contact, bytes]] = deque(maxlen=REPLICATION_QUEUE)
+        self._replication_worker: asyncio.Task[Any] | None = None
+        self.datagram_budget = TokenBuckets(DATAGRAM_RATE, DATAGRAM_BURST)
+        self.verify_budget = TokenBuckets(VERIFY_RATE, VERIFY_BURST)
+        self.cookies = Cookies()
+        # cookies others gave us, by their address: echoed in our requests to them
+        self._cookies_held: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self.refused_amplification = 0  # answers cut down to the request's size
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refusals = RateLimitedWarning(logger)
         self.closed = False
@@ -106,17 +136,20 @@ class SwarmProtocol(KademliaProtocol):
     def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
         if self.closed:
             return
+        address = (addr[0], addr[1])
+        if not self.datagram_budget.take(address):
+            return  # a flood: not even logged per datagram (the bucket counts it)
         source = f"{addr[0]}:{addr[1]}"
         try:
-            msg = self.auth.open(data)
+            msg = self.auth.open(data, lambda: self.verify_budget.take(address))
             if msg.kind == REQUEST:
                 if len(data) > MAX_REQUEST_BYTES:
                     raise DHTError(f"request of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
-                method, args, from_client = _parse_request(msg.body)
+                method, args, from_client, cookie = _parse_request(msg.body)
                 if not msg.targeted and method != "ping":
                     raise AuthError(f"an untargeted datagram may only ping, not {method}")
             else:
-                method, args, from_client = "", [], False
+                method, args, from_client, cookie = "", [], False, None
         except (DHTError, AuthError) as e:
             self._refusals.warn(source, "dropped a DHT datagram from %s: %s", source, e)
             return
@@ -126,19 +159,40 @@ class SwarmProtocol(KademliaProtocol):
         else:
             if from_client:
                 sender.client = True
-            self.spawn(self._answer(msg.msg_id, sender, method, args))
+            # a first-contact ping (untargeted) never proves the address: a captured one
+            # replayed to another node gets a cookie back and files nobody
+            verified = msg.targeted and self.cookies.check(cookie, address, msg.sender.public_key)
+            self.spawn(self._answer(msg.msg_id, sender, method, args, verified, len(data)))
 
     def error_received(self, exc: Exception) -> None:
         logger.debug("DHT socket error: %s", exc)
 
-    async def _answer(self, msg_id: bytes, sender: Contact, method: str, args: list[Any]) -> None:
+    async def _answer(
+        self,
+        msg_id: bytes,
+        sender: Contact,
+        method: str,
+        args: list[Any],
+        verified: bool,
+        request_bytes: int,
+    ) -> None:
+        source = f"{sender.ip}:{sender.port}"
         try:
-            result = getattr(self, f"rpc_{method}")(sender, *args)
+            result = getattr(self, f"rpc_{method}")(sender, verified, *args)
         except (DHTError, AuthError, TypeError) as e:
-            source = f"{sender.ip}:{sender.port}"
             self._refusals.warn(source, "refused a DHT %s from %s: %s", method, source, e)
             result = {"error": str(e)[:200]}
-        self._send(sender.address, self.auth.seal(RESPONSE, msg_id, result, sender.keys))
+        if not verified:
+            result["cookie"] = self.cookies.issue(sender.address, sender.keys.public_key)
+        datagram = self.auth.seal(RESPONSE, msg_id, result, sender.keys)
+        if not verified and len(datagram) > request_bytes:
+            # BEP 42 / DNS cookies: an unproved source gets no more bytes than it sent
+            self.refused_amplification += 1
+            small = {"cookie": result["cookie"], "retry": True}
+            datagram = self.auth.seal(RESPONSE, msg_id, small, sender.keys)
+            if len(datagram) > request_bytes:
+                return
+        self._send(sender.address, datagram)
 
     def _accept_answer(self, msg_id: bytes, sender: Contact, body: Any) -> None:
         pending = self._pending.get(msg_id)
@@ -159,43 +213,89 @@ class SwarmProtocol(KademliaProtocol):
 
     # ---- RPC handlers (sender is authenticated; arguments are not yet checked)
 
-    def rpc_ping(self, sender: Contact) -> Any:
-        self.welcome_if_new(sender)
-        return True
+    def rpc_ping(self, sender: Contact, verified: bool) -> Any:
+        if verified:
+            self.welcome_if_new(sender)
+        return {"pong": True}
 
-    def rpc_store(self, sender: Contact, key: Any, entries: Any) -> Any:
+    def rpc_store(self, sender: Contact, verified: bool, key: Any, entries: Any) -> Any:
         _check_key(key)
         if not isinstance(entries, list) or len(entries) > MAX_ENTRIES_PER_STORE:
             raise DHTError(f"a store carries a list of at most {MAX_ENTRIES_PER_STORE} entries")
         parsed = [DHTEntry.from_wire(key, obj) for obj in entries]
+        fresh = [e for e in parsed if not self.storage.holds(e)]
+        held = len(parsed) - len(fresh)  # already here (a retried store): they count as taken
+        if fresh and not self.verify_budget.take(sender.address, len(fresh)):
+            raise DHTError(f"signature budget spent: {len(fresh)} entries not checked")
         now = time.time()
-        stored = 0
-        for entry in parsed:
+        for entry in fresh:
             entry.verify()  # a forged entry refuses the whole request: nothing is applied
-        for entry in parsed:
+        refused = self.storage.refused
+        stored = held
+        for entry in fresh:
             stored += self.storage.merge(entry, now)
-        self.welcome_if_new(sender)
+        if self.storage.refused > refused:
+            source = f"{sender.ip}:{sender.port}"
+            self._refusals.warn(
+                source,
+                "DHT storage quota: refused %d entries from %s",
+                self.storage.refused - refused,
+                source,
+            )
+        if verified:
+            self.welcome_if_new(sender)
         return {"stored": stored}
 
-    def rpc_find_node(self, sender: Contact, target: Any) -> Any:
+    def rpc_find_node(self, sender: Contact, verified: bool, target: Any) -> Any:
         _check_key(target)
-        self.welcome_if_new(sender)
+        if verified:
+            self.welcome_if_new(sender)
         return {"nodes": self._neighbours(target, sender)}
 
-    def rpc_find_value(self, sender: Contact, key: Any) -> Any:
+    def rpc_find_value(self, sender: Contact, verified: bool, key: Any, cursor: Any = None) -> Any:
+        """Entries of ``key`` one fair page at a time (see :meth:`RecordStorage.fair_order`).
+
+        ``cursor`` is ``[round, index]`` from a previous answer's ``next`` (None: the first
+        page, which also carries the closest contacts).
+        """
         _check_key(key)
-        self.welcome_if_new(sender)
-        nodes = self._neighbours(key, sender)
+        if cursor is None:
+            start_round, start = 0, 0
+        elif (
+            isinstance(cursor, list)
+            and len(cursor) == 2
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cursor)
+        ):
+            start_round, start = cursor
+        else:
+            raise DHTError("a find_value cursor is [round, index]")
+        if verified:
+            self.welcome_if_new(sender)
+        nodes = self._neighbours(key, sender) if cursor is None else []
         budget = MAX_RESPONSE_BYTES - _ENVELOPE_OVERHEAD - len(msgpack.packb(nodes))
-        entries, truncated = [], False
-        for entry in self.storage.entries(key):
-            size = entry.wire_size()
-            if size > budget:
-                truncated = True
-                break
-            budget -= size
-            entries.append(entry.to_wire())
-        return {"nodes": nodes, "entries": entries, "truncated": truncated}
+        rounds = self.storage.fair_order(key)
+        entries: list[Any] = []
+        next_cursor: list[int] | None = None
+        if start_round < len(rounds):
+            page = rounds[start_round]
+            index = start
+            while index < len(page):
+                size = page[index].wire_size()
+                if size > budget:
+                    break
+                budget -= size
+                entries.append(page[index].to_wire())
+                index += 1
+            if index < len(page):
+                next_cursor = [start_round, index]
+            elif start_round + 1 < len(rounds):
+                next_cursor = [start_round + 1, 0]
+        return {
+            "nodes": nodes,
+            "entries": entries,
+            "next": next_cursor,
+            "truncated": next_cursor is not None,
+        }
 
     def _neighbours(self, target: bytes, sender: Contact) -> list[Any]:
         found = self.router.closest(target, self.router.ksize, exclude=(sender.id,))
@@ -226,8 +326,38 @@ class SwarmProtocol(KademliaProtocol):
     async def _request(
         self, address: tuple[str, int], target: SenderKeys | None, method: str, args: list[Any]
     ) -> tuple[Contact, Any] | None:
+        """One request; when the answer is a cookie (our address was not proved yet), the
+        request is sent once more with the cookie."""
+        for _ in range(2):
+            answer = await self._request_once(address, target, method, args)
+            if answer is None:
+                return None
+            responder, body = answer
+            if isinstance(body, dict) and "cookie" in body:
+                cookie = body.pop("cookie")
+                if isinstance(cookie, bytes):
+                    self._hold_cookie(address, cookie)
+                if body.pop("retry", None) is True:
+                    target = responder.keys
+                    continue
+            return answer
+        return None
+
+    def _hold_cookie(self, address: tuple[str, int], cookie: bytes) -> None:
+        self._cookies_held[address] = cookie
+        self._cookies_held.move_to_end(address)
+        while len(self._cookies_held) > _COOKIE_CACHE:
+            self._cookies_held.popitem(last=False)
+
+    async def _request_once(
+        self, address: tuple[str, int], target: SenderKeys | None, method: str, args: list[Any]
+    ) -> tuple[Contact, Any] | None:
         msg_id = os.urandom(MSG_ID_BYTES)
-        body = [method, args, True] if self.client else [method, args]
+        cookie = self._cookies_held.get(address) if target is not None else None
+        if cookie is not None:
+            body: list[Any] = [method, args, self.client, cookie]
+        else:  # room for a cookie in the answer: it may be no larger than this request
+            body = [method, args, self.client, b"", bytes(COOKIE_PAD_BYTES)]
         try:
             datagram = self.auth.seal(REQUEST, msg_id, body, target)
         except AuthError as e:
@@ -272,11 +402,14 @@ class SwarmProtocol(KademliaProtocol):
         return True
 
     def _failed(self, contact: Contact) -> None:
-        if len(self._suspects) >= _MAX_SUSPECTS:
-            self._suspects.pop(next(iter(self._suspects)))
-        self._suspects[contact.id] = time.monotonic()
         count = self._failures.get(contact.id, 0) + 1
         if count >= EVICT_AFTER_FAILURES:
+            # one timeout on a busy host is no proof of death: skipping the node in every
+            # lookup for a minute after a single miss made stores and gets take different
+            # routes, and a get could miss every holder of a key
+            if len(self._suspects) >= _MAX_SUSPECTS:
+                self._suspects.pop(next(iter(self._suspects)))
+            self._suspects[contact.id] = time.monotonic()
             self._failures.pop(contact.id, None)
             logger.debug("%s did not answer twice; removed from the routing table", contact)
             self.router.remove_contact(contact)
@@ -315,7 +448,7 @@ class SwarmProtocol(KademliaProtocol):
         newcomers, self._newcomers = self._newcomers, {}
         ksize = self.router.ksize
         own = self.source_node.long_id
-        for key, entries in list(self.storage):
+        for key in self.storage.keys():  # noqa: SIM118 (iterating yields entries too)
             goal = int.from_bytes(key, "big")
             before = self.router.closest(key, ksize, exclude=newcomers.keys())
             if before and (own ^ goal) > (before[0].long_id ^ goal):
@@ -323,8 +456,31 @@ class SwarmProtocol(KademliaProtocol):
             furthest = before[-1].long_id ^ goal if len(before) >= ksize else None
             for node in newcomers.values():
                 if furthest is None or (node.long_id ^ goal) < furthest:
-                    self.spawn(self.send_entries(node, key, entries))
+                    self._replication.append((node, key))  # bounded: the oldest fall off
             await asyncio.sleep(0)  # many keys: let answers through between them
+        if self._replication and (
+            self._replication_worker is None or self._replication_worker.done()
+        ):
+            self._replication_worker = self.spawn(self._replicate())
+
+    async def _replicate(self) -> None:
+        """Send queued replication stores, at most ``REPLICATION_RATE`` per second and
+        ``REPLICATION_IN_FLIGHT`` at once, so a newcomer never costs a burst of work."""
+        slots = asyncio.Semaphore(REPLICATION_IN_FLIGHT)
+
+        async def one(node: Contact, key: bytes) -> None:
+            try:
+                entries = self.storage.entries(key)  # as they are now, not when queued
+                if entries:
+                    await self.send_entries(node, key, entries)
+            finally:
+                slots.release()
+
+        while self._replication:
+            node, key = self._replication.popleft()
+            await slots.acquire()
+            self.spawn(one(node, key))
+            await asyncio.sleep(1.0 / REPLICATION_RATE)
 
     async def send_entries(self, contact: Contact, key: bytes, entries: list[DHTEntry]) -> int:
         """Store ``entries`` on ``contact`` in as many requests as needed; returns how many it
@@ -338,6 +494,17 @@ class SwarmProtocol(KademliaProtocol):
             if isinstance(count, int) and not isinstance(count, bool):
                 stored += count
         return stored
+
+    def counters(self) -> dict[str, int]:
+        """What was refused or dropped so far, by cause (for logs and metrics)."""
+        return {
+            "datagrams_over_rate": self.datagram_budget.refused,
+            "public_key_work_over_budget": self.verify_budget.refused,
+            "answers_cut_to_request_size": self.refused_amplification,
+            "entries_over_quota": self.storage.refused,
+            "entries_evicted": self.storage.evicted,
+            "replication_queue": len(self._replication),
+        }
 
     # ---- task bookkeeping
 
@@ -392,22 +559,28 @@ class RttEstimator:
         return min(self.ceiling, max(self.floor, self.srtt + 4 * self.rttvar))
 
 
-def _parse_request(body: Any) -> tuple[str, list[Any], bool]:
-    """``[method, args]``, or ``[method, args, True]`` from a client node."""
-    if not isinstance(body, list) or len(body) not in (2, 3):
-        raise DHTError("a request is [method, args] or [method, args, client]")
+def _parse_request(body: Any) -> tuple[str, list[Any], bool, Any]:
+    """``[method, args]``, then optionally ``client``, ``cookie`` and ``padding``.
+
+    A request without a cookie is padded so that the answer carrying one is no larger.
+    """
+    if not isinstance(body, list) or not 2 <= len(body) <= 5:
+        raise DHTError("a request is [method, args, client?, cookie?, padding?]")
     method, args = body[:2]
-    from_client = body[2] if len(body) == 3 else False
+    from_client = body[2] if len(body) >= 3 else False
+    cookie = body[3] if len(body) >= 4 else None
+    if len(body) == 5 and (not isinstance(body[4], bytes) or len(body[4]) > 256):
+        raise DHTError("request padding is at most 256 bytes")
     if not isinstance(from_client, bool):
         raise DHTError("the client flag of a request is a bool")
     if method not in _METHODS:
         raise DHTError(f"unknown DHT method {str(method)[:32]!r}")
     if not isinstance(args, list) or len(args) > 2:
         raise DHTError("request arguments must be a short list")
-    arity = {"ping": 0, "store": 2, "find_node": 1, "find_value": 1}[method]
-    if len(args) != arity:
-        raise DHTError(f"{method} takes {arity} arguments, got {len(args)}")
-    return method, args, from_client
+    arity = {"ping": (0,), "store": (2,), "find_node": (1,), "find_value": (1, 2)}[method]
+    if len(args) not in arity:
+        raise DHTError(f"{method} takes {arity[0]} argument(s), got {len(args)}")
+    return method, args, from_client, cookie
 
 
 def _check_key(key: Any) -> None:

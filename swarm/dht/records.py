@@ -30,7 +30,11 @@ MAX_SUBKEY_CHARS = 64
 MAX_VALUE_BYTES = 4096
 MAX_TTL_S = 7 * 24 * 3600.0  # an expiration further away than this is refused
 MAX_SUBKEYS_PER_KEY = 1024
-MAX_STORED_ENTRIES = 100_000  # per node, all keys together
+MAX_SUBKEYS_PER_OWNER = 32  # slots of one owner under one key
+MAX_OWNER_ENTRIES = 1024  # entries of one owner on one node, all keys together
+MAX_OWNER_BYTES = 512 * 1024  # their wire bytes
+MAX_STORED_ENTRIES = 32_768  # per node, all owners and keys together
+MAX_STORED_BYTES = 16 * 1024 * 1024  # their wire bytes
 _CONTEXT = b"swarm/dht-entry/v1"
 
 
@@ -131,38 +135,155 @@ def check_expiration(expiration: float, now: float) -> None:
 class RecordStorage(IStorage):
     """A node's local share of the DHT: key digest -> {(owner, subkey) -> entry}, merged.
 
-    Bounded: at most :data:`MAX_SUBKEYS_PER_KEY` slots per key and :data:`MAX_STORED_ENTRIES`
-    in all; past that, new slots are refused (existing ones can still be refreshed).
+    No one owner can fill it (libp2p's resource manager is the model: a limit per owner and per
+    node):
+
+    - per key: at most ``max_subkeys_per_owner`` slots of one owner and :data:`MAX_SUBKEYS_PER_KEY`
+      in all; a full key makes room for a new owner by dropping an entry of the owner that holds
+      the most slots there, so every owner gets a fair share of a busy key;
+    - per node: at most ``max_owner_entries`` / ``max_owner_bytes`` for one owner, and
+      ``max_entries`` / ``max_bytes`` in all; a full node evicts from the owner that holds the
+      most bytes, as long as that owner holds more than the newcomer would.
+
+    Refreshing an existing slot (a heartbeat) is always allowed within the owner's quota.
     """
 
-    def __init__(self, max_entries: int = MAX_STORED_ENTRIES):
+    def __init__(
+        self,
+        max_entries: int = MAX_STORED_ENTRIES,
+        max_bytes: int = MAX_STORED_BYTES,
+        max_owner_entries: int = MAX_OWNER_ENTRIES,
+        max_owner_bytes: int = MAX_OWNER_BYTES,
+        max_subkeys_per_owner: int = MAX_SUBKEYS_PER_OWNER,
+    ):
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_owner_entries = max_owner_entries
+        self.max_owner_bytes = max_owner_bytes
+        self.max_subkeys_per_owner = max_subkeys_per_owner
         self._records: dict[bytes, dict[tuple[bytes, str], DHTEntry]] = {}
+        self._sizes: dict[tuple[bytes, tuple[bytes, str]], int] = {}  # (key, slot) -> wire bytes
+        self._owners: dict[bytes, dict[tuple[bytes, str, bytes], None]] = {}  # owner -> its slots
+        self._owner_bytes: dict[bytes, int] = {}
+        self._key_owner: dict[tuple[bytes, bytes], int] = {}  # (key, owner) -> slots there
         self._count = 0
+        self._bytes = 0
+        self.refused = 0  # entries refused for a quota (visible in logs and benchmarks)
+        self.evicted = 0  # entries dropped to make room for another owner
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._bytes
 
     def merge(self, entry: DHTEntry, now: float | None = None) -> bool:
-        """Store ``entry`` unless its slot holds a later one; True when it was taken.
+        """Store ``entry`` unless its slot holds a later one or a quota refuses it; True when
+        it was taken.
 
         The caller has verified the signature.
         """
         now = time.time() if now is None else now
         if entry.expiration <= now or entry.expiration > now + MAX_TTL_S:
             return False
+        owner = entry.public_key
+        size = entry.wire_size()
+        self._cull(entry.key, now)
         record = self._records.get(entry.key)
-        if record is None:
-            record = {}
-        current = record.get(entry.slot)
+        current = record.get(entry.slot) if record is not None else None
         if current is not None:
             if current.expiration >= entry.expiration:
                 return False
-        else:
-            self._cull(entry.key, now)
-            if len(record) >= MAX_SUBKEYS_PER_KEY or self._count >= self.max_entries:
+            old = self._sizes[(entry.key, entry.slot)]
+            if self._owner_bytes.get(owner, 0) - old + size > self.max_owner_bytes:
+                self.refused += 1
                 return False
-            self._count += 1
-        record[entry.slot] = entry
-        self._records[entry.key] = record
+            if not self._make_room(owner, 0, size - old, now):
+                self.refused += 1
+                return False
+            self._remove(entry.key, entry.slot)
+        else:
+            if not self._admit_new(entry, size, now):
+                self.refused += 1
+                return False
+        self._add(entry, size)
         return True
+
+    def holds(self, entry: DHTEntry) -> bool:
+        """Whether ``entry``'s slot already holds it or a later one (a merge would be a no-op,
+        so its signature need not be checked again)."""
+        current = self._records.get(entry.key, {}).get(entry.slot)
+        return current is not None and current.expiration >= entry.expiration
+
+    def _admit_new(self, entry: DHTEntry, size: int, now: float) -> bool:
+        owner = entry.public_key
+        if self._key_owner.get((entry.key, owner), 0) >= self.max_subkeys_per_owner:
+            return False
+        owner_slots = self._owners.get(owner, {})
+        if len(owner_slots) >= self.max_owner_entries:
+            return False
+        if self._owner_bytes.get(owner, 0) + size > self.max_owner_bytes:
+            return False
+        record = self._records.get(entry.key, {})
+        if len(record) >= MAX_SUBKEYS_PER_KEY:
+            mine = self._key_owner.get((entry.key, owner), 0)
+            counts: dict[bytes, int] = {}
+            for slot_owner, _ in record:
+                counts[slot_owner] = counts.get(slot_owner, 0) + 1
+            biggest = max(counts, key=lambda o: counts[o])
+            if counts[biggest] <= mine + 1:
+                return False  # every owner here holds its fair share already
+            victim = next(slot for slot in record if slot[0] == biggest)
+            self._remove(entry.key, victim)
+            self.evicted += 1
+        return self._make_room(owner, 1, size, now)
+
+    def _make_room(self, owner: bytes, entries: int, size: int, now: float) -> bool:
+        """Evict from the biggest other owner until ``entries``/``size`` more fit the node."""
+        culled = False
+        while self._count + entries > self.max_entries or self._bytes + size > self.max_bytes:
+            if not culled:
+                self.cull(now)
+                culled = True
+                continue
+            mine = self._owner_bytes.get(owner, 0) + size
+            biggest = max(self._owner_bytes, key=lambda o: self._owner_bytes[o], default=None)
+            if biggest is None or biggest == owner or self._owner_bytes[biggest] <= mine:
+                return False
+            key, subkey, _ = next(iter(self._owners[biggest]))
+            self._remove(key, (biggest, subkey))
+            self.evicted += 1
+        return True
+
+    def _add(self, entry: DHTEntry, size: int) -> None:
+        owner = entry.public_key
+        self._records.setdefault(entry.key, {})[entry.slot] = entry
+        self._sizes[(entry.key, entry.slot)] = size
+        self._owners.setdefault(owner, {})[(entry.key, entry.subkey, owner)] = None
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
+        key_owner = (entry.key, owner)
+        self._key_owner[key_owner] = self._key_owner.get(key_owner, 0) + 1
+        self._count += 1
+        self._bytes += size
+
+    def _remove(self, key: bytes, slot: tuple[bytes, str]) -> None:
+        record = self._records[key]
+        del record[slot]
+        if not record:
+            del self._records[key]
+        owner, subkey = slot
+        size = self._sizes.pop((key, slot))
+        owned = self._owners[owner]
+        del owned[(key, subkey, owner)]
+        if owned:
+            self._owner_bytes[owner] -= size
+        else:
+            del self._owners[owner]
+            del self._owner_bytes[owner]
+        key_owner = (key, owner)
+        self._key_owner[key_owner] -= 1
+        if not self._key_owner[key_owner]:
+            del self._key_owner[key_owner]
+        self._count -= 1
+        self._bytes -= size
 
     def entries(self, key: bytes, now: float | None = None) -> list[DHTEntry]:
         """The live entries under ``key``, latest expiration first."""
@@ -170,6 +291,18 @@ class RecordStorage(IStorage):
         self._cull(key, now)
         record = self._records.get(key, {})
         return sorted(record.values(), key=lambda e: e.expiration, reverse=True)
+
+    def fair_order(self, key: bytes, now: float | None = None) -> list[list[DHTEntry]]:
+        """The live entries under ``key`` in rounds: round r holds the r-th newest entry of
+        every owner that has one, owners in a fixed order. An answer page never spans two
+        rounds, so it carries at most one entry per owner and the first pages list every owner.
+        """
+        by_owner: dict[bytes, list[DHTEntry]] = {}
+        for entry in self.entries(key, now):
+            by_owner.setdefault(entry.public_key, []).append(entry)
+        owners = sorted(by_owner)
+        depth = max((len(v) for v in by_owner.values()), default=0)
+        return [[by_owner[o][r] for o in owners if len(by_owner[o]) > r] for r in range(depth)]
 
     def keys(self) -> list[bytes]:
         return list(self._records)
@@ -185,10 +318,7 @@ class RecordStorage(IStorage):
         if record is None:
             return
         for slot in [s for s, e in record.items() if e.expiration <= now]:
-            del record[slot]
-            self._count -= 1
-        if not record:
-            del self._records[key]
+            self._remove(key, slot)
 
     def __len__(self) -> int:
         return self._count

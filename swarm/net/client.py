@@ -11,7 +11,8 @@ from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, RequestAuth
 from swarm.errors import TransportError
 from swarm.identity import Identity
-from swarm.net.frames import TO_CLIENT, TO_SERVER, Opener, Sealer, stream_aead
+from swarm.net.confidential import open_reply
+from swarm.net.frames import TAG_BYTES, TO_CLIENT, TO_SERVER, Opener, Sealer, stream_aead
 from swarm.net.record import PeerRecord
 from swarm.net.streams import FrameReader, FrameWriter, OutboundStream
 
@@ -51,8 +52,10 @@ class Client:
         return auth, {AUTH_HEADER: auth.encode()}
 
     async def get(self, address: PeerAddress, path: str, limit: int, timeout: float) -> bytes:
-        """GET a small body (at most ``limit`` bytes) from a route that accepts any target."""
-        _, headers = self._auth_headers(b"", "GET", path)
+        """GET a small body (at most ``limit`` bytes) from a route that accepts any target.
+
+        In a keyed swarm the reply comes sealed (see :mod:`swarm.net.confidential`)."""
+        auth, headers = self._auth_headers(b"", "GET", path)
         try:
             async with self.session.get(
                 address.url + path,
@@ -64,11 +67,18 @@ class Client:
                     raise TransportError(
                         f"GET {path} refused: {text}", peer=str(address), status=response.status
                     )
-                return await _read_limited(response.content, limit, str(address))
+                body = await _read_limited(response.content, limit + TAG_BYTES, str(address))
         except TimeoutError as e:
             raise TransportError(f"GET {path} timed out", peer=str(address)) from e
         except (aiohttp.ClientError, OSError) as e:
             raise TransportError(f"GET {path} failed: {e!r}", peer=str(address)) from e
+        return open_reply(
+            self.membership,
+            caller=self.identity.public_key,
+            request_nonce=auth.nonce,
+            path=path,
+            body=body,
+        )
 
     def stream(
         self,

@@ -32,6 +32,7 @@ from swarm.net.frames import (
     Opener,
     Sealer,
 )
+from swarm.net.limits import StreamLimits
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ class FrameReader:
         *,
         max_stream_bytes: int,
         peer: str,
+        limits: StreamLimits | None = None,
     ):
         self._content = content
+        self._limits = limits
         self._opener = opener
         self._max_stream_bytes = max_stream_bytes
         self._peer = peer
@@ -74,26 +77,50 @@ class FrameReader:
             AuthError: tampered or reordered frame, or the body ends before its END frame.
             TransportError: oversized frame or stream, protocol violation, connection lost.
         """
+        limits = self._limits
         try:
-            prefix = await self._content.readexactly(PREFIX_BYTES)
+            prefix = await self._within(self._content.readexactly(PREFIX_BYTES), 0)
             length, kind = self._opener.parse_prefix(prefix)
             if kind == DATA and self.bytes_received + length - TAG_BYTES > self._max_stream_bytes:
                 raise TransportError(
                     f"stream exceeds {self._max_stream_bytes} bytes", peer=self._peer, status=413
                 )
-            sealed = await self._content.readexactly(length)
+            if limits is not None and limits.needs_budget(length):
+                # partially received frames share one memory budget: stalled senders wait
+                # for their turn (and time out) instead of pinning a frame each
+                budget = limits.shared_budget()
+                await self._within(budget.acquire(length), 0)
+                try:
+                    sealed = await self._within(self._content.readexactly(length), length)
+                finally:
+                    budget.release(length)
+            else:
+                sealed = await self._within(self._content.readexactly(length), length)
         except asyncio.IncompleteReadError:
             raise AuthError(
                 f"stream from {self._peer} truncated after {self._opener.index} frames"
             ) from None
-        except TimeoutError as e:
-            raise TransportError("timed out waiting for the peer", peer=self._peer) from e
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise TransportError(
+                "timed out waiting for the peer", peer=self._peer, status=408
+            ) from e
         except (aiohttp.ClientError, ConnectionError) as e:
             raise TransportError(f"connection lost: {e!r}", peer=self._peer) from e
         plaintext = self._opener.open(kind, sealed)
         if kind == DATA:
             self.bytes_received += len(plaintext)
         return kind, plaintext
+
+    async def _within(self, step: Awaitable[Any], length: int) -> Any:
+        """Await ``step`` within the time a frame of ``length`` bytes may take (no limit when
+        the stream has no limits: the client side times out on its own)."""
+        if self._limits is None:
+            return await step
+        try:
+            return await asyncio.wait_for(step, self._limits.frame_timeout(length))
+        except asyncio.TimeoutError:
+            self._limits.stalled += 1
+            raise
 
     async def read_header(self) -> dict[str, Any]:
         kind, plaintext = await self.read()

@@ -43,6 +43,7 @@ from swarm.auth import (
 from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
 from swarm.identity import Identity, PeerID
 from swarm.net.client import Client, empty_body
+from swarm.net.confidential import seal_reply
 from swarm.net.frames import (
     DEFAULT_CIPHER,
     TO_CLIENT,
@@ -51,6 +52,12 @@ from swarm.net.frames import (
     Sealer,
     make_aead,
     stream_aead,
+)
+from swarm.net.limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_PER_ADDRESS,
+    ConnectionLimits,
+    StreamLimits,
 )
 from swarm.net.record import MAX_RECORD_BYTES, PeerRecord
 from swarm.net.streams import (
@@ -74,6 +81,7 @@ _METRICS_PATH = "/metrics"  # no swarm auth (Prometheus cannot sign); 404 unless
 _RECORD_FIELDS = ("address", "run_id", "device", "bandwidth", "version", "extra")
 _SHUTDOWN_TIMEOUT_S = 2.0
 _AUTH_KEY = web.RequestKey("swarm_auth", RequestAuth)
+DEFAULT_IDLE_TIMEOUT_S = 30.0
 
 
 class Transport:
@@ -95,6 +103,12 @@ class Transport:
             transfers.
         request_timeout: default for :meth:`ping` and :meth:`fetch_info`, and the connect timeout.
         replay_window_s: accepted clock difference; requests outside it are refused as replays.
+        idle_timeout: seconds a connection may stay without a complete request (headers read
+            or the last reply sent) before the server closes it; our client drops pooled
+            connections sooner, so it never reuses one the server is closing.
+        max_connections: inbound connections in all (kept below the descriptor limit).
+        max_connections_per_address: inbound connections from one IP address.
+        stream_limits: idle time, minimum rate and partial-frame memory of inbound streams.
     """
 
     def __init__(
@@ -113,12 +127,18 @@ class Transport:
         max_stream_bytes: int = 1 << 31,
         request_timeout: float = 10.0,
         replay_window_s: float = 60.0,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+        stream_limits: StreamLimits | None = None,
     ):
         make_aead(cipher, bytes(32))  # ConfigError on an unknown cipher, now rather than later
         if not 1 <= max_chunk_bytes <= 1 << 26:
             raise ConfigError("max_chunk_bytes must be within 1 B .. 64 MiB")
         if max_stream_bytes < 0 or request_timeout <= 0:
             raise ConfigError("max_stream_bytes must be >= 0 and request_timeout > 0")
+        if not idle_timeout > 0:
+            raise ConfigError("idle_timeout must be positive")
         self.identity = identity
         self.membership = membership
         self.listen = _address(listen)
@@ -136,6 +156,9 @@ class Transport:
         )
         self._record: PeerRecord | None = None
         self._replay = ReplayGuard(replay_window_s)
+        self.idle_timeout = idle_timeout
+        self.connection_limits = ConnectionLimits(max_connections, max_connections_per_address)
+        self.stream_limits = stream_limits or StreamLimits()
         self._refusals = RateLimitedWarning(logger)
         self._streams: dict[str, StreamHandler] = {}
         self._runner: web.AppRunner | None = None
@@ -164,8 +187,17 @@ class Transport:
             access_log=None,
             handler_cancellation=True,  # a caller that hangs up cancels its handler
             shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+            # armed as a connection opens: bounds the wait for request headers as well as the
+            # idle time of a kept-alive connection (aiohttp's default is about an hour)
+            keepalive_timeout=self.idle_timeout,
+            # a body left unread (a refused request) closes the connection instead of being
+            # read and discarded for up to 10 s
+            lingering_time=0,
         )
         await runner.setup()
+        if runner.server is None:
+            raise TransportError("the HTTP server did not start")
+        self.connection_limits.guard(runner.server)
         try:
             await web.TCPSite(runner, self.listen.host, self.listen.port).start()
         except OSError as e:
@@ -175,7 +207,9 @@ class Transport:
         port = runner.addresses[0][1]
         self.bound_address = PeerAddress(self.listen.host, port)
         local_addr = (self.listen.host, 0) if _is_specific_ip(self.listen.host) else None
-        connector = aiohttp.TCPConnector(limit=0, local_addr=local_addr)
+        connector = aiohttp.TCPConnector(
+            limit=0, local_addr=local_addr, keepalive_timeout=self.idle_timeout / 2
+        )
         session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
@@ -216,6 +250,16 @@ class Transport:
         if self.bound_address is None:
             raise TransportError("transport not started")
         return self.bound_address.port
+
+    def counters(self) -> dict[str, int]:
+        """What the server's limits refused so far, by cause (for logs and metrics)."""
+        budget = self.stream_limits.budget
+        return {
+            "connections_over_limit": self.connection_limits.refused,
+            "connections_open": self.connection_limits.total,
+            "streams_stalled": self.stream_limits.stalled,
+            "partial_frame_bytes": budget.used if budget is not None else 0,
+        }
 
     # ---- record
 
@@ -284,7 +328,7 @@ class Transport:
                 auth.target == b"" and request.path in _PUBLIC_PATHS
             ):
                 raise AuthError("request addressed to another peer")
-            self._replay.check(auth.timestamp, auth.nonce)
+            self._replay.check(auth.timestamp, auth.nonce, sender=auth.public_key)
         except AuthError as e:
             return self._refuse(request, 401, e)
         if not self.membership.admits(auth.public_key):
@@ -305,10 +349,13 @@ class Transport:
             status,
             error,
         )
-        return web.Response(status=status, text=str(error))
+        response = web.Response(status=status, text=str(error))
+        # close instead of reading (or discarding) a body nobody will use
+        response.force_close()
+        return response
 
     async def _handle_ping(self, request: web.Request) -> web.Response:
-        return web.Response(text="pong")
+        return self._public_reply(request, b"pong")
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         if self.metrics is None:
@@ -318,7 +365,19 @@ class Transport:
         )
 
     async def _handle_info(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.record().serialize(), content_type="application/msgpack")
+        return self._public_reply(request, self.record().serialize())
+
+    def _public_reply(self, request: web.Request, body: bytes) -> web.Response:
+        """In a keyed swarm, an eavesdropper must not read our record: seal it for the caller."""
+        auth = request[_AUTH_KEY]
+        sealed = seal_reply(
+            self.membership,
+            caller=auth.public_key,
+            request_nonce=auth.nonce,
+            path=request.path,
+            body=body,
+        )
+        return web.Response(body=sealed, content_type="application/octet-stream")
 
     async def _handle_stream(self, request: web.Request) -> web.StreamResponse:
         auth = request[_AUTH_KEY]
@@ -352,6 +411,7 @@ class Transport:
             Opener(aead, auth.nonce, TO_SERVER, max_frame_bytes=self.max_chunk_bytes),
             max_stream_bytes=self.max_stream_bytes,
             peer=label,
+            limits=self.stream_limits,
         )
         reply = ReplyStream(
             request, FrameWriter(Sealer(aead, auth.nonce, TO_CLIENT), self.max_chunk_bytes)
