@@ -168,18 +168,21 @@ class AsyncSwarm:
             return RoundOutcome(False, 0, 0, 0, f"{type(e).__name__}: {e}")
         return outcome_of(result)
 
-    async def step(self, samples: float | None = None) -> StepReport:
+    async def step(self, samples: float | None = None, loss: Any = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Args:
             samples: samples in this step's batch; rounds weight peers by samples processed,
                 so faster peers count more. Default: 1 per step.
+            loss: this step's training loss (a float or a scalar tensor; a CUDA tensor costs a
+                sync, so pass ``loss.item()`` where you have it anyway). Optional; with it, a
+                sharp rise is logged as a WARNING and flagged in the report (``diverging``).
 
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
         e = self.engine
-        due = e.count(samples)
+        due = e.count(samples, loss)
         if self.config.mode == "gradients":
             plan = e.begin_round()
             report = e.finish_round(plan, await self.average_round(plan))
@@ -316,7 +319,7 @@ class Swarm:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def step(self, samples: float | None = None) -> StepReport:
+    def step(self, samples: float | None = None, loss: Any = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Every ``inner_steps`` steps this blocks for an averaging round (at most
@@ -325,9 +328,11 @@ class Swarm:
 
         Args:
             samples: samples in this step's batch (weights rounds); default 1 per step.
+            loss: this step's training loss (float or scalar tensor), optional: a sharp rise
+                is logged as a WARNING and flagged in the report (``diverging``).
         """
         e = self.engine
-        due = e.count(samples)
+        due = e.count(samples, loss)
         if self.config.mode == "gradients":
             plan = e.begin_round()
             report = e.finish_round(plan, self._round(plan))

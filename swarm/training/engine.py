@@ -10,6 +10,7 @@ model half-averaged: the peer goes on alone and the step report says why.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ import torch
 
 from swarm.config import SPARSE_CODECS, SwarmConfig
 from swarm.errors import CheckpointError
-from swarm.training.outer import OuterState
+from swarm.training.divergence import DivergenceMonitor, as_loss
+from swarm.training.outer import OuterState, outer_rule
 from swarm.training.progress import StepReport, Utilization
 from swarm.training.snapshot import Snapshot, pack_snapshot
 from swarm.training.tensors import ModelTensors
@@ -76,12 +78,20 @@ class TrainingEngine:
         # Held while the model/anchor change, so a snapshot for a joiner is never torn.
         self.lock = threading.Lock()
         self._last_failure = ""
+        self.divergence = DivergenceMonitor()
+        self._diverging = False  # the last round was flagged (log once per episode)
+        self.last_loss: float | None = None  # the loss passed to the last step
 
     # -- one step ---------------------------------------------------------------------------
-    def count(self, samples: float | None) -> bool:
-        """Count a local step; True when this step ends a round."""
+    def count(self, samples: float | None, loss: object = None) -> bool:
+        """Count a local step (and the script's loss, if passed); True when it ends a round."""
         if samples is not None and not samples >= 0:
             raise ValueError("samples must be a non-negative number")
+        if loss is not None:
+            self.last_loss = as_loss(loss)
+            self.divergence.add(self.last_loss)
+        else:
+            self.last_loss = None
         self.utilization.started()
         self.step_count += 1
         self.steps_in_round += 1
@@ -116,11 +126,13 @@ class TrainingEngine:
                     self.outer.load_pseudo_grads()
                 else:
                     self.outer.load_grads()
+            norm, scale = None, 1.0
             if cfg.mode == "diloco":
-                # Alone, DiLoCo still applies its own pseudo-gradient (DiLoCo with one worker).
-                self.outer.apply_outer(
-                    lr=cfg.outer_lr, beta=cfg.outer_momentum, nesterov=cfg.nesterov
-                )
+                # Alone: plain local training; small groups: capped momentum (outer_rule).
+                k = outcome.group_size if outcome.averaged else 1
+                step = outer_rule(k, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+                norm = None if step.solitary else self.outer.pseudo_grad_norm()
+                scale = self.outer.apply_outer(step, nesterov=cfg.nesterov, norm=norm)
             elif cfg.mode == "local_sgd":
                 if outcome.averaged:
                     self.outer.apply_values()
@@ -140,6 +152,21 @@ class TrainingEngine:
                 "round %d not averaged: %s; training on alone", self.round, outcome.reason
             )
             self._last_failure = outcome.reason
+        loss, divergence = self.divergence.end_round()
+        if norm is not None and not math.isfinite(norm):
+            lost = "the pseudo-gradient is not finite; the round's steps were discarded"
+            divergence = "; ".join(filter(None, [divergence, lost]))
+        elif scale < 1.0:
+            jump = (
+                f"the pseudo-gradient norm jumped to {norm:.4g}, {1 / scale:.1f}x the bound "
+                "from recent rounds; scaled down to the bound"
+            )
+            divergence = "; ".join(filter(None, [divergence, jump]))
+        if divergence and not self._diverging:
+            logger.warning("round %d looks divergent: %s", self.round, divergence)
+        elif not divergence and self._diverging:
+            logger.info("round %d: no longer diverging", self.round)
+        self._diverging = bool(divergence)
         return StepReport(
             step=self.step_count,
             round=self.round,
@@ -151,11 +178,27 @@ class TrainingEngine:
             wait_s=waited,
             utilization=self.utilization.value,
             reason=outcome.reason,
+            loss=loss,
+            diverging=bool(divergence),
+            divergence=divergence,
+            pseudo_grad_norm=norm,
         )
 
     def local_report(self) -> StepReport:
+        bad = self.last_loss is not None and not math.isfinite(self.last_loss)
         return StepReport(
-            self.step_count, self.round, False, False, 0, 0, 0, 0.0, self.utilization.value
+            self.step_count,
+            self.round,
+            False,
+            False,
+            0,
+            0,
+            0,
+            0.0,
+            self.utilization.value,
+            loss=self.last_loss,
+            diverging=bad,
+            divergence="the loss is not finite" if bad else "",
         )
 
     # -- snapshots for late joiners ---------------------------------------------------------
