@@ -33,7 +33,7 @@ from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine
 from swarm.training.progress import StepReport
 from swarm.training.sharding import assign_shards, shard_indices
-from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
+from swarm.training.transfer import STATE_STREAM, Joined, StateProvider, download_state
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class AsyncSwarm:
         self.peer: Any = None
         self.averager: Any = None
         self._provider = StateProvider(self.engine)
+        self.joined: Joined | None = None  # the state adopted on joining, and refused providers
 
     @classmethod
     async def create(
@@ -153,8 +154,8 @@ class AsyncSwarm:
         if got is None:
             logger.info("no peer offers a training state: starting from this peer's weights")
             return
-        snapshot, steps_in_round = got
-        await asyncio.to_thread(self.engine.load_snapshot, snapshot, steps_in_round)
+        self.joined = got
+        await asyncio.to_thread(self.engine.load_snapshot, got.snapshot, got.steps_in_round)
         logger.info("joined at round %d", self.engine.round)
 
     async def average_round(self, plan: RoundPlan) -> RoundOutcome:
