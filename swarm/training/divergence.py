@@ -1,8 +1,9 @@
 """Divergence watch: a sharp rise of the loss the script reports, round by round (no I/O).
 
-The script passes its loss to ``step(loss=...)``; each round's mean is compared with the best
-round mean of the last ``WINDOW`` rounds. A round whose mean exceeds ``RISE`` times that best (or
-that saw a non-finite loss) is flagged: the step report carries the reason and the engine logs a
+The script passes its loss to ``step(loss=...)``; each round's mean is compared with the median
+round mean of the last ``WINDOW`` rounds (a median, so one lucky round of small noisy batches does
+not make the next normal one look like a rise). A round whose mean exceeds ``RISE`` times that
+median (or that saw a non-finite loss) is flagged: the step report carries the reason and the engine logs a
 WARNING when the peer starts diverging. Pseudo-gradient norm jumps are caught by the outer rule's
 norm bound (:mod:`swarm.training.outer`), which reports through the same flag.
 """
@@ -10,12 +11,13 @@ norm bound (:mod:`swarm.training.outer`), which reports through the same flag.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 import torch
 
-RISE = 1.5  # a round mean above 1.5x the recent best is a sharp rise
-WINDOW = 8  # rounds whose means make the recent best
+RISE = 1.5  # a round mean above 1.5x the recent median is a sharp rise
+WINDOW = 8  # rounds whose means make the recent median
 MIN_ROUNDS = 2  # no verdict before this many rounds were seen
 
 
@@ -67,8 +69,8 @@ class DivergenceMonitor:
             return None, ""
         reason = ""
         if len(self.means) >= MIN_ROUNDS:
-            best = min(self.means)
-            if mean > RISE * best and mean - best > 1e-6:
-                reason = f"the loss rose to {mean:.4g} from {best:.4g} in the last rounds"
+            usual = statistics.median(self.means)
+            if mean > RISE * usual and mean - usual > 1e-6:
+                reason = f"the loss rose to {mean:.4g} from {usual:.4g} in the last rounds"
         self.means.append(mean)
         return mean, reason
