@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--codec", default="int8")
     parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.5)  # DiLoCo: 0.9 for long runs
+    parser.add_argument("--outer-momentum", type=float, default=0.9)  # DiLoCo's, the default
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # 4 peers share this machine's cores
