@@ -1,8 +1,10 @@
 """Run a swarm of churn_worker processes, SIGKILL and restart some on a schedule, measure.
 
-Shared by tests/test_churn.py and benchmarks/churn.py. Every peer trains until one wall-clock
-stop time; killed peers are restarted ``restart_delay_s`` later through the live peers'
-addresses (a late join with a state download). Metrics are computed from the workers' output.
+Shared by tests/test_churn.py and benchmarks/churn.py. The run's clock starts once every first
+peer is up and it ends ``duration_s`` later by killing every process (the final loss of a peer is
+its loss right after its last round); killed peers are restarted ``restart_delay_s`` later
+through the live peers' addresses (a late join with a state download). Metrics are computed
+from the workers' output.
 """
 
 from __future__ import annotations
@@ -58,12 +60,11 @@ def run_swarm(
     round_timeout_s: float,
     restart_delay_s: float = 3.0,
     seed: int = 0,
-    startup_s: float = 15.0,
 ) -> dict:
     """Train ``peers`` peers for ``duration_s`` with churn (``kill_fraction`` 0: a calm run)."""
     args = [*worker_args, "--round-timeout", str(round_timeout_s)]
     rng = random.Random(seed)
-    stop_at = time.time() + duration_s + startup_s  # the processes' start-up is not training
+    stop_at = time.time() + duration_s + 600.0  # a safety net: the run ends by killing them
     lives = [start_peer(0, 0, [], stop_at, args)]
     first = address(lives[0])
     lives += [start_peer(i, i, [first], stop_at, args) for i in range(1, peers)]
@@ -71,13 +72,14 @@ def run_swarm(
     addresses = {0: first}
     for life in lives[1:]:
         addresses[life.slot] = address(life)
-    ready = time.time()  # every first peer is up: gaps are counted from here
+    ready = time.time()  # every first peer is up: the run's clock starts here
+    end = ready + duration_s
     kills, generation = 0, 0
     per_kill = max(1, round(kill_fraction * peers)) if kill_fraction > 0 else 0
-    next_kill = time.time() + kill_every_s
+    next_kill = ready + kill_every_s
     try:
         # The last kill leaves a restarted peer time to join and average before the end.
-        while per_kill and next_kill < stop_at - max(kill_every_s / 2, round_timeout_s):
+        while per_kill and next_kill < end - max(kill_every_s / 2, 2 * round_timeout_s):
             time.sleep(max(0.0, next_kill - time.time()))
             victims = rng.sample(sorted(live), per_kill)
             for slot in victims:
@@ -96,18 +98,18 @@ def run_swarm(
             for slot in victims:
                 addresses[slot] = address(live[slot])
             next_kill += kill_every_s
-        for life in live.values():
-            life.proc.wait_for(r"^END$", timeout=max(0.0, stop_at - time.time()) + 90.0)
+        time.sleep(max(0.0, end - time.time()))
+        end = time.time()  # a slow restart may have run late
     finally:
         for life in lives:
             life.proc.kill()
             life.lines = list(life.proc.lines)
-    return metrics(lives, list(live.values()), kills, ready, stop_at)
+    return metrics(lives, list(live.values()), kills, ready, end)
 
 
-def metrics(lives: list[Life], final: list[Life], kills: int, ready: float, stop_at: float) -> dict:
+def metrics(lives: list[Life], final: list[Life], kills: int, ready: float, end: float) -> dict:
     """The figures of a run (field names as benchmarks/churn.py prints them)."""
-    rounds = [r for life in lives for r in life.events("ROUND")]
+    rounds = [r for life in lives for r in life.events("ROUND") if r["t"] <= end]
     gaps, joins = [], []
     for life in lives:
         joined = life.events("JOINED")
@@ -115,16 +117,18 @@ def metrics(lives: list[Life], final: list[Life], kills: int, ready: float, stop
             continue
         start = joined[0]["started"] if life.restarted else max(ready, joined[0]["t"])
         averaged = [r["t"] for r in life.events("ROUND") if r["averaged"]]
-        end = life.killed_at or min(time.time(), stop_at)
-        marks = [start, *averaged, end]
+        stop = life.killed_at or end
+        marks = [start, *averaged, stop]
         gaps += [b - a for a, b in itertools.pairwise(marks)]
         if life.restarted and averaged:
             joins.append(averaged[0] - start)
         elif life.restarted:
-            joins.append(end - start)
+            joins.append(stop - start)
     finals = []
     for life in final:
-        done = [r["loss"] for r in life.events("ROUND")]
+        # the model it holds: after its last round, or as downloaded when it joined
+        done = [j.get("loss") for j in life.events("JOINED")]
+        done += [r["loss"] for r in life.events("ROUND") if r["t"] <= end]
         finals.append(done[-1] if done and done[-1] is not None else math.nan)
     return {
         "kills": kills,

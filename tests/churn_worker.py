@@ -114,7 +114,15 @@ def main() -> None:
     else:
         raise SystemExit("could not join")
     try:
-        emit("JOINED", t=time.time(), started=started, round=swarm.round, address=swarm.address)
+        joined_loss = evaluate(model, test)
+        emit(
+            "JOINED",
+            t=time.time(),
+            started=started,
+            round=swarm.round,
+            address=swarm.address,
+            loss=joined_loss if math.isfinite(joined_loss) else None,
+        )
         g = torch.Generator().manual_seed(args.seed)
         while time.time() < args.stop_at:
             x, y = task.data(task.batch, g)
