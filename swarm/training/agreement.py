@@ -4,8 +4,10 @@ No provider is trusted, so a joiner asks several providers chosen at random for 
 (round, size, SHA-256, a sketch of the values and the provider's recent loss) and keeps only the
 providers in line with the others:
 
-- the round: within ``ROUND_SLACK`` rounds of the median round (a lone provider claiming a round
-  far ahead, or far behind, is refused);
+- the round: within ``max(ROUND_SLACK, ROUND_SLACK_SHARE x median)`` of the median round (a
+  lone provider claiming a round far ahead, or far behind, is refused). Round counters drift
+  apart between honest peers (a peer alone runs its rounds at its own pace), so this catches the
+  absurd claim, not a few rounds of difference;
 - the values: the sketch (norms of ``SKETCH_SLICES`` equal slices of the flat state) within
   ``SKETCH_TOLERANCE`` (relative L2) of the coordinate-wise median sketch. Peers of one swarm
   hold nearby states, but after rounds in different groups rarely identical ones, so agreement is
@@ -28,7 +30,8 @@ from typing import Any
 
 import torch
 
-ROUND_SLACK = 2  # rounds a provider may be ahead of or behind the median (rounds move on)
+ROUND_SLACK = 10  # rounds a provider may be ahead of or behind the median, at least
+ROUND_SLACK_SHARE = 0.25  # ... or this share of the median round, whichever is more
 SKETCH_SLICES = 64  # values in a sketch, whatever the model's size
 SKETCH_TOLERANCE = 0.25  # largest relative L2 distance of a sketch to the median sketch
 LOSS_FACTOR = 2.0  # largest recent loss relative to the providers' median
@@ -115,9 +118,10 @@ def agree(manifests: Sequence[Manifest], *, sketch_len: int) -> Verdict:
             left.append(m)
     if left:
         median_round = statistics.median_low(m.round for m in left)
+        slack = max(ROUND_SLACK, ROUND_SLACK_SHARE * median_round)
         kept = []
         for m in left:
-            if abs(m.round - median_round) > ROUND_SLACK:
+            if abs(m.round - median_round) > slack:
                 where = "ahead of" if m.round > median_round else "behind"
                 refused.append(
                     (m, f"claims round {m.round}, far {where} the median {median_round}")
