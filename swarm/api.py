@@ -40,7 +40,7 @@ from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_
 from swarm.training.overlap import RoundHandle
 from swarm.training.progress import StepReport
 from swarm.training.sharding import assign_shards, shard_indices
-from swarm.training.transfer import STATE_STREAM, StateProvider, download_state
+from swarm.training.transfer import STATE_STREAM, Joined, StateProvider, download_state
 
 if TYPE_CHECKING:
     from swarm.averaging.result import RoundResult
@@ -111,6 +111,7 @@ class AsyncSwarm:
         self.averager: Any = None
         self._provider = StateProvider(self.engine)
         self._rounds: set[asyncio.Task[RoundOutcome]] = set()  # rounds running in the background
+        self.joined: Joined | None = None  # the state adopted on joining, and refused providers
 
     @classmethod
     async def create(
@@ -169,8 +170,8 @@ class AsyncSwarm:
         if got is None:
             logger.info("no peer offers a training state: starting from this peer's weights")
             return
-        snapshot, steps_in_round = got
-        await asyncio.to_thread(self.engine.load_snapshot, snapshot, steps_in_round)
+        self.joined = got
+        await asyncio.to_thread(self.engine.load_snapshot, got.snapshot, got.steps_in_round)
         logger.info("joined at round %d", self.engine.round)
 
     async def average_round(self, plan: RoundPlan) -> RoundOutcome:
@@ -196,20 +197,24 @@ class AsyncSwarm:
         task.add_done_callback(self._rounds.discard)
         return task
 
-    async def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
+    async def step(self, samples: float | None = None, loss: Any = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Args:
             samples: samples in this step's batch; rounds weight peers by samples processed,
                 so faster peers count more. Default: 1 per step.
-            loss: this step's loss (float or scalar tensor), optional; published with the
-                peer's progress for ``swarm-peer status`` and the dashboard.
+            loss: this step's training loss (a float or a scalar tensor; a CUDA tensor costs a
+                sync, so pass ``loss.item()`` where you have it anyway). Optional; with it, a
+                sharp rise is logged as a WARNING and flagged in the report (``diverging``);
+                it is also published with the peer's progress (``swarm-peer status``).
 
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
         self.peer.progress.note_loss(loss)
-        return await arun_step(self.engine.step(samples), self.average_round, self.start_round)
+        return await arun_step(
+            self.engine.step(samples, loss), self.average_round, self.start_round
+        )
 
     async def wait_round(self) -> StepReport | None:
         """Wait for the round in flight (overlap) and apply it; None when none runs.
@@ -355,7 +360,7 @@ class Swarm:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def step(self, samples: float | None = None, loss: float | None = None) -> StepReport:
+    def step(self, samples: float | None = None, loss: Any = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
         Every ``inner_steps`` steps an averaging round starts. With ``overlap`` (the default
@@ -367,10 +372,11 @@ class Swarm:
 
         Args:
             samples: samples in this step's batch (weights rounds); default 1 per step.
-            loss: this step's loss, optional; shown by ``swarm-peer status`` and the dashboard.
+            loss: this step's training loss (float or scalar tensor), optional: a sharp rise
+                is logged as a WARNING and flagged in the report (``diverging``).
         """
         self.peer.progress.note_loss(loss)
-        return run_step(self.engine.step(samples), self._round, self._start_round)
+        return run_step(self.engine.step(samples, loss), self._round, self._start_round)
 
     def wait_round(self) -> StepReport | None:
         """Wait for the round in flight and apply it; see :meth:`AsyncSwarm.wait_round`."""

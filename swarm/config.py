@@ -191,7 +191,10 @@ class SwarmConfig:
             ``gradients``). More steps send fewer bytes; increase it on slow links, decrease it if
             the loss jumps after each round.
         outer_lr: outer learning rate (DiLoCo's 0.7 works for most models).
-        outer_momentum: outer Nesterov momentum (DiLoCo: 0.9).
+        outer_momentum: outer Nesterov momentum (DiLoCo: 0.9). A round with ``k`` peers uses at
+            most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer alone takes no outer step at
+            all (plain local training), so the default is stable at every group size; see
+            :func:`swarm.training.outer.outer_rule`.
         nesterov: use Nesterov momentum in the outer step; False gives heavy-ball momentum.
         codec: compression of what is averaged: ``none``, ``fp16``, ``bf16``, ``int8``,
             ``topk:0.01``, ``1bit`` (see :mod:`swarm.compression`); error feedback is always on.

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -32,7 +33,8 @@ import torch
 from swarm.config import SPARSE_CODECS, Mode, SwarmConfig
 from swarm.errors import CheckpointError, TrainingError
 from swarm.training.checkpoint import check_checkpoint
-from swarm.training.outer import OuterState
+from swarm.training.divergence import DivergenceMonitor, as_loss
+from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait
 from swarm.training.progress import StepReport, Utilization
 from swarm.training.snapshot import Snapshot, pack_snapshot
@@ -194,9 +196,12 @@ class TrainingEngine:
         self.lock = threading.Lock()
         self._landed = threading.Condition(self.lock)  # notified when a round in flight lands
         self._last_failure = ""
+        self.divergence = DivergenceMonitor()
+        self._diverging = False  # the last round was flagged (log once per episode)
+        self.last_loss: float | None = None  # the loss passed to the last step
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, samples: float | None = None) -> StepFlow:
+    def step(self, samples: float | None = None, loss: object = None) -> StepFlow:
         """One ``swarm.step()``: the local step, and the averaging round when one is due.
 
         Yields what it needs from the network (see the module docstring) and returns the
@@ -204,10 +209,14 @@ class TrainingEngine:
         step returns at once; the round lands at the first later step that finds it done, or
         at the next due round, which waits for it (``wait_s`` in that step's report).
 
+        Args:
+            samples: samples in this step's batch (weights the round); default 1.
+            loss: this step's loss (float or one-element tensor), for divergence reports.
+
         Raises:
             ValueError: ``samples`` is negative or not a number.
         """
-        due = self.count(samples)
+        due = self.count(samples, loss)
         if self.mode.averages_gradients:
             # every step is a round, and optimizer.step() applies the averaged gradients
             plan = self.begin_round()
@@ -237,10 +246,15 @@ class TrainingEngine:
             return None
         return (yield from self.land())
 
-    def count(self, samples: float | None) -> bool:
-        """Count a local step; True when this step ends a round."""
+    def count(self, samples: float | None, loss: object = None) -> bool:
+        """Count a local step (and the script's loss, if passed); True when it ends a round."""
         if samples is not None and not samples >= 0:
             raise ValueError("samples must be a non-negative number")
+        if loss is not None:
+            self.last_loss = as_loss(loss)
+            self.divergence.add(self.last_loss)
+        else:
+            self.last_loss = None
         self.utilization.started()
         self.step_count += 1
         self.steps_in_round += 1
@@ -264,6 +278,7 @@ class TrainingEngine:
         self.utilization.add_wait(waited)
         cfg = self.config
         with self.lock:
+            norm, scale = None, 1.0
             if self.mode.averages_values:
                 if outcome.averaged:
                     self.outer.apply_values()
@@ -274,25 +289,29 @@ class TrainingEngine:
                     # A cut round may have half-written the slots: use our own values again.
                     self._load_slots()
                 if self.mode.has_outer_step:
-                    # Alone, DiLoCo still applies its own pseudo-gradient (DiLoCo with one worker).
-                    self.outer.apply_outer(
-                        lr=cfg.outer_lr, beta=cfg.outer_momentum, nesterov=cfg.nesterov
-                    )
+                    # Alone: plain local training; small groups: capped momentum (outer_rule).
+                    step = self._outer_rule(outcome)
+                    norm = None if step.solitary else self.outer.pseudo_grad_norm()
+                    scale = self.outer.apply_outer(step, nesterov=cfg.nesterov, norm=norm)
                 else:
                     self.outer.apply_grads()
             self.round += 1
             self.steps_in_round = 0
             self.samples_in_round = 0.0
-        return self._round_report(outcome, waited, outcome.round_s or waited)
+        return self._round_report(outcome, waited, outcome.round_s or waited, norm, scale)
+
+    def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
+        cfg = self.config
+        k = outcome.group_size if outcome.averaged else 1
+        return outer_rule(k, lr=cfg.outer_lr, beta=cfg.outer_momentum)
 
     # -- overlapped rounds (diloco) -----------------------------------------------------------
     def launch(self) -> list[torch.Tensor]:
-        """Keep ``Δ_local`` (just loaded) for the landing, take the eager outer step with it
-        and start the next round's count."""
-        cfg = self.config
+        """Keep ``Δ_local`` (just loaded) for the landing, train on from the local model and
+        start the next round's count."""
         with self.lock:
             local = self.overlap.keep_local()
-            self.overlap.eager_step(lr=cfg.outer_lr, beta=cfg.outer_momentum, nesterov=cfg.nesterov)
+            self.overlap.go_on_locally()
             self.steps_in_round = 0
             self.samples_in_round = 0.0
         return local
@@ -315,26 +334,34 @@ class TrainingEngine:
                 self.round + 1,
                 waited,
             )
-        cfg = self.config
         with self._landed:
-            self.overlap.land(
-                averaged=outcome.averaged,
-                lr=cfg.outer_lr,
-                beta=cfg.outer_momentum,
-                nesterov=cfg.nesterov,
+            norm, scale = self.overlap.land(
+                self._outer_rule(outcome), nesterov=self.config.nesterov
             )
             self.round += 1
             self._flight = None
             self._landed.notify_all()
         round_s = outcome.round_s or time.perf_counter() - flight.started
-        return self._round_report(outcome, waited, round_s)
+        return self._round_report(outcome, waited, round_s, norm, scale)
 
     @property
     def in_flight(self) -> bool:
         """A round runs in the background (started, not landed yet)."""
         return self._flight is not None
 
-    def _round_report(self, outcome: RoundOutcome, waited: float, round_s: float) -> StepReport:
+    def _round_report(
+        self,
+        outcome: RoundOutcome,
+        waited: float,
+        round_s: float,
+        norm: float | None,
+        scale: float,
+    ) -> StepReport:
+        """The report of a round that was applied, with its failure and divergence logs.
+
+        ``norm`` is the averaged pseudo-gradient's norm (None where no outer step ran) and
+        ``scale`` the factor the norm bound cut it by (1.0: not cut; 0.0: not finite).
+        """
         if outcome.averaged:
             self._last_failure = ""
             logger.debug("round %d averaged with %d peers", self.round, outcome.group_size - 1)
@@ -344,6 +371,21 @@ class TrainingEngine:
                 "round %d not averaged: %s; training on alone", self.round, outcome.reason
             )
             self._last_failure = outcome.reason
+        loss, divergence = self.divergence.end_round()
+        if norm is not None and not math.isfinite(norm):
+            lost = "the pseudo-gradient is not finite; the round's steps were discarded"
+            divergence = "; ".join(filter(None, [divergence, lost]))
+        elif scale < 1.0:
+            jump = (
+                f"the pseudo-gradient norm jumped to {norm:.4g}, {1 / scale:.1f}x the bound "
+                "from recent rounds; scaled down to the bound"
+            )
+            divergence = "; ".join(filter(None, [divergence, jump]))
+        if divergence and not self._diverging:
+            logger.warning("round %d looks divergent: %s", self.round, divergence)
+        elif not divergence and self._diverging:
+            logger.info("round %d: no longer diverging", self.round)
+        self._diverging = bool(divergence)
         return StepReport(
             step=self.step_count,
             round=self.round,
@@ -358,9 +400,14 @@ class TrainingEngine:
             refusals=outcome.refusals,
             round_s=round_s,
             in_flight=self.in_flight,
+            loss=loss,
+            diverging=bool(divergence),
+            divergence=divergence,
+            pseudo_grad_norm=norm,
         )
 
     def local_report(self) -> StepReport:
+        bad = self.last_loss is not None and not math.isfinite(self.last_loss)
         return StepReport(
             self.step_count,
             self.round,
@@ -372,6 +419,9 @@ class TrainingEngine:
             0.0,
             self.utilization.value,
             in_flight=self.in_flight,
+            loss=self.last_loss,
+            diverging=bad,
+            divergence="the loss is not finite" if bad else "",
         )
 
     # -- snapshots for late joiners ---------------------------------------------------------

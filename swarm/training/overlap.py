@@ -2,26 +2,23 @@
 
 Blocking DiLoCo stops training for the whole round. Here a due round snapshots this peer's
 pseudo-gradient ``Δ_local = θ_anchor - θ`` into the averaging slots, keeps a copy, and starts the
-all-reduce in the background. Meanwhile the peer takes an *eager* outer step with its own
-``Δ_local`` as the stand-in for the average still in transit (Kale et al. 2025, "Eager updates
-for overlapped communication and computation in DiLoCo"), restarts from that anchor and trains
-on. When the average ``Δ̄`` arrives (at a later step, or at the next due round at the latest,
-which then waits for it) the step is corrected. The Nesterov outer step is linear in ``Δ``::
+all-reduce in the background. Meanwhile the peer goes on from its local model, exactly as a lone
+round does (:func:`~swarm.training.outer.outer_rule`: alone, no outer step), with the anchor
+moved to it. When the outcome arrives (at a later step, or at the next due round at the latest,
+which then waits for it):
 
-    m ← β m + Δ ;  u = Δ + β m = (1 + β) Δ + β² m_old ;  θ_anchor ← θ_anchor - lr u
+- averaged with ``k`` peers: the anchor goes back to where the round started, the outer step of
+  blocking DiLoCo is applied to it with ``Δ̄`` (the same rule, norm bound and momentum as a
+  blocking round), and the model restarts from the new anchor plus a share ``MERGE`` of the
+  progress made while the round ran: ``θ ← θ_anchor + MERGE (θ - θ_launch)``. Anchor and
+  momentum end exactly where blocking DiLoCo's would; a round that lands before any inner step
+  ran gives blocking DiLoCo bit for bit;
+- not averaged (alone, failed, timed out): nothing to correct. The peer already went on as plain
+  local training, which is what the outer rule does with a lone round; the momentum fades.
 
-so replacing ``Δ_local`` by ``Δ̄`` afterwards is exact, with ``c = Δ̄ - Δ_local``::
-
-    m ← m + c ;  θ_anchor ← θ_anchor - lr (1 + β) c ;  θ ← θ - lr (1 + β) c
-
-(heavy-ball momentum: ``lr c`` instead of ``lr (1 + β) c``). After the landing, anchor and
-momentum are exactly blocking DiLoCo's; only the inner steps that ran while the round was in
-flight started from the eager anchor instead of the averaged one, and their progress is kept
-(it goes into the next round's pseudo-gradient). A round that lands before any inner step ran
-gives blocking DiLoCo bit for bit; a failed round needs no correction (the peer took its own
-outer step, as blocking DiLoCo does alone). Merely delaying the outer step by one round instead
-(the naive delayed update) lets the outer momentum overshoot: measured on the 4-peer test task
-it oscillates and never reaches the blocking run's loss.
+Keeping all of the in-flight progress diverged on the 4-peer test task when the round spans the
+whole inner loop; merely delaying the outer step by one round (the naive delayed update) lets
+the outer momentum overshoot and never reached the blocking loss there.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from swarm.training.outer import OuterState
+from swarm.training.outer import OuterState, OuterStep
 
 
 class RoundHandle(Protocol):
@@ -83,60 +80,34 @@ class Overlap:
         return self._local
 
     @torch.no_grad()
-    def eager_step(self, *, lr: float, beta: float, nesterov: bool) -> None:
-        """The outer step with ``Δ_local`` standing in for ``Δ̄`` (the slots stay the
-        averager's); the model restarts from the new anchor, as after a blocking round."""
-        outer, n, local = self.outer, len(self.outer.anchor), self._local
-        for anchor, delta, m, p in zip(
-            outer.anchor, local[:n], outer.momentum, outer.tensors.params, strict=True
-        ):
-            m.mul_(beta).add_(delta)
-            anchor.sub_(delta if nesterov else m, alpha=lr)
-            if nesterov:
-                anchor.sub_(m, alpha=lr * beta)  # u = Δ + βm
-            p.copy_(anchor)
-        for anchor, delta, b in zip(
-            outer.buffer_anchor, local[n:], outer.tensors.buffers, strict=True
-        ):
-            anchor.sub_(delta)  # floating buffers: anchor - own change, as a lone round
-            b.copy_(anchor)
+    def go_on_locally(self) -> None:
+        """While the round runs, train on from the local model: the anchor moves to it
+        (``θ_anchor - Δ_local``), as after a lone round; momentum and model stay."""
+        outer = self.outer
+        for anchor, delta in zip(outer.anchor + outer.buffer_anchor, self._local, strict=True):
+            anchor.sub_(delta)
 
     @torch.no_grad()
-    def land(self, *, averaged: bool, lr: float, beta: float, nesterov: bool) -> None:
-        """Correct the eager step to the average and merge the model with the corrected
-        anchor (see the module docstring). A failed round needs no correction: the peer took
-        its own outer step, as blocking DiLoCo does alone (its slots may be half-written)."""
-        if not averaged:
-            self._merge()
-            return
-        outer, n = self.outer, len(self.outer.anchor)
-        scale = lr * (1 + beta) if nesterov else lr
-        local = self._local
-        params = zip(
-            outer.anchor,
-            outer.slots[:n],
-            outer.momentum,
-            outer.tensors.params,
-            local[:n],
-            strict=True,
-        )
-        for anchor, delta, m, p, mine in params:
-            c = delta.sub_(mine)  # Δ̄ - Δ_local, in the slot (consumed)
-            m.add_(c)
-            c.mul_(scale)
-            anchor.sub_(c)
-            p.sub_(c.to(p.device, non_blocking=True))
-        # floating buffers: from anchor - own change to anchor - mean change
-        buffers = zip(
-            outer.buffer_anchor, outer.slots[n:], outer.tensors.buffers, local[n:], strict=True
-        )
-        for anchor, delta, b, mine in buffers:
-            c = delta.sub_(mine)
-            anchor.sub_(c)
-            b.sub_(c.to(b.device, non_blocking=True))
-        self._merge()
+    def land(self, step: OuterStep, *, nesterov: bool) -> tuple[float | None, float]:
+        """Apply the round's outcome (see the module docstring).
 
-    def _merge(self) -> None:
-        """θ ← θ_anchor + a (θ - θ_anchor): keep a share of the progress made in flight."""
-        for p, anchor in zip(self.outer.tensors.params, self.outer.anchor, strict=True):
-            p.mul_(MERGE).add_(anchor.to(p.device, non_blocking=True), alpha=1 - MERGE)
+        Returns:
+            ``(norm, scale)`` of the averaged pseudo-gradient, as
+            :meth:`OuterState.apply_outer` reports them; ``(None, 1.0)`` for a lone round.
+        """
+        outer, n, local = self.outer, len(self.outer.anchor), self._local
+        if step.solitary:
+            for m in outer.momentum:
+                m.mul_(step.beta)  # fades unapplied, as in a blocking lone round
+            return None, 1.0
+        for anchor, mine, p in zip(outer.anchor, local[:n], outer.tensors.params, strict=True):
+            anchor.add_(mine)  # back to the anchor the round started from
+            # mine ← θ - θ_launch = θ - (θ_anchor - Δ_local): the progress made in flight
+            mine.add_(p.to(mine.device, non_blocking=True)).sub_(anchor)
+        for anchor, mine in zip(outer.buffer_anchor, local[n:], strict=True):
+            anchor.add_(mine)
+        norm = outer.pseudo_grad_norm()
+        scale = outer.apply_outer(step, nesterov=nesterov, norm=norm)
+        for p, progress in zip(outer.tensors.params, local[:n], strict=True):
+            p.add_(progress.to(p.device, non_blocking=True), alpha=MERGE)
+        return norm, scale

@@ -29,16 +29,23 @@ class StepReport:
     refusals: tuple[str, ...] = ()  # peers the round clipped, capped, dropped, refused, accused
     round_s: float = 0.0  # seconds the round took, start to outcome (overlapped: not all waited)
     in_flight: bool = False  # a round still runs in the background after this step (overlap)
+    loss: float | None = None  # the loss passed to step(): this step's, or the round's mean
+    diverging: bool = False  # a sharp loss rise or pseudo-gradient norm jump (see divergence)
+    divergence: str = ""  # what was seen ("" when not diverging)
+    pseudo_grad_norm: float | None = None  # ‖Δ‖ averaged this round (diloco), before any bound
 
     def line(self, loss: float | None = None) -> str:
         """One progress line, e.g. for a log or a script's stdout."""
         text = f"round {self.round:4d} step {self.step:6d}"
+        loss = self.loss if loss is None else loss
         if loss is not None:
             text += f" loss {loss:.4f}"
         if self.averaged:
             text += f" averaged with {self.group_size - 1} peers, sent {_size(self.bytes_sent)}"
         elif self.round_due:
             text += f" not averaged ({self.reason})"
+        if self.diverging:
+            text += f" DIVERGING ({self.divergence})"
         return text + f", waited {self.wait_s:.2f}s, utilization {self.utilization:.0%}"
 
 

@@ -15,6 +15,7 @@ malformed input raises :class:`TrainingError`.
 from __future__ import annotations
 
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,11 @@ class Snapshot:
     round: int  # completed averaging rounds of this state
     mode: str  # training mode of the sender
     tensors: dict[str, torch.Tensor]  # 1-D fp32 views (copy before the bytes go away)
+    values: torch.Tensor  # every value, flat fp32 (the same memory as ``tensors``)
+
+    def all_finite(self) -> bool:
+        """No NaN or Inf anywhere (checked before anything touches the model)."""
+        return bool(torch.isfinite(self.values).all())
 
 
 def snapshot_size(expected: Sequence[tuple[str, int]], *, schema: str, mode: str) -> int:
@@ -115,6 +121,11 @@ def unpack_snapshot(
     if len(view) - start != total:
         raise TrainingError(f"snapshot holds {len(view) - start} value bytes, expected {total}")
     tensors: dict[str, torch.Tensor] = {}
+    values = (
+        torch.frombuffer(view, dtype=torch.float32, count=total // 4, offset=start)
+        if total
+        else torch.zeros(0)
+    )
     offset = start
     for name, numel in expected:
         if numel:
@@ -125,4 +136,15 @@ def unpack_snapshot(
         else:
             tensors[name] = torch.zeros(0)
         offset += 4 * numel
-    return Snapshot(round_, mode, tensors)
+    return Snapshot(round_, mode, tensors, values)
+
+
+def snapshot_values(data: bytes | bytearray) -> torch.Tensor:
+    """The flat fp32 values of a snapshot this peer packed itself (no checks: trusted bytes)."""
+    _, _, header_len = _PREFIX.unpack_from(data, 0)
+    start = _PREFIX.size + header_len
+    if len(data) <= start:
+        return torch.zeros(0)
+    with warnings.catch_warnings():  # read-only bytes: the view is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.float32, offset=start)

@@ -3,16 +3,19 @@
 Protocol (stream ``swarm.state`` on the authenticated transport, empty request body):
 
 - manifest: request header ``{"schema": S, "round": None}``; reply header ``{"ok": True,
-  "round": R, "size": N, "sha256": H, "steps_in_round": K}``, no body. The provider builds the
-  snapshot of its current round once (in a worker thread) and caches the last two rounds, so a
-  download in progress survives the provider moving on by one round.
+  "round": R, "size": N, "sha256": H, "steps_in_round": K, "sketch": [floats], "loss": L}``,
+  no body. The provider builds the snapshot of its current round once (in a worker thread) and
+  caches the last two rounds, so a download in progress survives the provider moving on by one
+  round.
 - part: ``{"schema": S, "round": R, "offset": O, "length": L}``; reply header ``{"ok": True}``,
   then the bytes ``[O, O+L)`` of that snapshot in chunks.
 
-The joiner asks several peers for manifests, picks the newest round that most providers agree on
-(same checksum), splits the bytes across up to ``parts`` providers, re-assigns the part of a
-provider that fails to another one, verifies the SHA-256 of the whole, then parses it against its
-own model's layout. Nothing is applied before every check passes.
+The joiner asks up to ``MAX_MANIFESTS`` peers chosen at random for manifests, keeps the
+providers that agree with the majority (:mod:`swarm.training.agreement`: round, values, loss),
+downloads the state most of them hold in exact copies, split across up to ``parts`` of them
+(re-assigning the part of a provider that fails to another one), verifies the SHA-256 of the
+whole, parses it against its own model's layout, and checks that the values are finite and match
+the announced sketch. Nothing is applied before every check passes.
 """
 
 from __future__ import annotations
@@ -22,21 +25,37 @@ import enum
 import hashlib
 import itertools
 import logging
-from collections import Counter, OrderedDict
+import math
+import random
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import SwarmError, TrainingError
+from swarm.training.agreement import (
+    SKETCH_SLICES,
+    Manifest,
+    agree,
+    sketch_distance,
+    sketch_of,
+)
 from swarm.training.engine import TrainingEngine
-from swarm.training.snapshot import Snapshot, snapshot_size, unpack_snapshot
+from swarm.training.snapshot import (
+    Snapshot,
+    pack_snapshot,
+    snapshot_size,
+    snapshot_values,
+    unpack_snapshot,
+)
 
 logger = logging.getLogger(__name__)
 
 STATE_STREAM = "swarm.state"
 CHUNK_BYTES = 1 << 20
 MIN_PART_BYTES = 4 << 20
-MAX_MANIFESTS = 16
+MAX_MANIFESTS = 8  # providers asked, chosen at random among the live peers
+LIE_ROUNDS = 10**9  # how far ahead a Fault.LIE_ROUND provider claims to be
 _KEEP_ROUNDS = 2
 
 
@@ -57,6 +76,9 @@ class Fault(enum.Enum):
     NONE = "none"
     CORRUPT = "corrupt"  # flip a byte in every part it serves
     TRUNCATE = "truncate"  # send only half of every part
+    LIE_ROUND = "lie-round"  # claim a round 10^9 ahead, with blown-up weights (consistently)
+    LIE_WEIGHTS = "lie-weights"  # serve the current round with weights scaled 100x
+    LIE_NAN = "lie-nan"  # serve the current round with NaN weights and a finite sketch
 
 
 class StateProvider:
@@ -65,21 +87,42 @@ class StateProvider:
     def __init__(self, engine: TrainingEngine, fault: Fault = Fault.NONE):
         self.engine = engine
         self.fault = fault
-        self._cache: OrderedDict[int, tuple[bytes, str]] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[bytes, str, list[float]]] = OrderedDict()
         self._build = asyncio.Lock()
 
-    async def _current(self) -> tuple[int, bytes, str]:
+    def _build_snapshot(self) -> tuple[int, bytes, str, list[float]]:
+        """(round, bytes, sha256, sketch) of the current state; runs in a worker thread."""
+        round_, blob = self.engine.snapshot()
+        sketch = list(sketch_of(snapshot_values(blob)))
+        if self.fault in (Fault.LIE_ROUND, Fault.LIE_WEIGHTS, Fault.LIE_NAN):
+            round_, blob, sketch = self._lie(round_, blob, sketch)
+        return round_, blob, hashlib.sha256(blob).hexdigest(), sketch
+
+    def _lie(self, round_: int, blob: bytes, sketch: list[float]) -> tuple[int, bytes, list[float]]:
+        """A hostile provider's state, served through the normal code path."""
+        e = self.engine
+        snap = unpack_snapshot(blob, schema=e.schema, expected=e.snapshot_layout())
+        scale = {Fault.LIE_ROUND: 1e3, Fault.LIE_WEIGHTS: 100.0, Fault.LIE_NAN: math.nan}
+        claimed = round_ + LIE_ROUNDS if self.fault is Fault.LIE_ROUND else round_
+        named = [(n, t * scale[self.fault]) for n, t in snap.tensors.items()]
+        blob = pack_snapshot(claimed, e.schema, e.config.mode, named)
+        if self.fault is not Fault.LIE_NAN:  # the NaN liar shows its honest sketch
+            sketch = list(sketch_of(snapshot_values(blob)))
+        return claimed, blob, sketch
+
+    async def _current(self) -> tuple[int, bytes, str, list[float]]:
         async with self._build:
             round_ = self.engine.round
             # a round in flight is about to move the anchor: build the state after it lands
             if round_ not in self._cache or self.engine.in_flight:
-                round_, blob = await asyncio.to_thread(self.engine.snapshot)
-                digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
-                self._cache[round_] = (blob, digest)
+                built = await asyncio.to_thread(self._build_snapshot)
+                self._cache[round_] = built[1:]
                 while len(self._cache) > _KEEP_ROUNDS:
                     self._cache.popitem(last=False)
-            blob, digest = self._cache[round_]
-            return round_, blob, digest
+            return (self._claimed(round_), *self._cache[round_])
+
+    def _claimed(self, round_: int) -> int:
+        return round_ + LIE_ROUNDS if self.fault is Fault.LIE_ROUND else round_
 
     async def handle(self, request: Any, reply: Any) -> None:
         """Stream handler: answers a manifest or a part request (see the module docstring)."""
@@ -92,7 +135,8 @@ class StateProvider:
             return
         try:
             if header.get("round") is None:
-                round_, blob, digest = await self._current()
+                round_, blob, digest, sketch = await self._current()
+                means = self.engine.divergence.means
                 await reply.prepare(
                     {
                         "ok": True,
@@ -100,10 +144,14 @@ class StateProvider:
                         "size": len(blob),
                         "sha256": digest,
                         "steps_in_round": self.engine.steps_in_round,
+                        "sketch": sketch,
+                        "loss": means[-1] if means else None,
                     }
                 )
                 return
             round_ = _int(header.get("round"), "round")
+            if self.fault is Fault.LIE_ROUND:
+                round_ -= LIE_ROUNDS
             offset = _int(header.get("offset"), "offset")
             length = _int(header.get("length"), "length")
         except TrainingError as e:
@@ -126,17 +174,6 @@ class StateProvider:
         logger.debug("served %d bytes of round %d's state", length, round_)
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """One provider's answer: which state it would send."""
-
-    provider: Any  # PeerRecord
-    round: int
-    size: int
-    sha256: str
-    steps_in_round: int
-
-
 async def _manifest(transport: Any, record: Any, schema: str, timeout: float) -> Manifest:
     header = {"schema": schema, "round": None}
     async with transport.stream(record, STATE_STREAM, header, _no_body(), timeout=timeout) as s:
@@ -149,12 +186,22 @@ async def _manifest(transport: Any, record: Any, schema: str, timeout: float) ->
     digest = reply.get("sha256")
     if not isinstance(digest, str) or len(digest) != 64:
         raise TrainingError("manifest without a valid sha256")
+    sketch = reply.get("sketch")
+    if not isinstance(sketch, list) or len(sketch) > SKETCH_SLICES:
+        raise TrainingError("manifest without a valid sketch")
+    if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in sketch):
+        raise TrainingError("manifest sketch holds non-numbers")
+    loss = reply.get("loss")
+    if loss is not None and (not isinstance(loss, float | int) or isinstance(loss, bool)):
+        raise TrainingError("manifest loss is not a number")
     return Manifest(
         record,
         _int(reply.get("round"), "round"),
         _int(reply.get("size"), "size"),
         digest,
         _int(reply.get("steps_in_round"), "steps_in_round"),
+        tuple(float(x) for x in sketch),
+        None if loss is None else float(loss),
     )
 
 
@@ -230,6 +277,16 @@ async def _download(
     return buf
 
 
+@dataclass(frozen=True)
+class Joined:
+    """What a late joiner adopted, and whom it refused."""
+
+    snapshot: Snapshot
+    steps_in_round: int  # the providers' phase in the round (the joiner aligns with it)
+    providers: tuple[Any, ...]  # PeerIDs the state was downloaded from
+    refused: tuple[tuple[Any, str], ...]  # (PeerID, why) of every provider not copied
+
+
 async def download_state(
     transport: Any,
     records: Sequence[Any],
@@ -238,61 +295,84 @@ async def download_state(
     parts: int,
     max_bytes: int,
     timeout: float,
-) -> tuple[Snapshot, int] | None:
-    """Download, verify and parse the swarm's current state from ``records``' peers.
+) -> Joined | None:
+    """Download, verify and parse the state that most of ``records``' peers agree on.
 
     Returns:
-        ``(snapshot, provider's steps_in_round)``, or None when no peer offers a state (this is
-        the first training peer).
+        What was adopted, or None when no peer offers a state (this is the first training peer).
 
     Raises:
-        TrainingError: providers exist but no complete, verified state could be assembled.
+        TrainingError: providers exist but no majority of them agree on a state, or no
+            complete, verified state could be assembled from those that do.
     """
     layout = engine.snapshot_layout()
     bound = min(max_bytes, snapshot_size(layout, schema=engine.schema, mode=engine.config.mode))
-    asked = list(records)[:MAX_MANIFESTS]
+    records = list(records)
+    asked = random.SystemRandom().sample(records, min(len(records), MAX_MANIFESTS))
     answers = await asyncio.gather(
         *(_manifest(transport, r, engine.schema, timeout) for r in asked), return_exceptions=True
     )
     manifests: list[Manifest] = []
+    refused: list[tuple[Any, str]] = []
     for record, answer in zip(asked, answers, strict=True):
         if isinstance(answer, Manifest) and answer.size <= bound:
             manifests.append(answer)
         elif isinstance(answer, Manifest):
-            logger.warning(
-                "peer %s offers a state of %d bytes, more than the %d expected",
-                record.peer_id.short,
-                answer.size,
-                bound,
+            refused.append(
+                (record.peer_id, f"offers {answer.size} bytes, over the {bound} expected")
             )
         elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
             raise answer
         else:
             logger.debug("no state from %s: %s", record.peer_id.short, answer)
-    if not manifests:
+    if not manifests and not refused:
         return None
-    votes = Counter((m.round, m.sha256, m.size) for m in manifests)
+    oversized = len(refused)
+    sketch_len = min(SKETCH_SLICES, sum(n for _, n in layout))
+    verdict = agree(manifests, sketch_len=sketch_len)
+    refused += [(m.provider.peer_id, why) for m, why in verdict.refused]
+    for pid, why in refused:
+        logger.warning("state provider %s refused: %s", pid.short, why)
+    answered = len(manifests) + oversized
+    if not verdict.majority or 2 * len(verdict.accepted) <= answered:
+        raise TrainingError(
+            f"no majority of state providers agree ({len(verdict.accepted)} of {answered} in "
+            "line): " + "; ".join(f"{pid.short}: {why}" for pid, why in refused)
+        )
     failures: list[str] = []
-    for key, _ in sorted(votes.items(), key=lambda kv: (kv[0][0], kv[1]), reverse=True)[:3]:
-        group = [m for m in manifests if (m.round, m.sha256, m.size) == key][:parts]
+    for group in verdict.candidates():
+        group = group[:parts]
+        m = group[0]
         try:
             blob = await _download(transport, group, engine.schema, timeout)
             digest = await asyncio.to_thread(lambda b=blob: hashlib.sha256(b).hexdigest())
-            if digest != key[1]:
+            if digest != m.sha256:
                 raise TrainingError("the assembled state fails its checksum")
             snap = unpack_snapshot(blob, schema=engine.schema, expected=layout)
+            if snap.round != m.round:
+                raise TrainingError(f"the snapshot claims round {snap.round}, not {m.round}")
+            if not await asyncio.to_thread(snap.all_finite):
+                raise TrainingError("the state holds NaN or Inf values")
+            sketch = await asyncio.to_thread(sketch_of, snap.values)
+            if sketch_distance(sketch, m.sketch) > 1e-5:
+                raise TrainingError("the state does not match the sketch its providers announced")
         except TrainingError as e:
-            failures.append(f"round {key[0]}: {e}")
-            logger.warning("state download of round %d failed: %s", key[0], e)
-            continue
-        if snap.round != key[0]:
-            failures.append(f"round {key[0]}: snapshot claims round {snap.round}")
+            failures.append(f"round {m.round}: {e}")
+            refused += [(x.provider.peer_id, str(e)) for x in group]
+            logger.warning("state download of round %d failed: %s", m.round, e)
             continue
         logger.info(
-            "downloaded round %d's state (%d bytes) from %d peers",
+            "downloaded round %d's state (%d bytes) from %d peers; %d of %d providers agreed",
             snap.round,
             len(blob),
             len(group),
+            len(verdict.accepted),
+            answered,
         )
-        return snap, max(m.steps_in_round for m in group)
+        return Joined(
+            snap,
+            max(x.steps_in_round for x in group),
+            tuple(x.provider.peer_id for x in group),
+            tuple(refused),
+        )
     raise TrainingError("could not download the swarm's state: " + "; ".join(failures))

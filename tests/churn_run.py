@@ -1,0 +1,144 @@
+"""Run a swarm of churn_worker processes, SIGKILL and restart some on a schedule, measure.
+
+Shared by tests/test_churn.py and benchmarks/churn.py. The run's clock starts once every first
+peer is up and it ends ``duration_s`` later by killing every process (the final loss of a peer is
+its loss right after its last round); killed peers are restarted ``restart_delay_s`` later
+through the live peers' addresses (a late join with a state download). Metrics are computed
+from the workers' output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from processes import OutputProcess
+
+WORKER = str(Path(__file__).resolve().parent / "churn_worker.py")
+
+
+@dataclass
+class Life:
+    """One incarnation of a peer: from its start to its kill or its end."""
+
+    proc: OutputProcess
+    slot: int
+    restarted: bool
+    killed_at: float | None = None
+    lines: list[str] = field(default_factory=list)
+
+    def events(self, kind: str) -> list[dict]:
+        return [json.loads(x[len(kind) + 1 :]) for x in self.lines if x.startswith(kind + " ")]
+
+
+def start_peer(slot: int, seed: int, peers: list[str], stop_at: float, args: list[str]) -> Life:
+    argv = [sys.executable, WORKER, "--seed", str(seed), "--stop-at", repr(stop_at), *args]
+    if peers:
+        argv += ["--initial-peers", *peers]
+    return Life(OutputProcess(argv), slot, restarted=bool(seed >= 1000))
+
+
+def address(life: Life, timeout: float = 120.0) -> str:
+    m = life.proc.wait_for(r'^JOINED .*"address": "([^"]+)"', timeout)
+    return m.group(1)
+
+
+def run_swarm(
+    *,
+    peers: int,
+    duration_s: float,
+    kill_fraction: float,
+    kill_every_s: float,
+    worker_args: list[str],
+    round_timeout_s: float,
+    restart_delay_s: float = 3.0,
+    seed: int = 0,
+) -> dict:
+    """Train ``peers`` peers for ``duration_s`` with churn (``kill_fraction`` 0: a calm run)."""
+    args = [*worker_args, "--round-timeout", str(round_timeout_s)]
+    rng = random.Random(seed)
+    stop_at = time.time() + duration_s + 600.0  # a safety net: the run ends by killing them
+    lives = [start_peer(0, 0, [], stop_at, args)]
+    first = address(lives[0])
+    lives += [start_peer(i, i, [first], stop_at, args) for i in range(1, peers)]
+    live = {life.slot: life for life in lives}
+    addresses = {0: first}
+    for life in lives[1:]:
+        addresses[life.slot] = address(life)
+    ready = time.time()  # every first peer is up: the run's clock starts here
+    end = ready + duration_s
+    kills, generation = 0, 0
+    per_kill = max(1, round(kill_fraction * peers)) if kill_fraction > 0 else 0
+    next_kill = ready + kill_every_s
+    try:
+        # The last kill leaves a restarted peer time to join and average before the end.
+        while per_kill and next_kill < end - max(kill_every_s / 2, 2 * round_timeout_s):
+            time.sleep(max(0.0, next_kill - time.time()))
+            victims = rng.sample(sorted(live), per_kill)
+            for slot in victims:
+                life = live.pop(slot)
+                life.proc.kill()
+                life.killed_at = time.time()
+                addresses.pop(slot, None)
+                kills += 1
+            time.sleep(restart_delay_s)
+            generation += 1
+            for slot in victims:
+                known = list(addresses.values())
+                life = start_peer(slot, 1000 * generation + slot, known, stop_at, args)
+                lives.append(life)
+                live[slot] = life
+            for slot in victims:
+                addresses[slot] = address(live[slot])
+            next_kill += kill_every_s
+        time.sleep(max(0.0, end - time.time()))
+        end = time.time()  # a slow restart may have run late
+    finally:
+        for life in lives:
+            life.proc.kill()
+            life.lines = list(life.proc.lines)
+    return metrics(lives, list(live.values()), kills, ready, end)
+
+
+def metrics(lives: list[Life], final: list[Life], kills: int, ready: float, end: float) -> dict:
+    """The figures of a run (field names as benchmarks/churn.py prints them)."""
+    rounds = [r for life in lives for r in life.events("ROUND") if r["t"] <= end]
+    gaps, joins = [], []
+    for life in lives:
+        joined = life.events("JOINED")
+        if not joined:
+            continue
+        start = joined[0]["started"] if life.restarted else max(ready, joined[0]["t"])
+        averaged = [r["t"] for r in life.events("ROUND") if r["averaged"]]
+        stop = life.killed_at or end
+        marks = [start, *averaged, stop]
+        gaps += [b - a for a, b in itertools.pairwise(marks)]
+        if life.restarted and averaged:
+            joins.append(averaged[0] - start)
+        elif life.restarted:
+            joins.append(stop - start)
+    finals = []
+    for life in final:
+        # the model it holds: after its last round, or as downloaded when it joined
+        done = [j.get("loss") for j in life.events("JOINED")]
+        done += [r["loss"] for r in life.events("ROUND") if r["t"] <= end]
+        finals.append(done[-1] if done and done[-1] is not None else math.nan)
+    return {
+        "kills": kills,
+        "rounds": len(rounds),
+        "averaged_share": sum(r["averaged"] for r in rounds) / max(1, len(rounds)),
+        "nan_rounds": sum(r["nan"] for r in rounds),
+        "diverging_rounds": sum(r["diverging"] for r in rounds),
+        "max_gap_without_average_s": max(gaps, default=math.inf),
+        "final_losses": finals,
+        "final_loss_mean": statistics.fmean(finals) if finals else math.nan,
+        "final_loss_max": max(finals, default=math.nan),
+        "join_to_first_average_s_max": max(joins) if joins else None,
+    }
