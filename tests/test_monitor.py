@@ -60,6 +60,7 @@ async def train(swarm: AsyncSwarm, seed: int, steps: int) -> None:
 
 async def train_all(swarms: list[AsyncSwarm], steps: int) -> None:
     await asyncio.gather(*(train(s, i + 10 * s.round, steps) for i, s in enumerate(swarms)))
+    await asyncio.gather(*(s.wait_round() for s in swarms))  # land rounds still in flight
     # publish now rather than at the next heartbeat (what a reader sees must include the rounds)
     await asyncio.gather(*(s.peer.announce() for s in swarms))
 

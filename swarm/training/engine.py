@@ -196,6 +196,7 @@ class TrainingEngine:
         self.lock = threading.Lock()
         self._landed = threading.Condition(self.lock)  # notified when a round in flight lands
         self._last_failure = ""
+        self._last_group_size = 1  # of the last round (its outer rule guesses the next eager step)
         self.divergence = DivergenceMonitor()
         self._diverging = False  # the last round was flagged (log once per episode)
         self.last_loss: float | None = None  # the loss passed to the last step
@@ -302,16 +303,19 @@ class TrainingEngine:
 
     def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
         cfg = self.config
-        k = outcome.group_size if outcome.averaged else 1
-        return outer_rule(k, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        self._last_group_size = outcome.group_size if outcome.averaged else 1
+        return outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
 
     # -- overlapped rounds (diloco) -----------------------------------------------------------
     def launch(self) -> list[torch.Tensor]:
-        """Keep ``Δ_local`` (just loaded) for the landing, train on from the local model and
-        start the next round's count."""
+        """Keep ``Δ_local`` (just loaded) for the landing, take the eager outer step with it
+        (the rule of the group size this peer averaged with last time) and start the next
+        round's count."""
+        cfg = self.config
+        guess = outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
         with self.lock:
             local = self.overlap.keep_local()
-            self.overlap.go_on_locally()
+            self.overlap.eager_step(guess, nesterov=cfg.nesterov)
             self.steps_in_round = 0
             self.samples_in_round = 0.0
         return local

@@ -1,24 +1,26 @@
 """Overlapped DiLoCo rounds: the round runs while the next inner steps do; its update lands late.
 
 Blocking DiLoCo stops training for the whole round. Here a due round snapshots this peer's
-pseudo-gradient ``Δ_local = θ_anchor - θ`` into the averaging slots, keeps a copy, and starts the
-all-reduce in the background. Meanwhile the peer goes on from its local model, exactly as a lone
-round does (:func:`~swarm.training.outer.outer_rule`: alone, no outer step), with the anchor
-moved to it. When the outcome arrives (at a later step, or at the next due round at the latest,
-which then waits for it):
+pseudo-gradient ``Δ_local = θ_anchor - θ`` into the averaging slots, keeps a copy (and of the
+anchor and momentum it starts from), and starts the all-reduce in the background. Meanwhile the
+peer takes an *eager* outer step with its own ``Δ_local`` standing in for the average still in
+transit (Kale et al. 2025, "Eager updates for overlapped communication and computation in
+DiLoCo"), with the outer rule of the group size it averaged with last time
+(:func:`~swarm.training.outer.outer_rule`: a peer that was alone takes no step and simply goes on
+from its local model), restarts from that anchor and trains on. When the outcome arrives (at a
+later step, or at the next due round at the latest, which then waits for it):
 
-- averaged with ``k`` peers: the anchor goes back to where the round started, the outer step of
-  blocking DiLoCo is applied to it with ``Δ̄`` (the same rule, norm bound and momentum as a
-  blocking round), and the model restarts from the new anchor plus a share ``MERGE`` of the
-  progress made while the round ran: ``θ ← θ_anchor + MERGE (θ - θ_launch)``. Anchor and
-  momentum end exactly where blocking DiLoCo's would; a round that lands before any inner step
-  ran gives blocking DiLoCo bit for bit;
-- not averaged (alone, failed, timed out): nothing to correct. The peer already went on as plain
-  local training, which is what the outer rule does with a lone round; the momentum fades.
+- averaged with ``k`` peers: anchor and momentum go back to where the round started and take
+  blocking DiLoCo's outer step with ``Δ̄`` (the same rule for ``k``, the same norm bound), so
+  they end exactly where a blocking round would; the model restarts from that anchor plus a
+  share ``MERGE`` of the progress made while the round ran (Streaming DiLoCo's merge). A round
+  that lands before any inner step ran gives blocking DiLoCo bit for bit;
+- not averaged (alone, failed, timed out): anchor and momentum become what a blocking lone round
+  gives (no outer step: the anchor is the model at launch; the momentum fades), and the model
+  keeps all the progress made in flight, shifted by the same amount: plain local training.
 
-Keeping all of the in-flight progress diverged on the 4-peer test task when the round spans the
-whole inner loop; merely delaying the outer step by one round (the naive delayed update) lets
-the outer momentum overshoot and never reached the blocking loss there.
+Merely delaying the outer step by one round (the naive delayed update) lets the outer momentum
+overshoot; measured on the 4-peer test task it oscillates and never reaches the blocking loss.
 """
 
 from __future__ import annotations
@@ -69,23 +71,48 @@ class Overlap:
     def __init__(self, outer: OuterState):
         self.outer = outer
         self._local: list[torch.Tensor] = []  # Δ_local of the round in flight
+        self._anchor0: list[torch.Tensor] = []  # the anchor it started from
+        self._momentum0: list[torch.Tensor] = []  # the momentum it started from
 
     @torch.no_grad()
     def keep_local(self) -> list[torch.Tensor]:
-        """Copy the slots (``Δ_local``, just loaded) before the averager overwrites them."""
+        """Copy the slots (``Δ_local``, just loaded) before the averager overwrites them, and
+        the anchor and momentum the round starts from."""
+        outer = self.outer
         if not self._local:
-            self._local = [self.outer.new_like(s) for s in self.outer.slots]
-        for mine, slot in zip(self._local, self.outer.slots, strict=True):
-            mine.copy_(slot)
+            self._local = [outer.new_like(s) for s in outer.slots]
+            self._anchor0 = [outer.new_like(a) for a in outer.anchor]
+            self._momentum0 = [outer.new_like(m) for m in outer.momentum]
+        for copies, sources in (
+            (self._local, outer.slots),
+            (self._anchor0, outer.anchor),
+            (self._momentum0, outer.momentum),
+        ):
+            for mine, source in zip(copies, sources, strict=True):
+                mine.copy_(source)
         return self._local
 
     @torch.no_grad()
-    def go_on_locally(self) -> None:
-        """While the round runs, train on from the local model: the anchor moves to it
-        (``θ_anchor - Δ_local``), as after a lone round; momentum and model stay."""
-        outer = self.outer
-        for anchor, delta in zip(outer.anchor + outer.buffer_anchor, self._local, strict=True):
-            anchor.sub_(delta)
+    def eager_step(self, step: OuterStep, *, nesterov: bool) -> None:
+        """The outer step with ``Δ_local`` standing in for ``Δ̄`` (the slots stay the
+        averager's); the model restarts from the new anchor, as after a blocking round."""
+        outer, n, local = self.outer, len(self.outer.anchor), self._local
+        params = zip(outer.anchor, local[:n], outer.tensors.params, strict=True)
+        for i, (anchor, delta, p) in enumerate(params):
+            if step.solitary:
+                anchor.sub_(delta)  # the model as it is: plain local training
+                continue
+            m = outer.momentum[i]
+            m.mul_(step.beta).add_(delta)
+            anchor.sub_(delta if nesterov else m, alpha=step.lr)
+            if nesterov:
+                anchor.sub_(m, alpha=step.lr * step.beta)  # u = Δ + βm
+            p.copy_(anchor)
+        for anchor, delta, b in zip(
+            outer.buffer_anchor, local[n:], outer.tensors.buffers, strict=True
+        ):
+            anchor.sub_(delta)  # floating buffers: anchor - own change, as a lone round
+            b.copy_(anchor)
 
     @torch.no_grad()
     def land(self, step: OuterStep, *, nesterov: bool) -> tuple[float | None, float]:
@@ -96,16 +123,22 @@ class Overlap:
             :meth:`OuterState.apply_outer` reports them; ``(None, 1.0)`` for a lone round.
         """
         outer, n, local = self.outer, len(self.outer.anchor), self._local
+        for m, m0 in zip(outer.momentum, self._momentum0, strict=True):
+            m.copy_(m0)
+        params = zip(outer.anchor, self._anchor0, local[:n], outer.tensors.params, strict=True)
         if step.solitary:
             for m in outer.momentum:
                 m.mul_(step.beta)  # fades unapplied, as in a blocking lone round
+            for anchor, a0, delta, p in params:
+                launch = a0.sub_(delta)  # θ at launch: the anchor of a lone round
+                p.add_((launch - anchor).to(p.device, non_blocking=True))
+                anchor.copy_(launch)
             return None, 1.0
-        for anchor, mine, p in zip(outer.anchor, local[:n], outer.tensors.params, strict=True):
-            anchor.add_(mine)  # back to the anchor the round started from
-            # mine ← θ - θ_launch = θ - (θ_anchor - Δ_local): the progress made in flight
-            mine.add_(p.to(mine.device, non_blocking=True)).sub_(anchor)
-        for anchor, mine in zip(outer.buffer_anchor, local[n:], strict=True):
-            anchor.add_(mine)
+        for anchor, a0, progress, p in params:
+            progress.copy_(p).sub_(anchor)  # θ - θ_eager: the progress made in flight
+            anchor.copy_(a0)
+        for anchor, delta in zip(outer.buffer_anchor, local[n:], strict=True):
+            anchor.add_(delta)  # back to the buffers' anchor the round started from
         norm = outer.pseudo_grad_norm()
         scale = outer.apply_outer(step, nesterov=nesterov, norm=norm)
         for p, progress in zip(outer.tensors.params, local[:n], strict=True):
