@@ -27,9 +27,11 @@ def _exit_quietly(signum: int, frame: object) -> None:
 
 
 def _interrupt_on_termination() -> None:
-    """SIGTERM (and Windows' Ctrl-Break) end the process with status 0 until the peer's loop
-    installs its own handlers (which stop the peer cleanly)."""
-    for name in ("SIGTERM", "SIGBREAK"):
+    """Ctrl-C, SIGTERM (and Windows' Ctrl-Break) end the process with status 0 until the
+    peer's loop installs its own handlers (which stop the peer cleanly). Ctrl-C is taken here
+    too rather than left to KeyboardInterrupt, which a blocking call in a worker thread or a
+    module's import can hold up for a long time."""
+    for name in ("SIGINT", "SIGTERM", "SIGBREAK"):
         sig = getattr(signal, name, None)
         if sig is None:
             continue

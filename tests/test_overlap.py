@@ -84,7 +84,7 @@ def no_blocking_round(plan: RoundPlan) -> RoundOutcome:
 
 
 def test_overlap_is_the_default_for_diloco_only() -> None:
-    assert SwarmConfig().overlap is True
+    assert SwarmConfig().overlap is False  # opt-in: blocking keeps the peers in step
     assert SwarmConfig(mode="local_sgd").overlap is False
     assert SwarmConfig(mode="gradients").overlap is False
     with pytest.raises(ConfigError, match="diloco"):

@@ -91,11 +91,14 @@ class StateProvider:
         self._build = asyncio.Lock()
 
     def _build_snapshot(self) -> tuple[int, bytes, str, list[float]]:
-        """(round, bytes, sha256, sketch) of the current state; runs in a worker thread."""
+        """(round, bytes, sha256, sketch) of the current state; runs in a worker thread.
+
+        The round is the one the state is of, which is later than ``engine.round`` was when a
+        round in flight landed meanwhile (the engine's snapshot waits for it)."""
         round_, blob = self.engine.snapshot()
         sketch = list(sketch_of(snapshot_values(blob)))
         if self.fault in (Fault.LIE_ROUND, Fault.LIE_WEIGHTS, Fault.LIE_NAN):
-            round_, blob, sketch = self._lie(round_, blob, sketch)
+            _, blob, sketch = self._lie(round_, blob, sketch)
         return round_, blob, hashlib.sha256(blob).hexdigest(), sketch
 
     def _lie(self, round_: int, blob: bytes, sketch: list[float]) -> tuple[int, bytes, list[float]]:
@@ -116,6 +119,7 @@ class StateProvider:
             # a round in flight is about to move the anchor: build the state after it lands
             if round_ not in self._cache or self.engine.in_flight:
                 built = await asyncio.to_thread(self._build_snapshot)
+                round_ = built[0]
                 self._cache[round_] = built[1:]
                 while len(self._cache) > _KEEP_ROUNDS:
                     self._cache.popitem(last=False)
