@@ -152,7 +152,7 @@ async def test_nan_state_behind_an_honest_sketch_is_never_loaded() -> None:
         liar._provider.fault = Fault.LIE_NAN  # announces a plausible sketch, serves NaN
         victim = model(3)
         before = [t.clone() for t in victim.state_dict().values()]
-        with pytest.raises(TrainingError, match="NaN or Inf|not finite"):
+        with pytest.raises(TrainingError, match=r"NaN or Inf|not finite"):
             await AsyncSwarm.create(
                 victim,
                 torch.optim.SGD(victim.parameters(), lr=0.1),
