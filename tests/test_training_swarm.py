@@ -114,6 +114,7 @@ def _four_peers(workers, tmp_path: Path, overlap: str) -> tuple[list[dict], floa
     return first.rounds(), full_loss(model, *task())
 
 
+@pytest.mark.flaky(reruns=1)  # real processes on 2 shared cores: a late group or slow join
 def test_four_peers_reach_single_process_loss_blocking_or_overlapped(workers, tmp_path) -> None:
     """Both settings reach the single-process loss as fast, and both end below the target."""
     peers, inner, batch, lr, target = 4, 10, 16, 0.1, 0.002
@@ -135,6 +136,7 @@ def test_four_peers_reach_single_process_loss_blocking_or_overlapped(workers, tm
     assert final["on"] <= 2.0 * final["off"], final
 
 
+@pytest.mark.flaky(reruns=1)  # real processes on 2 shared cores: a late group or slow join
 def test_killed_peer_is_survived_and_late_joiner_catches_up(workers, tmp_path) -> None:
     # blocking rounds: after a round every member holds the group's model, which the loss
     # comparison below relies on (overlapped, each keeps its own in-flight progress on top)
