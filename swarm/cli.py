@@ -96,7 +96,12 @@ def _run_id(text: str) -> str:
 
 def _interval(text: str) -> float:
     """Seconds between periodic actions; 0 turns them off."""
-    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass  # _seconds says what is wrong with it
+    return _seconds(text)
 
 
 def _flag(text: str) -> bool:
