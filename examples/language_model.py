@@ -82,6 +82,15 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> 
 
 
 def train_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list) -> None:
+    try:
+        run_peer(rank, args, text, held_out, peers, ready, out)
+    except BaseException:
+        ready.abort()  # the other peers stop waiting for this one and fail too
+        out[rank] = None
+        raise
+
+
+def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)  # one initial model; joiners download peer 0's anyway
     model = GPT(args.context, args.dim, args.layers, args.heads).to(device)
@@ -155,6 +164,8 @@ def main() -> None:
         t.start()
     for t in [first, *others]:
         t.join()
+    if any(s is None for s in swarms):
+        raise SystemExit("a peer failed (its traceback is above)")
 
 
 if __name__ == "__main__":

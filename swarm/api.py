@@ -168,7 +168,10 @@ class AsyncSwarm:
             else None
         )
         if got is None:
-            logger.info("no peer offers a training state: starting from this peer's weights")
+            logger.warning(
+                "no peer offers a training state (%d known): starting from this peer's weights",
+                len(records),
+            )
             return
         self.joined = got
         await asyncio.to_thread(self.engine.load_snapshot, got.snapshot, got.steps_in_round)
@@ -179,7 +182,13 @@ class AsyncSwarm:
         started = time.perf_counter()
         try:
             result = await asyncio.wait_for(
-                self.averager.average(plan.tensors, weight=plan.weight),
+                self.averager.average(
+                    plan.tensors,
+                    weight=plan.weight,
+                    sync=plan.sync,
+                    sync_every=plan.sync_every,
+                    order=plan.order,
+                ),
                 self.config.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:

@@ -196,6 +196,12 @@ class SwarmConfig:
             all (plain local training), so the default is stable at every group size; see
             :func:`swarm.training.outer.outer_rule`.
         nesterov: use Nesterov momentum in the outer step; False gives heavy-ball momentum.
+        anchor_sync_every: ``diloco`` with a dense codec: about one group in this many also
+            averages the members' anchors (the shared weights the outer step moves), after
+            the pseudo-gradients and within the same group. Groups smaller than the swarm apply
+            different outer steps, so without it the peers' anchors drift apart for good; the
+            extra all-reduce costs one more vector on those rounds. 0 turns it off (sparse
+            codecs and overlapped rounds never sync: top-K or 1-bit would ruin raw weights).
         codec: compression of what is averaged: ``none``, ``fp16``, ``bf16``, ``int8``,
             ``topk:0.01``, ``1bit`` (see :mod:`swarm.compression`); error feedback is always on.
         min_group_size: a round averages only with at least this many peers (self included).
@@ -229,6 +235,7 @@ class SwarmConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
+    anchor_sync_every: int = 4
     codec: str = "int8"
     min_group_size: int = 2
     target_group_size: int = 8
@@ -256,6 +263,8 @@ class SwarmConfig:
             raise ConfigError("outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError("outer_momentum must be in [0, 1)")
+        if not isinstance(self.anchor_sync_every, int) or self.anchor_sync_every < 0:
+            raise ConfigError("anchor_sync_every must be an integer >= 0 (0: never)")
         if not isinstance(self.codec, str) or not self.codec:
             raise ConfigError("codec must be a codec name such as 'int8' or 'topk:0.01'")
         if mode.averages_values and self.codec.split(":")[0] in SPARSE_CODECS:

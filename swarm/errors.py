@@ -40,12 +40,24 @@ class ReplayError(AuthError):
 
 
 class TransportError(SwarmError):
-    """An HTTP exchange with a peer failed: refused, cut, timed out or oversized."""
+    """An HTTP exchange with a peer failed: refused, cut, timed out or oversized.
 
-    def __init__(self, message: str, *, peer: str | None = None, status: int | None = None):
+    ``refused`` is True when nothing listens at the peer's address (the connection was refused):
+    the peer is gone, not merely slow.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peer: str | None = None,
+        status: int | None = None,
+        refused: bool = False,
+    ):
         super().__init__(message)
         self.peer = peer
         self.status = status
+        self.refused = refused
 
     def __str__(self) -> str:
         parts = [super().__str__()]

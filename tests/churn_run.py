@@ -1,10 +1,10 @@
 """Run a swarm of churn_worker processes, SIGKILL and restart some on a schedule, measure.
 
-Shared by tests/test_churn.py and benchmarks/churn.py. The run's clock starts once every first
-peer is up and it ends ``duration_s`` later by killing every process (the final loss of a peer is
-its loss right after its last round); killed peers are restarted ``restart_delay_s`` later
-through the live peers' addresses (a late join with a state download). Metrics are computed
-from the workers' output.
+Shared by tests/test_churn.py and benchmarks/churn.py. The first peers start training together
+once all are up (a go-file); the run's clock starts then and ends ``duration_s`` later by
+killing every process. Killed peers are restarted ``restart_delay_s`` later through the live
+peers' addresses (a late join with a state download). A peer's final loss is its mean test loss
+over its rounds of the last few seconds (see :func:`final_loss`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import itertools
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +62,11 @@ def run_swarm(
     round_timeout_s: float,
     restart_delay_s: float = 3.0,
     seed: int = 0,
+    final_window_s: float = 5.0,
 ) -> dict:
     """Train ``peers`` peers for ``duration_s`` with churn (``kill_fraction`` 0: a calm run)."""
-    args = [*worker_args, "--round-timeout", str(round_timeout_s)]
+    go = Path(tempfile.mkdtemp(prefix="churn-")) / "go"
+    args = [*worker_args, "--round-timeout", str(round_timeout_s), "--go-file", str(go)]
     rng = random.Random(seed)
     stop_at = time.time() + duration_s + 600.0  # a safety net: the run ends by killing them
     lives = [start_peer(0, 0, [], stop_at, args)]
@@ -73,6 +77,7 @@ def run_swarm(
     for life in lives[1:]:
         addresses[life.slot] = address(life)
     ready = time.time()  # every first peer is up: the run's clock starts here
+    go.touch()
     end = ready + duration_s
     kills, generation = 0, 0
     per_kill = max(1, round(kill_fraction * peers)) if kill_fraction > 0 else 0
@@ -104,12 +109,39 @@ def run_swarm(
         for life in lives:
             life.proc.kill()
             life.lines = list(life.proc.lines)
-    return metrics(lives, list(live.values()), kills, ready, end)
+        shutil.rmtree(go.parent, ignore_errors=True)
+    return metrics(lives, list(live.values()), kills, ready, end, final_window_s)
 
 
-def metrics(lives: list[Life], final: list[Life], kills: int, ready: float, end: float) -> dict:
-    """The figures of a run (field names as benchmarks/churn.py prints them)."""
-    rounds = [r for life in lives for r in life.events("ROUND") if r["t"] <= end]
+def final_loss(life: Life, end: float, window_s: float) -> float:
+    """A peer's test loss at the end: the mean over its rounds in the last ``window_s``.
+
+    One round's test loss moves by a few percent from round to round near convergence (Adam's
+    noise on small batches), so a single round would compare noise with noise. A peer with no
+    round in the window counts with the model it holds: as downloaded, or after its last round.
+    """
+    losses = [(r["t"], r["loss"]) for r in life.events("ROUND") if r["t"] <= end]
+    recent = [x for t, x in losses if t >= end - window_s]
+    if recent:
+        return math.nan if None in recent else statistics.fmean(recent)
+    held = [j.get("loss") for j in life.events("JOINED")] + [x for _, x in losses]
+    return held[-1] if held and held[-1] is not None else math.nan
+
+
+def metrics(
+    lives: list[Life],
+    final: list[Life],
+    kills: int,
+    ready: float,
+    end: float,
+    final_window_s: float = 5.0,
+) -> dict:
+    """The figures of a run (field names as benchmarks/churn.py prints them).
+
+    Rounds count from ``ready`` on: before it the first peers are still starting and the first
+    one has nobody to average with.
+    """
+    rounds = [r for life in lives for r in life.events("ROUND") if ready <= r["t"] <= end]
     gaps, joins = [], []
     for life in lives:
         joined = life.events("JOINED")
@@ -124,12 +156,7 @@ def metrics(lives: list[Life], final: list[Life], kills: int, ready: float, end:
             joins.append(averaged[0] - start)
         elif life.restarted:
             joins.append(stop - start)
-    finals = []
-    for life in final:
-        # the model it holds: after its last round, or as downloaded when it joined
-        done = [j.get("loss") for j in life.events("JOINED")]
-        done += [r["loss"] for r in life.events("ROUND") if r["t"] <= end]
-        finals.append(done[-1] if done and done[-1] is not None else math.nan)
+    finals = [final_loss(life, end, final_window_s) for life in final]
     return {
         "kills": kills,
         "rounds": len(rounds),

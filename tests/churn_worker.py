@@ -28,9 +28,9 @@ SMALL_DIM, SMALL_CLASSES = 32, 8
 
 
 class SmallTask:
-    """A fixed tanh teacher labels fresh random points; MLP 32-64-8, Adam 3e-3, batch 32."""
+    """A fixed tanh teacher labels fresh random points; MLP 32-64-8, Adam 3e-3, batch 128."""
 
-    lr, batch = 3e-3, 32
+    lr, batch = 3e-3, 128
     _teacher = torch.randn(SMALL_DIM, SMALL_CLASSES, generator=torch.Generator().manual_seed(99))
 
     def data(self, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--round-timeout", type=float, default=10.0)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--stop-at", type=float, required=True, help="time.time() to stop at")
+    p.add_argument("--go-file", help="train once this file exists (the run's clock starts)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
@@ -123,6 +124,8 @@ def main() -> None:
             address=swarm.address,
             loss=joined_loss if math.isfinite(joined_loss) else None,
         )
+        while args.go_file and not Path(args.go_file).exists():
+            time.sleep(0.01)  # the first peers start training together, when all are up
         g = torch.Generator().manual_seed(args.seed)
         while time.time() < args.stop_at:
             x, y = task.data(task.batch, g)

@@ -538,3 +538,29 @@ async def test_planned_leader_is_joined_directly_and_a_wrong_plan_falls_back() -
         for m in makers:
             await m.close()
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_a_group_brings_its_members_round_orders_and_synced_tensors_together() -> None:
+    """Members that disagree on the round order (a restarted peer, failed rounds) leave a
+    group with its largest; a group that syncs averages the extra tensors too."""
+    peers = await start_peers([71, 72, 73])
+    avgs = [averager(p, 3, key="order") for p in peers]
+    try:
+        for a, order in zip(avgs, (0, 5, 17), strict=True):
+            a.order = order
+        values = [torch.full((64,), float(i)) for i in range(3)]
+        anchors = [torch.full((32,), 10.0 * i) for i in range(3)]
+        results = await asyncio.gather(
+            *(
+                a.average([v], weight=1.0, sync=[s], sync_every=1)
+                for a, v, s in zip(avgs, values, anchors, strict=True)
+            )
+        )
+        assert all(r.averaged and r.synced for r in results), results
+        assert [a.order for a in avgs] == [18, 18, 18]
+        for v, s in zip(values, anchors, strict=True):
+            torch.testing.assert_close(v, torch.full((64,), 1.0))
+            torch.testing.assert_close(s, torch.full((32,), 10.0))
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))
+        await asyncio.gather(*(p.close() for p in peers))

@@ -176,17 +176,20 @@ def test_declaration_fuzz_never_crashes(data):
 
 
 def test_group_info_round_trip_and_validation(records):
-    group = GroupInfo.create(records)
+    group = GroupInfo.create(records, order=41)
     assert [r.peer_id.digest for r in group.members] == sorted(r.peer_id.digest for r in records)
     me, leader = records[2].peer_id, records[0].peer_id
     back = GroupInfo.from_wire(
         msgpack.unpackb(msgpack.packb(group.to_wire())), me=me, leader=leader
     )
-    assert back == group
+    assert back == group and back.order == 41
     assert back.index_of(me) == list(back.peer_ids).index(me)
     wire = group.to_wire()
+    legacy = {"g": wire["g"], "m": wire["m"]}  # no order: 0
+    assert GroupInfo.from_wire(legacy, me=me, leader=leader).order == 0
     bad = [
         None,
+        *({**wire, "o": junk} for junk in (-1, True, 2**53, 1.5, "7", None)),
         {"g": b"short", "m": wire["m"]},
         {"g": wire["g"], "m": wire["m"][:1]},
         {"g": wire["g"], "m": [*wire["m"], wire["m"][0]]},
@@ -497,6 +500,29 @@ def test_centered_clip_is_exact_when_nobody_is_clipped():
     assert out.scales == pytest.approx((1.0, 1.0, 1.0))
     weights = torch.tensor([[1.0], [2.0], [1.0]], dtype=torch.float64)
     torch.testing.assert_close(out.center.double(), (rows.double() * weights).sum(0) / 4)
+
+
+def test_centered_clip_averages_two_contributions():
+    """Two rows: no majority, both count, weighted (the owner's own row used to win)."""
+    from swarm.averaging.robust import centered_clip
+
+    rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    out = centered_clip(rows, [1.0, 3.0])
+    assert out.scales == (1.0, 1.0)
+    torch.testing.assert_close(out.center, torch.tensor([0.75, 1.5, 2.25]))
+
+
+@given(k=st.integers(3, 8), seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_centered_clip_stays_near_the_mean_of_honest_noise(k, seed):
+    """Honest rows are clipped at most mildly: the medoid's own zero distance is not a radius."""
+    from swarm.averaging.robust import centered_clip
+
+    rows = torch.randn(k, 2000, generator=torch.Generator().manual_seed(seed))
+    out = centered_clip(rows, [1.0] * k)
+    mean = rows.mean(0)
+    assert min(out.scales) > 0.5
+    assert float((out.center - mean).norm()) < 0.2 * float(rows.norm(dim=1).mean()) / k**0.5
 
 
 def test_reducer_centered_clip_refuses_to_be_dragged():

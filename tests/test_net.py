@@ -724,3 +724,27 @@ async def test_caller_timeout_and_failing_body(pair: tuple[Transport, Transport]
         async with a.stream(b.record(), "sink", {}, broken(), timeout=30):
             pass
     assert not applied.committed
+
+
+async def test_a_gone_peer_is_told_apart_from_a_slow_one() -> None:
+    """A refused connection marks the error ``refused`` (the averager stops waiting for that
+    peer at once); a timeout does not."""
+    a, b = await _started("127.0.0.2"), await _started("127.0.0.3")
+    try:
+
+        async def holds(request: InboundStream, reply: ReplyStream) -> None:
+            await asyncio.sleep(3600)
+
+        b.add_stream("hold", holds)
+        with pytest.raises(TransportError) as slow:
+            async with a.stream(b.record(), "hold", {}, _nothing(), timeout=0.5):
+                pass
+        assert not slow.value.refused
+        record = b.record()
+        await b.close()
+        with pytest.raises(TransportError) as gone:
+            async with a.stream(record, "hold", {}, _nothing(), timeout=5):
+                pass
+        assert gone.value.refused, gone.value
+    finally:
+        await a.close()

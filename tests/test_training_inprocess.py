@@ -121,3 +121,28 @@ async def test_cuda_model_averages_on_the_gpu() -> None:
             await b.close()
     finally:
         await a.close()
+
+
+@pytest.mark.parametrize("sync_every", [1, 0])
+async def test_anchor_sync_brings_apart_peers_to_one_model(sync_every: int) -> None:
+    """Two peers that start from different weights (as peers of different groups end up) share
+    one model after a round that syncs anchors; without the sync each keeps its own anchor."""
+    kw = {"inner_steps": 3, "sync_on_join": False, "anchor_sync_every": sync_every}
+    a = await start(bn_model(0), f"sync{sync_every}", **kw)
+    try:
+        b = await start(bn_model(1), f"sync{sync_every}", [a.address], **kw)
+        try:
+            ra, rb = await asyncio.gather(train(a, 0.0, 3), train(b, 1.0, 3))
+            assert ra.averaged and rb.averaged, (ra, rb)
+            gaps = [
+                float((p - q).detach().abs().max())
+                for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True)
+            ]
+            if sync_every:
+                assert max(gaps) < 1e-5, gaps
+            else:
+                assert max(gaps) > 1e-2, gaps  # the anchors stay apart for good
+        finally:
+            await b.close()
+    finally:
+        await a.close()

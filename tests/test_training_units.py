@@ -291,6 +291,8 @@ def test_config_validation() -> None:
         {"outer_momentum": 1.0},
         {"min_group_size": 1},
         {"round_timeout_s": 1.0, "matchmaking_timeout_s": 2.0},
+        {"anchor_sync_every": -1},
+        {"anchor_sync_every": 2.5},
     ):
         with pytest.raises(ConfigError):
             SwarmConfig(**bad)
@@ -371,3 +373,25 @@ def test_sparse_codecs_keep_batchnorm_buffers_local() -> None:
     assert dense.tensors.buffer_names == ("1.running_mean", "1.running_var")
     assert sparse.tensors.buffer_names == ()
     assert len(sparse.outer.slots) == len(sparse.tensors.params)
+
+
+@pytest.mark.parametrize(
+    ("kw", "synced"),
+    [
+        ({}, True),
+        ({"anchor_sync_every": 0}, False),
+        ({"overlap": True}, False),
+        ({"codec": "topk:0.1"}, False),
+        ({"mode": "local_sgd"}, False),
+    ],
+)
+def test_rounds_offer_the_anchors_to_sync_only_where_it_is_sound(kw: dict, synced: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig(**kw))
+    plan = e.begin_round()
+    if synced:
+        assert plan.sync_every == 4 and plan.sync is not None
+        assert [t.data_ptr() for t in plan.sync] == [a.data_ptr() for a in e.outer.anchor]
+    else:
+        assert plan.sync is None

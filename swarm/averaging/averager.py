@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,7 +92,8 @@ class Averager:
         # a leader waits this long for the members its plan expects (latency/random grouping)
         self.patience = config.matchmaking_timeout_s / 2
         self._idle_reason = ""  # why the last planned round had no group for this peer
-        self.rounds_started = 0  # average() calls, the round number when the caller gives none
+        self.rounds_started = 0  # average() calls
+        self.order = 0  # the round order this averager plans with when the caller gives none
         self.peer = peer
         self.group_key = config.group_key
         self.fault = fault
@@ -125,6 +128,7 @@ class Averager:
         self._flat: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
         self._feedback: FlatFeedback | None = None
+        self._sync_feedback: FlatFeedback | None = None  # of the synced tensors (anchors)
         self._saved_feedback: dict[str, Any] | None = None
         self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
         self._own_prober = prober is None and config.grouping != "fixed"
@@ -144,6 +148,9 @@ class Averager:
         *,
         group_key: str | None = None,
         round_: int | None = None,
+        sync: Sequence[torch.Tensor] | None = None,
+        sync_every: int = 0,
+        order: int | None = None,
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -156,6 +163,16 @@ class Averager:
                 decides which rounds mix regions and is part of the keys, so peers of different
                 rounds never group. Default: this averager's count of calls, which is not
                 part of the keys (peers that joined at different times still group).
+            order: the round this peer believes the swarm is at (e.g. the training round,
+                which a joiner copies from the peers it downloads from); it orders the planned
+                groups like ``round_`` but is not part of the keys. The averager plans with the
+                larger of it and its own order: one more than the last round it planned, or
+                than the largest order of a group it was in (groups carry their members'
+                largest, so peers fall back in step after failed rounds or a restart).
+            sync / sync_every: more tensors (e.g. DiLoCo anchors) that about one group in
+                ``sync_every`` averages as well, in a second all-reduce right after the first
+                (its own error feedback; the choice comes from the group id, so every member
+                makes the same one). Only peers with the same ``sync_every`` group together.
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -169,18 +186,22 @@ class Averager:
         if self._closed:
             raise AveragingError("the averager is closed")
         numel = sum(t.numel() for t in tensors)
+        syncing = list(sync) if sync is not None and sync_every > 0 else []
+        self._check_tensors(syncing)
         async with self._lock:
             started = time.monotonic()
             if group_key:
                 key_name, expected, leader = group_key, 0, None
             else:
-                key_name, expected, leader = await self._round_key(round_)
+                key_name, expected, leader = await self._round_key(round_, order)
             if key_name is None:
                 return RoundResult(
                     False, self._idle_reason, matchmaking_s=time.monotonic() - started
                 )
             # peers that would cut the vector differently never group
             spec = f"{self.codec.spec}|share={self.config.max_share:g}"
+            if syncing:
+                spec += f"|sync={sync_every}:{schema_hash(syncing, '')}"
             key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, spec))
             group = await self.matchmaker.form_group(
                 key,
@@ -188,20 +209,51 @@ class Averager:
                 expected=expected,
                 patience=self.patience,
                 leader=leader,
+                order=max(0, self.order - 1) if round_ is None else round_,
             )
             matchmaking_s = time.monotonic() - started
+            self._forget_gone(self.matchmaker.gone)
             if isinstance(group, str):
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
+            self.order = max(self.order, group.order + 1)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
-            return await self._allreduce(tensors, numel, weight, group, matchmaking_s, deadline)
+            result = await self._allreduce(tensors, numel, weight, group, matchmaking_s, deadline)
+            if not syncing or not syncs(group, sync_every):
+                return result
+            # the same members average the synced tensors under a derived group id
+            derived = GroupInfo(
+                hashlib.sha256(b"sync" + group.group_id).digest()[:16], group.members
+            )
+            synced = await self._allreduce(
+                syncing,
+                sum(t.numel() for t in syncing),
+                weight,
+                derived,
+                0.0,
+                deadline,
+                feedback=self._sync_feedback_for,
+            )
+            return dataclasses.replace(
+                result,
+                synced=synced.averaged,
+                bytes_sent=result.bytes_sent + synced.bytes_sent,
+                bytes_received=result.bytes_received + synced.bytes_received,
+                allreduce_s=result.allreduce_s + synced.allreduce_s,
+            )
 
-    async def _round_key(self, round_: int | None) -> tuple[str | None, int, PeerRecord | None]:
+    async def _round_key(
+        self, round_: int | None, order: int | None = None
+    ) -> tuple[str | None, int, PeerRecord | None]:
         """This round's group key under ``grouping``, from the prober's view of the peers (None:
         sit this round out), the group size planned under it (0: unknown) and the record of the
         planned group's leader (its smallest PeerID; None: unknown)."""
         shared = round_ is not None
-        number = round_ if round_ is not None else self.rounds_started
+        # Without a shared round number, peers agree on the plan's order through their groups:
+        # each group closes with its members' largest order and every member goes on from it,
+        # so a restarted peer or one whose rounds failed falls back in step within a round.
+        number = round_ if round_ is not None else max(self.order, order or 0)
+        self.order = max(self.order, number + 1)
         self.rounds_started += 1
         if self.prober is None or self.grouping == "fixed":
             return self.group_key, 0, None
@@ -267,6 +319,7 @@ class Averager:
         group: GroupInfo,
         matchmaking_s: float,
         deadline: float,
+        feedback: Callable[[int, torch.device], FlatFeedback] | None = None,
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
@@ -283,7 +336,7 @@ class Averager:
             group=group,
             me=me,
             weight=weight,
-            feedback=self._feedback_for(numel, flat.device),
+            feedback=(feedback or self._feedback_for)(numel, flat.device),
             workers=Workers(self._pool),
             stall=self.stall,
             deadline=deadline,
@@ -307,6 +360,7 @@ class Averager:
         finally:
             self._end_round(group.group_id)
             self.current_group = None
+        self._forget_gone({group.members[i].peer_id for i in ctx.gone})
         parts_idx, notes = outcome.parts, outcome.notes
         refusals = [
             Refusal(m.peer_id, "excluded", -1, self.excluded[m.peer_id])
@@ -374,6 +428,19 @@ class Averager:
             self._flat[offset : offset + n].copy_(t.detach().reshape(-1))
             offset += n
         return self._flat, self._result
+
+    def _forget_gone(self, gone: set[PeerID]) -> None:
+        """Plan no group with peers whose address refused us (until they sign a new record)."""
+        if self.prober is not None:
+            for peer_id in gone:
+                self.prober.mark_gone(peer_id)
+        gone.clear()
+
+    def _sync_feedback_for(self, numel: int, device: torch.device) -> FlatFeedback:
+        fb = self._sync_feedback
+        if fb is None or fb.numel != numel or fb.device != device:
+            self._sync_feedback = fb = FlatFeedback(self.codec, numel, device)
+        return fb
 
     def _feedback_for(self, numel: int, device: torch.device) -> FlatFeedback:
         fb = self._feedback
@@ -450,3 +517,9 @@ def _scatter(
             lo, hi = max(start, ts), min(end, te)
             if lo < hi:
                 t.detach().view(-1)[lo - ts : hi - ts].copy_(result[lo:hi])
+
+
+def syncs(group: GroupInfo, every: int) -> bool:
+    """Whether ``group`` also averages the synced tensors: one group in about ``every``,
+    decided by its id, which every member knows."""
+    return every > 0 and int.from_bytes(group.group_id[:4], "big") % every == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.averaging.faults import FaultInjector
 from swarm.averaging.feedback import FlatFeedback
@@ -26,3 +26,6 @@ class RoundContext:
     aggregator: str = "centered_clip"  # how an owner reduces its part: centered_clip or mean
     weight_cap: float = 2.0  # centered_clip: no weight above this times the median weight
     excluded: frozenset[int] = frozenset()  # members this peer accused: neither owner nor sender
+    # members whose address refused our connection this round: gone, so the owner side stops
+    # waiting for their part at once (a killed peer costs no stall limit)
+    gone: set[int] = field(default_factory=set)

@@ -118,12 +118,13 @@ class GroupInfo:
 
     group_id: bytes  # random, chosen by the leader
     members: tuple[PeerRecord, ...]  # ordered: members[j] owns part j
+    order: int = 0  # the largest round order among the members (see Averager.average)
 
     @classmethod
-    def create(cls, members: Sequence[PeerRecord]) -> GroupInfo:
+    def create(cls, members: Sequence[PeerRecord], order: int = 0) -> GroupInfo:
         """A new group with a fresh id; members are ordered by PeerID."""
         ordered = tuple(sorted(members, key=lambda r: r.peer_id.digest))
-        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered)
+        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, order)
 
     @property
     def peer_ids(self) -> tuple[PeerID, ...]:
@@ -145,7 +146,7 @@ class GroupInfo:
         raise AveragingError(f"{peer_id.short} is not a member of group {self.group_id.hex()[:8]}")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"g": self.group_id, "m": [r.serialize() for r in self.members]}
+        return {"g": self.group_id, "m": [r.serialize() for r in self.members], "o": self.order}
 
     @classmethod
     def from_wire(cls, obj: Any, *, me: PeerID, leader: PeerID) -> GroupInfo:
@@ -172,4 +173,15 @@ class GroupInfo:
             raise AveragingError("group info: duplicate members")
         if me not in ids or leader not in ids:
             raise AveragingError("group info: the leader's list leaves out the leader or us")
-        return cls(group_id, members)
+        order = obj.get("o", 0)
+        if not is_order(order):
+            raise AveragingError("group info: bad order")
+        return cls(group_id, members, order)
+
+
+MAX_ORDER = 2**53  # a round order above this is refused (it stays exact in every encoding)
+
+
+def is_order(value: Any) -> bool:
+    """A well-formed round order: an int in ``[0, MAX_ORDER)`` (bool is not an int here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_ORDER

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.averaging.group import Declaration, GroupInfo, choose_leader
+from swarm.averaging.group import Declaration, GroupInfo, choose_leader, is_order
 from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
@@ -47,6 +47,8 @@ class _Round:
     expected: int = 0  # members the caller planned for (0: unknown)
     patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
     planned_leader: PeerRecord | None = None
+    order: int = 0  # this peer's round order; the group closes with the largest of its members'
+    orders: dict[PeerID, int] = field(default_factory=dict)  # followers' round orders
     role: str = "candidate"  # candidate | leader | joining | closed
     declared: int = 0  # declarations stored this round (each one expires a little later)
     followers: dict[PeerID, tuple[PeerRecord, float]] = field(default_factory=dict)
@@ -89,6 +91,7 @@ class Matchmaker:
         self.poll_interval = poll_interval
         self._round: _Round | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.gone: set[PeerID] = set()  # leaders whose address refused us (the owner drains it)
         peer.transport.add_rpc(rpc_name, self.rpc_join)
 
     @property
@@ -103,6 +106,7 @@ class Matchmaker:
         expected: int = 0,
         patience: float = 0.0,
         leader: PeerRecord | None = None,
+        order: int = 0,
     ) -> GroupInfo | str:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
 
@@ -121,7 +125,7 @@ class Matchmaker:
             The agreed group, or a short reason why none formed (never raises for that).
         """
         now = time.time()
-        rnd = _Round(key, now + timeout, expected, now + min(patience, timeout), leader)
+        rnd = _Round(key, now + timeout, expected, now + min(patience, timeout), leader, order)
         self._round = rnd
         group: GroupInfo | str = "matchmaking did not finish"
         try:
@@ -234,6 +238,7 @@ class Matchmaker:
         rnd.closed.set_result(None)
         rnd.closed = asyncio.get_running_loop().create_future()
         rnd.followers.clear()
+        rnd.orders.clear()
         rnd.role = "joining"
         self._declare(rnd)
 
@@ -272,7 +277,8 @@ class Matchmaker:
     def _close(self, rnd: _Round) -> GroupInfo:
         rnd.role = "closed"
         members = [self.peer.transport.record()] + [r for r, _ in rnd.followers.values()]
-        group = GroupInfo.create(members)
+        orders = [rnd.orders.get(pid, 0) for pid in rnd.followers]
+        group = GroupInfo.create(members, max([rnd.order, *orders]))
         rnd.closed.set_result(group)
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group
@@ -311,6 +317,7 @@ class Matchmaker:
             "k": rnd.key,
             "d": rnd.deadline,
             "r": self.peer.transport.record().serialize(),
+            "o": rnd.order,
         }
         timeout = max(1.0, min(leader.deadline, rnd.deadline) - time.time() + _JOIN_SLACK_S)
         started = time.monotonic()
@@ -321,6 +328,8 @@ class Matchmaker:
         except (TransportError, AuthError) as e:
             if time.monotonic() - started >= timeout - 0.5:
                 return f"leader {leader.record.peer_id.short} did not answer: {e}"
+            if isinstance(e, TransportError) and e.refused:
+                self.gone.add(leader.record.peer_id)
             logger.debug("leader %s unreachable: %s", leader.record.peer_id.short, e)
             return None
         if reply.get("ok") is not True:
@@ -357,7 +366,11 @@ class Matchmaker:
             return {"ok": False, "why": "record does not match the sender"}
         if deadline <= time.time():
             return {"ok": False, "why": "deadline passed"}
+        order = payload.get("o", 0)
+        if not is_order(order):
+            return {"ok": False, "why": "bad order"}
         rnd.followers[sender.peer_id] = (record, deadline)
+        rnd.orders[sender.peer_id] = order
         rnd.role = "leader"
         rnd.changed.set()
         self._declare(rnd, leading=True)  # with the new size, for leaders that may merge
@@ -366,6 +379,7 @@ class Matchmaker:
         except asyncio.CancelledError:
             if not rnd.closed.done():  # the follower hung up before we closed: forget it
                 rnd.followers.pop(sender.peer_id, None)
+                rnd.orders.pop(sender.peer_id, None)
                 rnd.changed.set()
             raise
         if group is None or sender.peer_id not in group.peer_ids:

@@ -225,7 +225,10 @@ class PartOwner:
         if now >= self.deadline:
             verdicts = [(s, "all-reduce deadline") for s in (*streaming, *pending)]
         else:
-            verdicts = self.stall.stalled(now, self._timing, streaming, pending)
+            verdicts = [
+                (s, "its address refuses connections") for s in pending if s in self.ctx.gone
+            ]
+            verdicts = verdicts or self.stall.stalled(now, self._timing, streaming, pending)
             if self._start_by is not None and now >= self._start_by and not verdicts:
                 verdicts = [(s, "never started; the rest of the round is over") for s in pending]
         for sender, why in verdicts:

@@ -25,7 +25,7 @@ import random
 import time
 
 from swarm.averaging.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import ConfigError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.protocols import Peer
@@ -86,6 +86,7 @@ class Prober:
         self.rng = rng or random.Random()
         self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
         self.records: dict[PeerID, PeerRecord] = {}
+        self.gone: dict[PeerID, float] = {}  # peer -> time.time() its address refused us
         self.samples = 0
         self.refreshed_at = -math.inf  # time.monotonic() of the last refresh
         self._task: asyncio.Task[None] | None = None
@@ -121,18 +122,28 @@ class Prober:
         ttl = float(self.peer.config.record_ttl_s or 0)
         oldest = time.time() - ttl
         departed = self.peer.departed  # their leave marker is up: do not wait for them
+        self.gone = {pid: t for pid, t in self.gone.items() if t > oldest}
         merged = {
             pid: r
             for pid, r in self.records.items()
-            if r.timestamp > oldest and pid not in departed
+            if r.timestamp > oldest and pid not in departed and not self._gone(r)
         }
         for pid, record in fresh.items():
             known = merged.get(pid)
-            if known is None or record.timestamp >= known.timestamp:
+            if (known is None or record.timestamp >= known.timestamp) and not self._gone(record):
                 merged[pid] = record
         self.records = merged
         self.refreshed_at = time.monotonic()
         return merged
+
+    def mark_gone(self, peer_id: PeerID) -> None:
+        """``peer_id``'s address refused a connection: plan no group with it until it signs a
+        newer record (a killed peer's record lives on in the DHT until its TTL runs out)."""
+        self.gone[peer_id] = time.time()
+        self.records.pop(peer_id, None)
+
+    def _gone(self, record: PeerRecord) -> bool:
+        return record.timestamp <= self.gone.get(record.peer_id, -math.inf)
 
     def view(self) -> dict[PeerID, Coordinate]:
         """The coordinate of every peer in :attr:`records`, and this peer's own."""
@@ -186,6 +197,8 @@ class Prober:
             return await self.peer.transport.ping(record.address, timeout=self.ping_timeout)
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
             logger.debug("probe to %s failed: %s", record.peer_id.short, e)
+            if isinstance(e, TransportError) and e.refused:
+                self.mark_gone(record.peer_id)
             return None
 
     async def _publish(self) -> None:

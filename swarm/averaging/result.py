@@ -40,6 +40,7 @@ class RoundResult:
     matchmaking_s: float = 0.0  # time to form (or fail to form) the group
     allreduce_s: float = 0.0  # time of the all-reduce itself
     refusals: tuple[Refusal, ...] = ()  # peers clipped, capped, dropped, refused or accused
+    synced: bool = False  # the group also averaged the synced tensors (part of them at least)
 
     @property
     def group_size(self) -> int:

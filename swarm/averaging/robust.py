@@ -7,11 +7,12 @@ on, and values may be huge, sign-flipped or crafted to overflow a float32 accumu
 - :func:`centered_clip` (Karimireddy et al., 2021, as used by BTARD-SGD): start from the medoid
   (the contribution with the smallest median distance to the others) and, a few times, move the
   centre by the weighted mean of the offsets, each offset clipped to the radius ``tau`` = the
-  median of the contributions' distances to the centre. A contribution far from the others moves
-  the result by at most its weight share times ``tau``, however large its values; one clipped
-  hard (its offset scaled below :data:`OUTLIER_SCALE`) counts at most the median weight, so a
-  claimed weight cannot amplify an outlier's pull. When every contribution lies within ``tau``
-  a step gives the exact weighted mean.
+  median of the contributions' distances to the centre (the medoid's own 0 left out). A
+  contribution far from the others moves the result by at most its weight share times ``tau``,
+  however large its values; one clipped hard (its offset scaled below :data:`OUTLIER_SCALE`)
+  counts at most the median weight, so a claimed weight cannot amplify an outlier's pull. When
+  every contribution lies within ``tau`` a step gives the exact weighted mean. Two
+  contributions are averaged as they are: without a majority neither can be called wrong.
 
 The work runs on the chunk's device, in float32 when no difference or norm can overflow there
 and in float64 otherwise (values near the float32 limit).
@@ -67,6 +68,8 @@ def centered_clip(
         w = torch.ones(k, dtype=x.dtype, device=x.device)
     if k == 1:
         return ClipResult(x[0].clone(), (1.0,), 0.0)
+    if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
+        return ClipResult((w / w.sum()) @ x, (1.0, 1.0), 0.0)
     # distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
     # matrix-vector product: no k x n temporary per iteration
     gram = x @ x.T
@@ -79,9 +82,11 @@ def centered_clip(
     for step in range(iterations):
         if step == 0:  # from the medoid: its distances are in the Gram matrix already
             dist = torch.sqrt(dist2[start])
+            # the medoid's own distance (0) would drag the median down and clip honest rows
+            others = torch.cat([dist[:start], dist[start + 1 :]])
         else:
-            dist = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
-        tau = float(dist.median())
+            dist = others = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
+        tau = float(others.median())  # the lower median: one of two far rows is clipped
         scale = torch.where(dist > tau, tau / torch.clamp(dist, min=torch.finfo(x.dtype).tiny), 1.0)
         wk = torch.where(scale < OUTLIER_SCALE, torch.clamp(w, max=median_weight), w)
         c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v)

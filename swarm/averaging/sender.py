@@ -22,7 +22,7 @@ from swarm.averaging.context import RoundContext
 from swarm.averaging.outcome import FAILURES, MAX_ATTEMPTS, SentPart
 from swarm.averaging.result import Refusal
 from swarm.compression import decode_into, read_header
-from swarm.errors import AveragingError, CompressionError
+from swarm.errors import AveragingError, CompressionError, TransportError
 from swarm.protocols import StreamTransport
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ class PartSender:
             refusal = Refusal(owner.peer_id, "dropped", self.part, str(e))
             return SentPart(self.part, None, f"part {self.part}: owner {e}", (refusal,))
         except (*FAILURES, asyncio.TimeoutError) as e:
+            if isinstance(e, TransportError) and e.refused:
+                self.ctx.gone.add(self.part)
             reason = str(e) or type(e).__name__
             logger.info(
                 "part %d (owner %s) not averaged: %s", self.part, owner.peer_id.short, reason

@@ -71,7 +71,9 @@ class Client:
         except TimeoutError as e:
             raise TransportError(f"GET {path} timed out", peer=str(address)) from e
         except (aiohttp.ClientError, OSError) as e:
-            raise TransportError(f"GET {path} failed: {e!r}", peer=str(address)) from e
+            raise TransportError(
+                f"GET {path} failed: {e!r}", peer=str(address), refused=_refused(e)
+            ) from e
         return open_reply(
             self.membership,
             caller=self.identity.public_key,
@@ -115,7 +117,9 @@ class Client:
             except TimeoutError as e:
                 raise TransportError(f"stream {name} timed out", peer=label) from e
             except (aiohttp.ClientError, OSError) as e:
-                raise TransportError(f"stream {name} failed: {e!r}", peer=label) from e
+                raise TransportError(
+                    f"stream {name} failed: {e!r}", peer=label, refused=_refused(e)
+                ) from e
 
         def make_reader(content: aiohttp.StreamReader) -> FrameReader:
             opener = Opener(aead, auth.nonce, TO_CLIENT, max_frame_bytes=self.max_chunk_bytes)
@@ -137,3 +141,10 @@ async def _read_limited(content: aiohttp.StreamReader, limit: int, peer: str) ->
         if len(data) > limit:
             raise TransportError(f"reply longer than {limit} bytes", peer=peer)
     return bytes(data)
+
+
+def _refused(e: BaseException) -> bool:
+    """The connection was refused: nothing listens at the address (the peer is gone)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        e = e.os_error
+    return isinstance(e, ConnectionRefusedError)

@@ -280,10 +280,16 @@ class ReplyStream:
         await self._prepared_response().write_eof()
 
     async def abort(self, exc: BaseException) -> None:
-        """Abort a prepared reply with an ERROR frame (framework use, after the handler raised)."""
-        if not self._writer.sealer.closed:
-            await self._send(ERROR, error_reason(exc))
-        await self._prepared_response().write_eof()
+        """Abort a prepared reply with an ERROR frame (framework use, after the handler raised).
+
+        When the connection itself is gone (the peer died or hung up) there is nobody to tell:
+        the reply ends quietly."""
+        try:
+            if not self._writer.sealer.closed:
+                await self._send(ERROR, error_reason(exc))
+            await self._prepared_response().write_eof()
+        except ConnectionError as e:  # aiohttp raises its ConnectionResetError subclass
+            logger.debug("could not send the error reply: %r", e)
 
 
 def _pack_header(header: dict[str, Any]) -> bytes:

@@ -66,6 +66,9 @@ class RoundPlan:
     weight: float
     started: float  # perf_counter() when the round began
     background: bool = False  # start it and hand back its handle instead of waiting for it
+    sync: list[torch.Tensor] | None = None  # anchors the group may also average (diloco)
+    sync_every: int = 0  # about one group in this many averages ``sync`` too
+    order: int | None = None  # this peer's round: orders the planned groups (see Averager)
 
 
 StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
@@ -234,7 +237,9 @@ class TrainingEngine:
         if not self.config.overlap:
             return self.finish_round(plan, (yield plan))
         local = self.launch()
-        handle = yield RoundPlan(plan.tensors, plan.weight, plan.started, background=True)
+        handle = yield RoundPlan(
+            plan.tensors, plan.weight, plan.started, background=True, order=plan.order
+        )
         self._flight = Flight(handle, plan.started, plan.weight, local)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
             return (yield from self.land())
@@ -271,7 +276,20 @@ class TrainingEngine:
         """Fill the fp32 slots with what this mode averages."""
         with self.lock:
             self._load_slots()
-        return RoundPlan(self.outer.slots, max(self.samples_in_round, 1e-6), time.perf_counter())
+        weight = max(self.samples_in_round, 1e-6)
+        cfg = self.config
+        dense = cfg.codec.split(":")[0] not in SPARSE_CODECS
+        if self.mode is Mode.DILOCO and not cfg.overlap and dense and cfg.anchor_sync_every:
+            anchors = self.outer.anchor + self.outer.buffer_anchor
+            return RoundPlan(
+                self.outer.slots,
+                weight,
+                time.perf_counter(),
+                sync=anchors,
+                sync_every=cfg.anchor_sync_every,
+                order=self.round,
+            )
+        return RoundPlan(self.outer.slots, weight, time.perf_counter(), order=self.round)
 
     def finish_round(self, plan: RoundPlan, outcome: RoundOutcome) -> StepReport:
         """Apply the round's result (or go on alone) and build the step report."""
