@@ -547,7 +547,7 @@ async def test_a_group_brings_its_members_round_orders_and_synced_tensors_togeth
     avgs = [averager(p, 3, key="order") for p in peers]
     try:
         for a, order in zip(avgs, (0, 5, 17), strict=True):
-            a.order = order
+            a.planner.order = order
         values = [torch.full((64,), float(i)) for i in range(3)]
         anchors = [torch.full((32,), 10.0 * i) for i in range(3)]
         results = await asyncio.gather(
@@ -557,7 +557,7 @@ async def test_a_group_brings_its_members_round_orders_and_synced_tensors_togeth
             )
         )
         assert all(r.averaged and r.synced for r in results), results
-        assert [a.order for a in avgs] == [18, 18, 18]
+        assert [a.planner.order for a in avgs] == [18, 18, 18]
         for v, s in zip(values, anchors, strict=True):
             torch.testing.assert_close(v, torch.full((64,), 1.0))
             torch.testing.assert_close(s, torch.full((32,), 10.0))

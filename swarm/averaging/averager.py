@@ -22,22 +22,23 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from swarm.averaging import regions
 from swarm.averaging.allreduce import AllReduce
 from swarm.averaging.context import RoundContext
 from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
+from swarm.averaging.flat import FlatStaging, check_tensors, scatter
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
 from swarm.averaging.matchmaking import Matchmaker
 from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash
+from swarm.averaging.planner import GroupPlanner, RoundKey
 from swarm.averaging.prober import Prober
 from swarm.averaging.reducer import check_weight
+from swarm.averaging.registry import RoundRegistry
 from swarm.averaging.result import Refusal, RoundResult
 from swarm.averaging.stall import StallPolicy
 from swarm.averaging.workers import Workers
@@ -45,14 +46,10 @@ from swarm.compression import get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
 from swarm.identity import PeerID
-from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
-
-_UNKNOWN_GROUP_WAIT_S = 5.0  # a member may start streaming before we heard the group closed
-_RECENT_GROUPS = 64  # finished groups remembered, and groups awaited before they start
 
 
 class Averager:
@@ -82,20 +79,9 @@ class Averager:
             raise ConfigError("config must be an AveragingConfig")
         self.codec = get_codec(config.codec)  # raises ConfigError for an unknown codec
         self.config = config
-        self.grouping = config.grouping
-        self.grouping_config = regions.GroupingConfig(
-            config.min_group_size,
-            config.target_group_size,
-            cross_every=config.cross_every,
-            region_rtt=config.region_rtt_s,
-        )
         # a leader waits this long for the members its plan expects (latency/random grouping)
         self.patience = config.matchmaking_timeout_s / 2
-        self._idle_reason = ""  # why the last planned round had no group for this peer
-        self.rounds_started = 0  # average() calls
-        self.order = 0  # the round order this averager plans with when the caller gives none
         self.peer = peer
-        self.group_key = config.group_key
         self.fault = fault
         self.faults = FaultInjector(fault)
         self.fault_triggered = self.faults.triggered  # set when ``fault`` fires (tests wait on it)
@@ -121,12 +107,8 @@ class Averager:
             config.threads, thread_name_prefix="swarm-avg"
         )
         self._lock = asyncio.Lock()
-        # inbound streams wait on their group's future: set to the round when it starts, to None
-        # when it is over; at most _RECENT_GROUPS of either kind are kept
-        self._rounds: dict[bytes, asyncio.Future[AllReduce | None]] = {}
-        self._finished: deque[bytes] = deque()
-        self._flat: torch.Tensor | None = None
-        self._result: torch.Tensor | None = None
+        self._rounds = RoundRegistry()
+        self._staging = FlatStaging()
         self._feedback: FlatFeedback | None = None
         self._sync_feedback: FlatFeedback | None = None  # of the synced tensors (anchors)
         self._saved_feedback: dict[str, Any] | None = None
@@ -137,6 +119,7 @@ class Averager:
                 peer, period=config.probe_period_s, probes=config.probes_per_period
             )
             self.prober.start()
+        self.planner = GroupPlanner(peer, config, self.prober)
         self._closed = False
 
     # ---- public API
@@ -181,42 +164,37 @@ class Averager:
             AveragingError: invalid tensors or weight, or the averager is closed.
         """
         tensors = list(tensors)
-        self._check_tensors(tensors)
+        check_tensors(tensors)
         weight = check_weight(weight)
         if self._closed:
             raise AveragingError("the averager is closed")
         numel = sum(t.numel() for t in tensors)
         syncing = list(sync) if sync is not None and sync_every > 0 else []
-        self._check_tensors(syncing)
+        check_tensors(syncing)
         async with self._lock:
             started = time.monotonic()
-            if group_key:
-                key_name, expected, leader = group_key, 0, None
-            else:
-                key_name, expected, leader = await self._round_key(round_, order)
-            if key_name is None:
-                return RoundResult(
-                    False, self._idle_reason, matchmaking_s=time.monotonic() - started
-                )
+            planned = RoundKey(group_key) if group_key else await self.planner.plan(round_, order)
+            if planned.key is None:
+                return RoundResult(False, planned.idle, matchmaking_s=time.monotonic() - started)
             # peers that would cut the vector differently never group
             spec = f"{self.codec.spec}|share={self.config.max_share:g}"
             if syncing:
                 spec += f"|sync={sync_every}:{schema_hash(syncing, '')}"
-            key = matchmaking_key(self.peer.run_id, key_name, schema_hash(tensors, spec))
+            key = matchmaking_key(self.peer.run_id, planned.key, schema_hash(tensors, spec))
             group = await self.matchmaker.form_group(
                 key,
                 self.config.matchmaking_timeout_s,
-                expected=expected,
+                expected=planned.expected,
                 patience=self.patience,
-                leader=leader,
-                order=max(0, self.order - 1) if round_ is None else round_,
+                leader=planned.leader,
+                order=planned.order,
             )
             matchmaking_s = time.monotonic() - started
-            self._forget_gone(self.matchmaker.gone)
+            self.planner.forget(self.matchmaker.gone)
             if isinstance(group, str):
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
-            self.order = max(self.order, group.order + 1)
+            self.planner.joined(group)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             result = await self._allreduce(tensors, numel, weight, group, matchmaking_s, deadline)
             if not syncing or not syncs(group, sync_every):
@@ -242,45 +220,6 @@ class Averager:
                 allreduce_s=result.allreduce_s + synced.allreduce_s,
             )
 
-    async def _round_key(
-        self, round_: int | None, order: int | None = None
-    ) -> tuple[str | None, int, PeerRecord | None]:
-        """This round's group key under ``grouping``, from the prober's view of the peers (None:
-        sit this round out), the group size planned under it (0: unknown) and the record of the
-        planned group's leader (its smallest PeerID; None: unknown)."""
-        shared = round_ is not None
-        # Without a shared round number, peers agree on the plan's order through their groups:
-        # each group closes with its members' largest order and every member goes on from it,
-        # so a restarted peer or one whose rounds failed falls back in step within a round.
-        number = round_ if round_ is not None else max(self.order, order or 0)
-        self.order = max(self.order, number + 1)
-        self.rounds_started += 1
-        if self.prober is None or self.grouping == "fixed":
-            return self.group_key, 0, None
-        try:  # one fresh read per round: peers that start a round together see the same peers
-            await asyncio.wait_for(self.prober.refresh(), self.config.matchmaking_timeout_s / 4)
-        except asyncio.TimeoutError:
-            logger.debug("reading the peer records timed out: grouping with the last view")
-        view, me = self.prober.view(), self.peer.peer_id
-        if me not in view:  # cannot happen: the view always holds this peer
-            return self.group_key, 0, None
-        if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
-            self._idle_reason = "no other peer announced in this run"
-            return None, 0, None
-        plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
-        plan = plan_of(view, number, self.grouping_config)
-        key = plan.key_of(me)
-        if key is None:
-            self._idle_reason = "alone in its region: sits regular rounds out until a cross one"
-            return None, 0, None
-        members = plan.groups[key]
-        logger.debug("round %d: %s group %s of %d", number, plan.kind, key, len(members))
-        leader = min(members, key=lambda p: p.digest)
-        record = self.peer.transport.record() if leader == me else self.prober.records.get(leader)
-        if not shared:
-            key = regions.without_round(key)
-        return f"{self.group_key}.{key}", len(members), record
-
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state, for checkpoints."""
         return {"feedback": self._feedback.state_dict() if self._feedback is not None else None}
@@ -295,9 +234,7 @@ class Averager:
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
-        for fut in self._rounds.values():
-            if not fut.done():
-                fut.set_result(None)
+        self._rounds.close()
         if self.prober is not None and self._own_prober:
             await self.prober.close()
         await self.matchmaker.close()
@@ -329,7 +266,7 @@ class Averager:
             for m, b in zip(group.members, group.bandwidths, strict=True)
         ]
         plan = PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
-        flat, result = await loop.run_in_executor(self._pool, self._gather, tensors, numel)
+        flat, result = await loop.run_in_executor(self._pool, self._staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
         ctx = RoundContext(
@@ -350,17 +287,14 @@ class Averager:
         round_ = AllReduce(
             self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
         )
-        fut = self._round_future(group.group_id)
-        if fut.done():  # a stream gave up waiting for this group: later ones find it
-            fut = self._rounds[group.group_id] = loop.create_future()
-        fut.set_result(round_)
+        self._rounds.start(group.group_id, round_)
         self.current_group = group
         try:
             outcome = await round_.run()
         finally:
-            self._end_round(group.group_id)
+            self._rounds.end(group.group_id)
             self.current_group = None
-        self._forget_gone({group.members[i].peer_id for i in ctx.gone})
+        self.planner.forget({group.members[i].peer_id for i in ctx.gone})
         parts_idx, notes = outcome.parts, outcome.notes
         refusals = [
             Refusal(m.peer_id, "excluded", -1, self.excluded[m.peer_id])
@@ -372,7 +306,7 @@ class Averager:
             if r.action == "accused" and r.peer not in self.excluded:
                 self.excluded[r.peer] = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
         ranges = [plan.ranges[j] for j in sorted(parts_idx)]
-        await loop.run_in_executor(self._pool, _scatter, tensors, result, ranges)
+        await loop.run_in_executor(self._pool, scatter, tensors, result, ranges)
         allreduce_s = time.monotonic() - started
         ids = group.peer_ids
         parts = {j: tuple(ids[i] for i in idx) for j, idx in sorted(parts_idx.items())}
@@ -404,38 +338,6 @@ class Averager:
             refusals=tuple(refusals),
         )
 
-    def _check_tensors(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise AveragingError("average() takes float tensors")
-            if not t.is_contiguous():
-                raise AveragingError("average() takes contiguous tensors (use .contiguous())")
-
-    def _gather(self, tensors: list[torch.Tensor], numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This peer's values as one flat float32 vector on the tensors' device, and the staging
-        buffer (both reused). Tensors spread over several devices gather on the first one's."""
-        device = tensors[0].device if tensors else torch.device("cpu")
-        if self._result is None or self._result.numel() != numel or self._result.device != device:
-            self._result = torch.empty(numel, dtype=torch.float32, device=device)
-        single = tensors[0] if len(tensors) == 1 else None
-        if single is not None and single.dtype == torch.float32 and single.is_contiguous():
-            return single.detach().view(-1), self._result
-        if self._flat is None or self._flat.numel() != numel or self._flat.device != device:
-            self._flat = torch.empty(numel, dtype=torch.float32, device=device)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            self._flat[offset : offset + n].copy_(t.detach().reshape(-1))
-            offset += n
-        return self._flat, self._result
-
-    def _forget_gone(self, gone: set[PeerID]) -> None:
-        """Plan no group with peers whose address refused us (until they sign a new record)."""
-        if self.prober is not None:
-            for peer_id in gone:
-                self.prober.mark_gone(peer_id)
-        gone.clear()
-
     def _sync_feedback_for(self, numel: int, device: torch.device) -> FlatFeedback:
         fb = self._sync_feedback
         if fb is None or fb.numel != numel or fb.device != device:
@@ -457,7 +359,7 @@ class Averager:
         group_id = header.get("g")
         if not isinstance(group_id, bytes) or len(group_id) != GROUP_ID_BYTES:
             raise TransportError("part stream without a valid group id", status=400)
-        round_ = await self._round_for(group_id)
+        round_ = await self._rounds.find(group_id)
         if round_ is None:
             raise TransportError("unknown or finished group", status=404)
         try:
@@ -471,52 +373,6 @@ class Averager:
         if request.sender.peer_id in self.excluded:
             raise AuthError(f"{request.sender.peer_id.short} is excluded: it was accused")
         await round_.serve(request, reply, sender, header)
-
-    def _round_future(self, group_id: bytes) -> asyncio.Future[AllReduce | None]:
-        """The future an inbound stream of ``group_id`` waits on (created on first use)."""
-        fut = self._rounds.get(group_id)
-        if fut is None:
-            awaited = [g for g, f in self._rounds.items() if not f.done()]
-            if len(awaited) >= _RECENT_GROUPS:  # bounded: streams for unknown groups give up
-                self._rounds.pop(awaited[0]).set_result(None)
-            fut = self._rounds[group_id] = asyncio.get_running_loop().create_future()
-        return fut
-
-    def _end_round(self, group_id: bytes) -> None:
-        self._rounds[group_id] = fut = asyncio.get_running_loop().create_future()
-        fut.set_result(None)
-        self._finished.append(group_id)
-        while len(self._finished) > _RECENT_GROUPS - 1:
-            self._rounds.pop(self._finished.popleft(), None)
-
-    async def _round_for(self, group_id: bytes) -> AllReduce | None:
-        """The round of ``group_id``: waits (a bounded time) for it to start; None when it is
-        over or never starts here."""
-        if self._closed:
-            return None
-        fut = self._round_future(group_id)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), _UNKNOWN_GROUP_WAIT_S)
-        except asyncio.TimeoutError:
-            if self._rounds.get(group_id) is fut and not fut.done():
-                del self._rounds[group_id]
-                fut.set_result(None)
-            return None
-
-
-def _scatter(
-    tensors: list[torch.Tensor], result: torch.Tensor, ranges: list[tuple[int, int]]
-) -> None:
-    """Copy ``result[start:end]`` for each range into the tensors (their device and dtype)."""
-    bounds, offset = [], 0
-    for t in tensors:
-        bounds.append((offset, offset + t.numel()))
-        offset += t.numel()
-    for start, end in ranges:
-        for t, (ts, te) in zip(tensors, bounds, strict=True):
-            lo, hi = max(start, ts), min(end, te)
-            if lo < hi:
-                t.detach().view(-1)[lo - ts : hi - ts].copy_(result[lo:hi])
 
 
 def syncs(group: GroupInfo, every: int) -> bool:

@@ -1,0 +1,108 @@
+"""Which group key a round looks under: the grouping rule applied to the prober's view.
+
+``latency`` grouping plans near groups from the peers' Vivaldi coordinates (mixed regions every
+few rounds), ``random`` keeps those sizes with random members, ``fixed`` uses one key for all.
+Groups are dealt in an order hashed from a round number; without a number shared by the caller,
+peers agree on one through their groups: each group closes with its members' largest order
+(:attr:`GroupInfo.order`) and every member goes on from it, so a restarted peer or one whose
+rounds failed falls back in step within a round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from swarm.averaging import regions
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.prober import Prober
+from swarm.config import AveragingConfig
+from swarm.identity import PeerID
+from swarm.net.record import PeerRecord
+from swarm.protocols import Peer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundKey:
+    """Where one round looks for its group."""
+
+    key: str | None  # the group key (None: sit this round out, see ``idle``)
+    expected: int = 0  # members planned under it (0: unknown)
+    leader: PeerRecord | None = None  # the planned leader's record (None: unknown)
+    order: int = 0  # the round order the plan was dealt with
+    idle: str = ""  # why this peer has no group this round
+
+
+class GroupPlanner:
+    """Plans the group key of each round; owns the round order and forgets gone peers.
+
+    Args:
+        peer: the started peer (its identity and record).
+        config: the averager's settings (grouping, sizes, timeouts).
+        prober: the RTT prober whose view the plans come from (None with ``fixed`` grouping).
+    """
+
+    def __init__(self, peer: Peer, config: AveragingConfig, prober: Prober | None):
+        self.peer = peer
+        self.config = config
+        self.prober = prober
+        self.grouping = config.grouping
+        self.grouping_config = regions.GroupingConfig(
+            config.min_group_size,
+            config.target_group_size,
+            cross_every=config.cross_every,
+            region_rtt=config.region_rtt_s,
+        )
+        self.order = 0  # the round order the next round plans with when the caller gives none
+        self.rounds_started = 0  # rounds planned
+
+    async def plan(self, round_: int | None, order: int | None = None) -> RoundKey:
+        """This round's key from the prober's view of the peers (see the module docstring).
+
+        Args:
+            round_: a round number shared by every peer (part of the keys), or None.
+            order: the caller's idea of the round order (the training round), or None.
+        """
+        number = round_ if round_ is not None else max(self.order, order or 0)
+        self.order = max(self.order, number + 1)
+        self.rounds_started += 1
+        base = self.config.group_key
+        if self.prober is None or self.grouping == "fixed":
+            return RoundKey(base, order=number)
+        try:  # one fresh read per round: peers that start a round together see the same peers
+            await asyncio.wait_for(self.prober.refresh(), self.config.matchmaking_timeout_s / 4)
+        except asyncio.TimeoutError:
+            logger.debug("reading the peer records timed out: grouping with the last view")
+        view, me = self.prober.view(), self.peer.peer_id
+        if me not in view:  # cannot happen: the view always holds this peer
+            return RoundKey(base, order=number)
+        if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
+            return RoundKey(None, order=number, idle="no other peer announced in this run")
+        plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
+        plan = plan_of(view, number, self.grouping_config)
+        key = plan.key_of(me)
+        if key is None:
+            idle = "alone in its region: sits regular rounds out until a cross one"
+            return RoundKey(None, order=number, idle=idle)
+        members = plan.groups[key]
+        logger.debug("round %d: %s group %s of %d", number, plan.kind, key, len(members))
+        leader = min(members, key=lambda p: p.digest)
+        record = self.peer.transport.record() if leader == me else self.prober.records.get(leader)
+        if round_ is None:
+            key = regions.without_round(key)
+        return RoundKey(f"{base}.{key}", len(members), record, number)
+
+    def joined(self, group: GroupInfo) -> None:
+        """Go on from the group's round order."""
+        self.order = max(self.order, group.order + 1)
+
+    def forget(self, gone: set[PeerID]) -> None:
+        """Plan no group with peers whose address refused us (until they sign a new record);
+        empties ``gone``."""
+        if self.prober is not None:
+            for peer_id in gone:
+                self.prober.mark_gone(peer_id)
+        gone.clear()
