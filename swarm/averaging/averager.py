@@ -201,7 +201,7 @@ class Averager:
                 return result
             # the same members average the synced tensors under a derived group id
             derived = GroupInfo(
-                hashlib.sha256(b"sync" + group.group_id).digest()[:16], group.members
+                hashlib.sha256(b"sync" + group.group_id).digest()[:GROUP_ID_BYTES], group.members
             )
             synced = await self._allreduce(
                 syncing,
