@@ -33,6 +33,7 @@ import statistics
 import torch
 
 from swarm.averaging import Averager, AveragingConfig, Fault, RoundResult
+from swarm.averaging.faults import LIARS
 from swarm.config import PeerConfig
 from swarm.peer import Peer
 
@@ -45,8 +46,8 @@ ATTACKS = [
     Fault.LYING_OWNER,
     Fault.HUGE_BANDWIDTH,
     Fault.SKIP_REPLY,
+    Fault.NAN_OWNER,
 ]
-LIARS = (Fault.LYING_OWNER, Fault.HUGE_BANDWIDTH)
 
 
 def parse_numel(text: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 
@@ -584,3 +585,19 @@ def test_implausible_parts_names_the_outlier_only():
     assert implausible_parts({0: 0.5, 1: 1e9}) == {}  # too few parts to judge
     assert implausible_parts({0: float("inf"), 1: float("inf"), 2: 1.0}) == {}  # own values 0
     assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.0}) == {}
+    # NaN stands for an average holding NaN or inf: refused whatever the other parts say
+    assert set(implausible_parts({0: 0.5, 1: float("nan"), 2: 0.55, 3: 0.6})) == {1}
+    assert set(implausible_parts({0: 0.5, 1: float("nan")})) == {1}
+
+
+def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
+    from swarm.averaging.allreduce import _deviations
+    from swarm.averaging.checks import not_finite
+
+    flat = torch.ones(6)
+    result = torch.tensor([1.0, 1.1, float("inf"), 1.0, float("nan"), 1.0])
+    dev = _deviations(flat, result, {0: (0, 2), 1: (2, 4), 2: (4, 6)})
+    assert dev[0] < 0.1 and math.isnan(dev[1]) and math.isnan(dev[2])
+    assert set(not_finite(dev)) == {1, 2}
+    huge = _deviations(torch.ones(2), torch.full((2,), 3e38), {0: (0, 2)})  # finite, overflows
+    assert huge[0] == float("inf")

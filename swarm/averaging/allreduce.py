@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from swarm.averaging.checks import implausible_parts
+from swarm.averaging.checks import NOT_FINITE, implausible_parts, not_finite
 from swarm.averaging.context import RoundContext
 from swarm.averaging.outcome import OwnedPart, SentPart
 from swarm.averaging.owner import PartOwner
@@ -115,8 +116,8 @@ class AllReduce:
             if outcome.note:
                 notes.append(outcome.note)
             refusals.extend(outcome.refusals)
-        if self.check_owners and parts:
-            refusals.extend(await self._check_owners(parts, notes))
+        if parts:
+            refusals.extend(await self._check_parts(parts, notes))
         sides = [*self.senders, *([self.owner] if self.owner is not None else [])]
         return RoundParts(
             parts,
@@ -132,16 +133,21 @@ class AllReduce:
         await asyncio.gather(*sending, return_exceptions=True)
         owner.expect_by(time.monotonic() + 4 * self.stall_floor)
 
-    async def _check_owners(
+    async def _check_parts(
         self, parts: dict[int, tuple[int, ...]], notes: list[str]
     ) -> list[Refusal]:
-        """Refuse (drop from ``parts``) the parts whose average is implausible; accuse owners."""
+        """Refuse (drop from ``parts``) the parts whose average is not finite, or with
+        ``check_owners`` implausible; accuse their owners. Nothing non-finite is ever applied."""
         ranges = {j: self.plan.ranges[j] for j in parts}
         deviations = await self.workers.run(_deviations, self.flat, self.result, ranges)
+        verdicts = implausible_parts(deviations) if self.check_owners else not_finite(deviations)
         accused = []
-        for j, why in implausible_parts(deviations).items():
-            if j == self.me:
-                continue  # this member computed its own part
+        for j, why in verdicts.items():
+            if j == self.me:  # this member computed its own part: only refuse it if not finite
+                if why == NOT_FINITE:
+                    del parts[j]
+                    notes.append(f"own part {j}: {why}")
+                continue
             del parts[j]
             owner = self.group.members[j].peer_id
             logger.warning("part %d: accusing owner %s: %s", j, owner.short, why)
@@ -165,11 +171,14 @@ class AllReduce:
 def _deviations(
     flat: torch.Tensor, result: torch.Tensor, ranges: dict[int, tuple[int, int]]
 ) -> dict[int, float]:
-    """Per part, ``||result - flat|| / ||flat||`` (inf when it overflows)."""
+    """Per part, ``||result - flat|| / ||flat||`` (inf when it overflows, NaN when the result
+    holds NaN or inf: see :func:`swarm.averaging.checks.not_finite`)."""
     out = {}
     for j, (start, end) in ranges.items():
-        mine = flat[start:end]
-        diff = torch.linalg.vector_norm(result[start:end] - mine)
-        own = torch.linalg.vector_norm(mine)
-        out[j] = float(diff) / max(float(own), 1e-30)
+        mine, got = flat[start:end], result[start:end]
+        diff = float(torch.linalg.vector_norm(got - mine))
+        if not math.isfinite(diff) and not bool(torch.isfinite(got).all()):
+            out[j] = math.nan  # checked only here: a finite norm means finite values
+            continue
+        out[j] = diff / max(float(torch.linalg.vector_norm(mine)), 1e-30)
     return out

@@ -26,6 +26,12 @@ from collections.abc import Mapping
 PLAUSIBLE_FACTOR = 4.0
 _MIN_PARTS = 3  # the median of fewer parts says nothing
 _EPS = 1e-6  # relative deviations this small are always plausible (lossless, identical values)
+NOT_FINITE = "average is not finite"  # refused whatever the other parts say
+
+
+def not_finite(deviations: Mapping[int, float]) -> dict[int, str]:
+    """Parts whose average holds NaN or inf (deviation NaN by convention), each with why."""
+    return {p: NOT_FINITE for p, d in deviations.items() if math.isnan(d)}
 
 
 def implausible_parts(
@@ -37,12 +43,15 @@ def implausible_parts(
         deviations: part -> ``r_j`` for every part averaged this round (own part included).
         factor: how many times the median deviation a part may reach.
     """
-    if len(deviations) < _MIN_PARTS or any(math.isnan(d) for d in deviations.values()):
-        return {}
-    median = statistics.median(deviations.values())  # inf when most own values are 0: no verdict
+    verdicts = not_finite(deviations)
+    judged = [d for d in deviations.values() if not math.isnan(d)]
+    if len(judged) < _MIN_PARTS:
+        return verdicts
+    median = statistics.median(judged)  # inf when most own values are 0: no verdict
     bound = factor * median + _EPS
-    return {
-        part: f"average {d:.3g} from own values, over {factor:g}x the median {median:.3g}"
+    verdicts.update(
+        (part, f"average {d:.3g} from own values, over {factor:g}x the median {median:.3g}")
         for part, d in deviations.items()
         if d > bound
-    }
+    )
+    return verdicts

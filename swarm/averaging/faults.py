@@ -36,6 +36,7 @@ class Fault(enum.Enum):
     NAN = "nan"  # contribute a NaN in every chunk (crafted bytes: the codec refuses to encode it)
     LYING_OWNER = "lying-owner"  # return 1e30 as the average of the part it owns
     HUGE_BANDWIDTH = "huge-bandwidth"  # announce 1e300 bytes/s, then lie as owner
+    NAN_OWNER = "nan-owner"  # return a NaN in every averaged chunk (crafted bytes, as NAN)
 
 
 _CONTRIBUTIONS = {
@@ -44,6 +45,7 @@ _CONTRIBUTIONS = {
     Fault.OVERFLOW: OVERFLOW,
 }
 _LIARS = (Fault.LYING_OWNER, Fault.HUGE_BANDWIDTH)
+LIARS = (*_LIARS, Fault.NAN_OWNER)  # faults of an owner: accused, then excluded
 
 
 class FaultInjector:
@@ -76,8 +78,15 @@ class FaultInjector:
         return HUGE_WEIGHT if self.fault in (Fault.HUGE_WEIGHT, Fault.OVERFLOW) else weight
 
     def payload(self, payload: bytes) -> bytes:
-        """The bytes to send for one chunk (a NaN where the last float32 value was)."""
-        if self.fault is not Fault.NAN or len(payload) < 4:
+        """Sender side: the bytes to send for one chunk (a NaN where the last float32 was)."""
+        return self._nan(payload) if self.fault is Fault.NAN else payload
+
+    def averaged_payload(self, payload: bytes) -> bytes:
+        """Owner side: the bytes to send back for one averaged chunk."""
+        return self._nan(payload) if self.fault is Fault.NAN_OWNER else payload
+
+    def _nan(self, payload: bytes) -> bytes:
+        if len(payload) < 4:
             return payload
         self.triggered.set()
         return payload[:-4] + struct.pack("<f", float("nan"))

@@ -210,7 +210,8 @@ class PartOwner:
     def _finish_chunk(self, index: int, total: float) -> bytes:
         values = self.reducer.finish_chunk(index, total)
         self.faults.averaged(values)
-        return self.feedback.encode_owned(values, self.reducer.chunks[index][0])
+        payload = self.feedback.encode_owned(values, self.reducer.chunks[index][0])
+        return self.faults.averaged_payload(payload)
 
     def _watchdog(self) -> None:
         """Drop senders that stalled (:class:`StallPolicy`), or all live ones at the deadline."""

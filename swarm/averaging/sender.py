@@ -35,6 +35,11 @@ class OwnerStalled(AveragingError):
     """The owner of a part stopped making progress."""
 
 
+class OwnerLied(AveragingError):
+    """The owner sent back an averaged chunk that does not decode (malformed, NaN or inf):
+    the stream is authenticated, so the bytes are the owner's own."""
+
+
 class PartSender:
     """Streams this member's values of part ``part`` to its owner and stages the average.
 
@@ -87,6 +92,10 @@ class PartSender:
             logger.warning("part %d: dropping owner %s: %s", self.part, owner.peer_id.short, e)
             refusal = Refusal(owner.peer_id, "dropped", self.part, str(e))
             return SentPart(self.part, None, f"part {self.part}: owner {e}", (refusal,))
+        except OwnerLied as e:
+            logger.warning("part %d: accusing owner %s: %s", self.part, owner.peer_id.short, e)
+            refusal = Refusal(owner.peer_id, "accused", self.part, str(e)[:200])
+            return SentPart(self.part, None, f"part {self.part}: owner accused", (refusal,))
         except (*FAILURES, asyncio.TimeoutError) as e:
             if isinstance(e, TransportError) and e.refused:
                 self.ctx.gone.add(self.part)
@@ -180,9 +189,12 @@ class PartSender:
         return tuple(sorted(value))
 
     def _stage_chunk(self, payload: bytes, start: int, end: int) -> None:
-        header = read_header(payload, max_numel=end - start)
-        if header.numel != end - start:
-            raise CompressionError(f"averaged chunk holds {header.numel}, expected {end - start}")
-        out = self.result[start:end]
-        out.zero_()
-        decode_into(payload, out, 1.0)
+        try:
+            header = read_header(payload, max_numel=end - start)
+            if header.numel != end - start:
+                raise CompressionError(f"chunk holds {header.numel}, expected {end - start}")
+            out = self.result[start:end]
+            out.zero_()
+            decode_into(payload, out, 1.0)
+        except CompressionError as e:
+            raise OwnerLied(f"sent an averaged chunk that does not decode: {e}") from e
