@@ -601,3 +601,14 @@ def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
     assert set(not_finite(dev)) == {1, 2}
     huge = _deviations(torch.ones(2), torch.full((2,), 3e38), {0: (0, 2)})  # finite, overflows
     assert huge[0] == float("inf")
+
+
+def test_a_round_order_far_ahead_is_not_followed():
+    """A hostile member claiming a huge round order cannot drag the others to MAX_ORDER (where
+    their joins would be refused as malformed); honest orders a few rounds apart are followed."""
+    from swarm.averaging.group import MAX_ORDER, ORDER_SLACK, next_order
+
+    assert next_order(5, [3, 17]) == 17
+    assert next_order(5, [5 + ORDER_SLACK]) == 5 + ORDER_SLACK
+    assert next_order(5, [6 + ORDER_SLACK, MAX_ORDER - 1, 9]) == 9
+    assert next_order(5, []) == 5

@@ -180,6 +180,17 @@ class GroupInfo:
 
 
 MAX_ORDER = 2**53  # a round order above this is refused (it stays exact in every encoding)
+ORDER_SLACK = 1024  # a member's order further ahead of ours than this is not followed
+
+
+def next_order(own: int, others: Iterable[int]) -> int:
+    """The largest of ``own`` and those of ``others`` at most ``ORDER_SLACK`` ahead of it.
+
+    Honest peers fall a few rounds apart (failed rounds, restarts from a downloaded round); a
+    hostile member claiming an order far ahead would otherwise drag every honest one to
+    ``MAX_ORDER``, where their joins are refused as malformed.
+    """
+    return max([own, *(o for o in others if o <= own + ORDER_SLACK)])
 
 
 def is_order(value: Any) -> bool:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.averaging.group import Declaration, GroupInfo, choose_leader, is_order
+from swarm.averaging.group import Declaration, GroupInfo, choose_leader, is_order, next_order
 from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
@@ -278,7 +278,7 @@ class Matchmaker:
         rnd.role = "closed"
         members = [self.peer.transport.record()] + [r for r, _ in rnd.followers.values()]
         orders = [rnd.orders.get(pid, 0) for pid in rnd.followers]
-        group = GroupInfo.create(members, max([rnd.order, *orders]))
+        group = GroupInfo.create(members, next_order(rnd.order, orders))
         rnd.closed.set_result(group)
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group

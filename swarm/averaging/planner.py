@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from swarm.averaging import regions
-from swarm.averaging.group import GroupInfo
+from swarm.averaging.group import GroupInfo, next_order
 from swarm.averaging.prober import Prober
 from swarm.config import AveragingConfig
 from swarm.identity import PeerID
@@ -96,8 +96,8 @@ class GroupPlanner:
         return RoundKey(f"{base}.{key}", len(members), record, number)
 
     def joined(self, group: GroupInfo) -> None:
-        """Go on from the group's round order."""
-        self.order = max(self.order, group.order + 1)
+        """Go on from the group's round order (unless it is implausibly far ahead)."""
+        self.order = next_order(self.order, [group.order + 1])
 
     def forget(self, gone: set[PeerID]) -> None:
         """Plan no group with peers whose address refused us (until they sign a new record);
