@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -109,8 +109,8 @@ class Averager:
         self._lock = asyncio.Lock()
         self._rounds = RoundRegistry()
         self._staging = FlatStaging()
-        self._feedback: FlatFeedback | None = None
-        self._sync_feedback: FlatFeedback | None = None  # of the synced tensors (anchors)
+        # error feedback of the averaged tensors (False) and of the synced ones (True)
+        self._feedbacks: dict[bool, FlatFeedback] = {}
         self._saved_feedback: dict[str, Any] | None = None
         self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
         self._own_prober = prober is None and config.grouping != "fixed"
@@ -210,7 +210,7 @@ class Averager:
                 derived,
                 0.0,
                 deadline,
-                feedback=self._sync_feedback_for,
+                synced=True,
             )
             return dataclasses.replace(
                 result,
@@ -222,14 +222,16 @@ class Averager:
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state, for checkpoints."""
-        return {"feedback": self._feedback.state_dict() if self._feedback is not None else None}
+        fb = self._feedbacks.get(False)
+        return {"feedback": fb.state_dict() if fb is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (applied when the tensors' size is known)."""
         saved = state.get("feedback") if isinstance(state, dict) else None
         self._saved_feedback = saved if isinstance(saved, dict) else None
-        if self._feedback is not None and self._saved_feedback is not None:
-            self._feedback.load_state_dict(self._saved_feedback)
+        fb = self._feedbacks.get(False)
+        if fb is not None and self._saved_feedback is not None:
+            fb.load_state_dict(self._saved_feedback)
 
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
@@ -256,7 +258,7 @@ class Averager:
         group: GroupInfo,
         matchmaking_s: float,
         deadline: float,
-        feedback: Callable[[int, torch.device], FlatFeedback] | None = None,
+        synced: bool = False,
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
@@ -273,7 +275,7 @@ class Averager:
             group=group,
             me=me,
             weight=weight,
-            feedback=(feedback or self._feedback_for)(numel, flat.device),
+            feedback=self._feedback_for(numel, flat.device, synced),
             workers=Workers(self._pool),
             stall=self.stall,
             deadline=deadline,
@@ -338,19 +340,14 @@ class Averager:
             refusals=tuple(refusals),
         )
 
-    def _sync_feedback_for(self, numel: int, device: torch.device) -> FlatFeedback:
-        fb = self._sync_feedback
+    def _feedback_for(self, numel: int, device: torch.device, synced: bool) -> FlatFeedback:
+        """The error feedback of the averaged (or synced) tensors, new when their size moved."""
+        fb = self._feedbacks.get(synced)
         if fb is None or fb.numel != numel or fb.device != device:
-            self._sync_feedback = fb = FlatFeedback(self.codec, numel, device)
+            fb = self._feedbacks[synced] = FlatFeedback(self.codec, numel, device)
+            if not synced and self._saved_feedback is not None:
+                fb.load_state_dict(self._saved_feedback)
         return fb
-
-    def _feedback_for(self, numel: int, device: torch.device) -> FlatFeedback:
-        fb = self._feedback
-        if fb is None or fb.numel != numel or fb.device != device:
-            self._feedback = FlatFeedback(self.codec, numel, device)
-            if self._saved_feedback is not None:
-                self._feedback.load_state_dict(self._saved_feedback)
-        return self._feedback
 
     # ---- serving part streams
 

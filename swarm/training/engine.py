@@ -177,6 +177,12 @@ class TrainingEngine:
         self.mode = Mode(config.mode)
         dense = config.codec.split(":")[0] not in SPARSE_CODECS
         self.tensors = ModelTensors.of(model, with_buffers=dense)
+        # raw anchors survive only a dense codec; an overlapped round moves them in flight
+        self._sync_every = (
+            config.anchor_sync_every
+            if self.mode is Mode.DILOCO and dense and not config.overlap
+            else 0
+        )
         self.schema = self.tensors.schema_hash()
         self.outer = OuterState(
             self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
@@ -276,20 +282,14 @@ class TrainingEngine:
         """Fill the fp32 slots with what this mode averages."""
         with self.lock:
             self._load_slots()
-        weight = max(self.samples_in_round, 1e-6)
-        cfg = self.config
-        dense = cfg.codec.split(":")[0] not in SPARSE_CODECS
-        if self.mode is Mode.DILOCO and not cfg.overlap and dense and cfg.anchor_sync_every:
-            anchors = self.outer.anchor + self.outer.buffer_anchor
-            return RoundPlan(
-                self.outer.slots,
-                weight,
-                time.perf_counter(),
-                sync=anchors,
-                sync_every=cfg.anchor_sync_every,
-                order=self.round,
-            )
-        return RoundPlan(self.outer.slots, weight, time.perf_counter(), order=self.round)
+        return RoundPlan(
+            self.outer.slots,
+            max(self.samples_in_round, 1e-6),
+            time.perf_counter(),
+            sync=self.outer.anchor + self.outer.buffer_anchor if self._sync_every else None,
+            sync_every=self._sync_every,
+            order=self.round,
+        )
 
     def finish_round(self, plan: RoundPlan, outcome: RoundOutcome) -> StepReport:
         """Apply the round's result (or go on alone) and build the step report."""
