@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import multiprocessing as mp
 import os
@@ -38,8 +36,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import msgpack
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -319,26 +315,7 @@ async def attack_presigned_store_flood(victims, rate, duration):
 def seal_request(
     auth: DatagramAuth, target: Any, body: list, timestamp: float | None = None
 ) -> bytes:
-    if timestamp is None:
-        return auth.seal(REQUEST, os.urandom(16), body, target)
-    i = auth.identity
-    signed = msgpack.packb(
-        [
-            1,
-            REQUEST,
-            os.urandom(16),
-            i.public_key,
-            i.agreement_key,
-            i.agreement_signature,
-            target.agreement_key,
-            timestamp,
-            os.urandom(16),
-            body,
-        ],
-        use_bin_type=True,
-    )
-    tag = hmac.new(auth._pair_key(target), signed, hashlib.sha256).digest()
-    return msgpack.packb([signed, tag], use_bin_type=True)
+    return auth.seal(REQUEST, os.urandom(16), body, target, timestamp=timestamp)
 
 
 async def victim_keys(victims) -> Any:

@@ -7,34 +7,16 @@ import os
 import random
 import socket
 import time
-from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
+from dht_nodes import HOST, swarm_of
 
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
 from swarm.errors import AuthError, DHTError
 from swarm.identity import Identity
-
-HOST = "127.0.0.1"
-
-
-@asynccontextmanager
-async def swarm_of(count: int, membership: Membership | None = None, **kwargs):
-    """``count`` nodes, each bootstrapped through the first."""
-    membership = membership or Membership.open()
-    nodes = [
-        await DHTNode.create(Identity.generate(), membership, host=HOST, port=0, **kwargs)
-        for _ in range(count)
-    ]
-    try:
-        for node in nodes[1:]:
-            assert await node.bootstrap([f"{HOST}:{nodes[0].port}"]) > 0
-        yield nodes
-    finally:
-        await asyncio.gather(*(n.close() for n in nodes))
 
 
 def later(seconds: float = 60.0) -> float:

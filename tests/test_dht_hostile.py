@@ -9,9 +9,9 @@ import asyncio
 import os
 import socket
 import time
-from contextlib import asynccontextmanager
 
 import msgpack
+from dht_nodes import HOST, swarm_of
 
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
@@ -26,23 +26,7 @@ from swarm.dht.records import (
 )
 from swarm.identity import Identity
 
-HOST = "127.0.0.1"
 PEERS_KEY = "run/peers"
-
-
-@asynccontextmanager
-async def swarm_of(count: int, membership: Membership | None = None, **kwargs):
-    membership = membership or Membership.open()
-    nodes = [
-        await DHTNode.create(Identity.generate(), membership, host=HOST, port=0, **kwargs)
-        for _ in range(count)
-    ]
-    try:
-        for node in nodes[1:]:
-            assert await node.bootstrap([f"{HOST}:{nodes[0].port}"]) > 0
-        yield nodes
-    finally:
-        await asyncio.gather(*(n.close() for n in nodes))
 
 
 def junk_entries(identity: Identity, key: str, count: int, start: int = 0) -> list[DHTEntry]:
@@ -347,27 +331,7 @@ def test_parse_rejects_a_malformed_cursor_and_padding():
 
 def _seal_at(auth: DatagramAuth, target, body, timestamp: float) -> bytes:
     """A targeted request stamped with ``timestamp`` (what a hostile sender controls)."""
-    import hashlib
-    import hmac
-
-    i = auth.identity
-    signed = msgpack.packb(
-        [
-            1,
-            REQUEST,
-            os.urandom(16),
-            i.public_key,
-            i.agreement_key,
-            i.agreement_signature,
-            target.agreement_key,
-            timestamp,
-            os.urandom(16),
-            body,
-        ],
-        use_bin_type=True,
-    )
-    tag = hmac.new(auth._pair_key(target), signed, hashlib.sha256).digest()
-    return msgpack.packb([signed, tag], use_bin_type=True)
+    return auth.seal(REQUEST, os.urandom(16), body, target, timestamp=timestamp)
 
 
 async def test_future_stamped_nonce_flood_does_not_lock_out_other_senders():

@@ -123,8 +123,19 @@ class DatagramAuth:
         i = self.identity
         return SenderKeys(i.public_key, i.agreement_key, i.agreement_signature)
 
-    def seal(self, kind: int, msg_id: bytes, body: Any, target: SenderKeys | None) -> bytes:
-        """Pack, authenticate and frame one datagram to ``target`` (None: unknown receiver)."""
+    def seal(
+        self,
+        kind: int,
+        msg_id: bytes,
+        body: Any,
+        target: SenderKeys | None,
+        *,
+        timestamp: float | None = None,
+    ) -> bytes:
+        """Pack, authenticate and frame one datagram to ``target`` (None: unknown receiver).
+
+        ``timestamp`` is the send time (default: now); tests stamp stale or future times, as a
+        hostile sender can."""
         i = self.identity
         signed = msgpack.packb(
             [
@@ -135,7 +146,7 @@ class DatagramAuth:
                 i.agreement_key,
                 i.agreement_signature,
                 target.agreement_key if target is not None else b"",
-                time.time(),
+                time.time() if timestamp is None else timestamp,
                 os.urandom(NONCE_BYTES),
                 body,
             ],
