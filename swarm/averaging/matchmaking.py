@@ -40,6 +40,15 @@ _CLOSE_MARGIN_S = 0.3  # a leader closes this long before the earliest member de
 _GATHER_POLL_S = 0.02  # between DHT reads while gathering the planned members
 
 
+@dataclass(frozen=True)
+class _Follower:
+    """What a follower told the leader when it joined."""
+
+    record: PeerRecord
+    deadline: float  # wall clock
+    order: int  # its round order
+
+
 @dataclass
 class _Round:
     key: str
@@ -48,17 +57,18 @@ class _Round:
     patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
     planned_leader: PeerRecord | None = None
     order: int = 0  # this peer's round order; the group closes with the largest of its members'
-    orders: dict[PeerID, int] = field(default_factory=dict)  # followers' round orders
     role: str = "candidate"  # candidate | leader | joining | closed
     declared: int = 0  # declarations stored this round (each one expires a little later)
-    followers: dict[PeerID, tuple[PeerRecord, float]] = field(default_factory=dict)
+    followers: dict[PeerID, _Follower] = field(default_factory=dict)
     closed: asyncio.Future[GroupInfo | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def close_by(self) -> float:
-        return min([self.deadline] + [d for _, d in self.followers.values()]) - _CLOSE_MARGIN_S
+        return (
+            min([self.deadline] + [f.deadline for f in self.followers.values()]) - _CLOSE_MARGIN_S
+        )
 
 
 class Matchmaker:
@@ -238,7 +248,6 @@ class Matchmaker:
         rnd.closed.set_result(None)
         rnd.closed = asyncio.get_running_loop().create_future()
         rnd.followers.clear()
-        rnd.orders.clear()
         rnd.role = "joining"
         self._declare(rnd)
 
@@ -276,9 +285,9 @@ class Matchmaker:
 
     def _close(self, rnd: _Round) -> GroupInfo:
         rnd.role = "closed"
-        members = [self.peer.transport.record()] + [r for r, _ in rnd.followers.values()]
-        orders = [rnd.orders.get(pid, 0) for pid in rnd.followers]
-        group = GroupInfo.create(members, next_order(rnd.order, orders))
+        followers = rnd.followers.values()
+        members = [self.peer.transport.record()] + [f.record for f in followers]
+        group = GroupInfo.create(members, next_order(rnd.order, [f.order for f in followers]))
         rnd.closed.set_result(group)
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group
@@ -369,8 +378,7 @@ class Matchmaker:
         order = payload.get("o", 0)
         if not is_order(order):
             return {"ok": False, "why": "bad order"}
-        rnd.followers[sender.peer_id] = (record, deadline)
-        rnd.orders[sender.peer_id] = order
+        rnd.followers[sender.peer_id] = _Follower(record, deadline, order)
         rnd.role = "leader"
         rnd.changed.set()
         self._declare(rnd, leading=True)  # with the new size, for leaders that may merge
@@ -379,7 +387,6 @@ class Matchmaker:
         except asyncio.CancelledError:
             if not rnd.closed.done():  # the follower hung up before we closed: forget it
                 rnd.followers.pop(sender.peer_id, None)
-                rnd.orders.pop(sender.peer_id, None)
                 rnd.changed.set()
             raise
         if group is None or sender.peer_id not in group.peer_ids:
