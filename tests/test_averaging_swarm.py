@@ -23,13 +23,13 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from loopback_peers import start_peers
 from processes import OutputProcess
 
 from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
 from swarm.averaging import Averager, AveragingConfig, PartPlan, RoundResult
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.matchmaking import Matchmaker
-from swarm.config import PeerConfig
 from swarm.errors import TransportError
 from swarm.net import wire
 from swarm.net.frames import DATA, END, ERROR, HEADER, PREFIX_BYTES, TO_SERVER, Sealer, make_aead
@@ -215,27 +215,6 @@ def test_sigkill_mid_stream_the_others_finish(swarm_of, tmp_path) -> None:
 
 
 # ---- in-process peers: hostile streams, concurrent groups, a bandwidth-0 member
-
-
-async def start_peers(
-    hosts: Sequence[int], bandwidths: Sequence[float] | None = None
-) -> list[Peer]:
-    """One peer per ``127.0.0.{host}``, all bootstrapping from the first."""
-    peers: list[Peer] = []
-    try:
-        for i, host in enumerate(hosts):
-            config = PeerConfig(
-                run_id="avg-inproc",
-                listen=f"127.0.0.{host}:0",
-                initial_peers=(str(peers[0].address),) if peers else (),
-                bandwidth=bandwidths[i] if bandwidths else 1e6,
-                heartbeat_s=2.0,
-            )
-            peers.append(await Peer.start(config))
-    except BaseException:
-        await asyncio.gather(*(p.close() for p in peers))
-        raise
-    return peers
 
 
 def averager(peer: Peer, n: int, key: str = "test", target: int | None = None) -> Averager:

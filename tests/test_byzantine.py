@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import loopback_peers
 import pytest
 import torch
 
 from swarm.averaging import Averager, AveragingConfig, Fault, RoundResult
 from swarm.averaging.faults import LIARS
-from swarm.config import PeerConfig
 from swarm.peer import Peer
 
 NUMEL = 40_000
@@ -51,21 +51,7 @@ def honest_dev(got: torch.Tensor, honest: Sequence[torch.Tensor]) -> float:
 
 
 async def start_peers(n: int, base: int) -> list[Peer]:
-    peers: list[Peer] = []
-    try:
-        for i in range(n):
-            config = PeerConfig(
-                run_id="byzantine",
-                listen=f"127.0.0.{base + i}:0",
-                initial_peers=(str(peers[0].address),) if peers else (),
-                bandwidth=1e6,
-                heartbeat_s=2.0,
-            )
-            peers.append(await Peer.start(config))
-    except BaseException:
-        await asyncio.gather(*(p.close() for p in peers))
-        raise
-    return peers
+    return await loopback_peers.start_peers(range(base, base + n), run_id="byzantine")
 
 
 async def run_rounds(

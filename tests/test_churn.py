@@ -49,9 +49,9 @@ def test_churn_keeps_every_peer_training_and_averaging(runs: dict[str, dict]) ->
 
 @pytest.mark.xfail(
     strict=False,
-    reason="open: each kill slows every round for about 8 s (the dead peer stays in the group "
-    "plans until its record expires, then the restarted one joins them peer by peer), so with "
-    "a kill every 10 s the churn run ends at about 1.09x the calm run's loss (0.49 against 0.45)",
+    reason="open: the stalls after a kill are gone (a dead peer leaves every plan within about a "
+    "round), but a restarted process takes 5-10 s to start on these 2 loaded cores, so one of six "
+    "peers' compute is missing for much of the run; measured 0.96-1.08x the calm run's loss",
 )
 def test_churn_costs_at_most_5_percent_of_the_loss(runs: dict[str, dict]) -> None:
     calm, churn = runs["calm"], runs["churn"]

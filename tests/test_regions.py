@@ -215,3 +215,36 @@ def test_errors() -> None:
     ):
         with pytest.raises(ConfigError):
             GroupingConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_views_one_peer_apart_keep_most_groups_and_their_keys() -> None:
+    """A peer that just died or joined is in some views and not others: groups cut as runs of
+    the hashed order, keyed by their first member, keep most peers' groups and keys alike in
+    both views (dealing round-robin kept about a quarter; runs keep over 40%)."""
+    peers = [_peer(i) for i in range(12)]
+    view = {p: Coordinate.origin(2) for p in peers}
+    rng = random.Random(5)
+    kept = total = 0
+    for round_ in range(300):
+        gone = rng.choice(peers)
+        full = plan_groups(view, round_, CONFIG)
+        less = plan_groups({p: c for p, c in view.items() if p != gone}, round_, CONFIG)
+        for p in peers:
+            if p == gone:
+                continue
+            a, b = full.key_of(p), less.key_of(p)
+            total += 1
+            kept += a == b and set(full.groups[a]) - {gone} == set(less.groups[b])
+    assert kept / total > 0.38
+
+
+def test_group_keys_are_unique_and_name_the_first_member() -> None:
+    view, _ = _view({"eu": 7, "us": 6})
+    for round_ in range(6):
+        plan = plan_groups(view, round_, CONFIG)
+        for key, members in plan.groups.items():
+            first = min(members, key=lambda p: p.digest)
+            assert key.endswith(first.digest.hex()[:16])
+        assert len(plan.groups) == len(
+            {min(m, key=lambda p: p.digest) for m in plan.groups.values()}
+        )

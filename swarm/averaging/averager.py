@@ -33,6 +33,7 @@ from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.flat import FlatStaging, check_tensors, scatter
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
+from swarm.averaging.liveness import Liveness
 from swarm.averaging.matchmaking import Matchmaker
 from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash
 from swarm.averaging.planner import GroupPlanner, RoundKey
@@ -87,12 +88,14 @@ class Averager:
         self.fault_triggered = self.faults.triggered  # set when ``fault`` fires (tests wait on it)
         self.stream_name = f"{config.name}.part"
         self.stall = StallPolicy(config.stall_timeout_min_s, config.stall_factor)
+        self.liveness = Liveness(peer)  # checks members that keep a round waiting
         self.matchmaker = Matchmaker(
             peer,
             rpc_name=f"{config.name}.join",
             min_group_size=config.min_group_size,
             target_group_size=config.target_group_size,
             gather_window=config.gather_window_s or 0.0,
+            liveness=self.liveness,
         )
         peer.transport.add_stream(self.stream_name, self._handle_part)
         if self.faults.active:
@@ -119,7 +122,7 @@ class Averager:
                 peer, period=config.probe_period_s, probes=config.probes_per_period
             )
             self.prober.start()
-        self.planner = GroupPlanner(peer, config, self.prober)
+        self.planner = GroupPlanner(peer, config, self.prober, self.liveness)
         self._closed = False
 
     # ---- public API
@@ -134,6 +137,7 @@ class Averager:
         sync: Sequence[torch.Tensor] | None = None,
         sync_every: int = 0,
         order: int | None = None,
+        purpose: str = "",
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -152,6 +156,9 @@ class Averager:
                 larger of it and its own order: one more than the last round it planned, or
                 than the largest order of a group it was in (groups carry their members'
                 largest, so peers fall back in step after failed rounds or a restart).
+            purpose: what the tensors are, when peers average several kinds of the same shapes
+                (e.g. "values" for the parameters themselves, "" for training rounds): rounds
+                of different purposes never group.
             sync / sync_every: more tensors (e.g. DiLoCo anchors) that about one group in
                 ``sync_every`` averages as well, in a second all-reduce right after the first
                 (its own error feedback; the choice comes from the group id, so every member
@@ -178,6 +185,8 @@ class Averager:
                 return RoundResult(False, planned.idle, matchmaking_s=time.monotonic() - started)
             # peers that would cut the vector differently never group
             spec = f"{self.codec.spec}|share={self.config.max_share:g}"
+            if purpose:
+                spec += f"|for={purpose}"
             if syncing:
                 spec += f"|sync={sync_every}:{schema_hash(syncing, '')}"
             key = matchmaking_key(self.peer.run_id, planned.key, schema_hash(tensors, spec))
@@ -185,12 +194,15 @@ class Averager:
                 key,
                 self.config.matchmaking_timeout_s,
                 expected=planned.expected,
-                patience=self.patience,
+                # a one-off round (another purpose) waits the whole patience: its members arrive
+                # when their training rounds end, not as the regular rounds' arrivals suggest
+                patience=self.patience if purpose else self.matchmaker.patience(self.patience),
                 leader=planned.leader,
+                planned=planned.members,
                 order=planned.order,
             )
             matchmaking_s = time.monotonic() - started
-            self.planner.forget(self.matchmaker.gone)
+            self.planner.forget(self.liveness.gone)
             if isinstance(group, str):
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
@@ -285,6 +297,7 @@ class Averager:
             excluded=frozenset(
                 i for i, m in enumerate(group.members) if m.peer_id in self.excluded
             ),
+            liveness=self.liveness,
         )
         round_ = AllReduce(
             self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
@@ -296,7 +309,7 @@ class Averager:
         finally:
             self._rounds.end(group.group_id)
             self.current_group = None
-        self.planner.forget({group.members[i].peer_id for i in ctx.gone})
+        self.planner.forget(self.liveness.gone)
         parts_idx, notes = outcome.parts, outcome.notes
         refusals = [
             Refusal(m.peer_id, "excluded", -1, self.excluded[m.peer_id])

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 from swarm.averaging.faults import FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import GroupInfo
+from swarm.averaging.liveness import Liveness
 from swarm.averaging.stall import StallPolicy
 from swarm.averaging.workers import Workers
+
+RECHECK_S = 1.0  # a member that keeps us waiting is checked for life again this often
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,28 @@ class RoundContext:
     aggregator: str = "centered_clip"  # how an owner reduces its part: centered_clip or mean
     weight_cap: float = 2.0  # centered_clip: no weight above this times the median weight
     excluded: frozenset[int] = frozenset()  # members this peer accused: neither owner nor sender
+    liveness: Liveness | None = None  # checks members that keep us waiting (None: never)
     # members whose address refused our connection this round: gone, so the owner side stops
     # waiting for their part at once (a killed peer costs no stall limit)
     gone: set[int] = field(default_factory=set)
+    suspected: dict[int, float] = field(default_factory=dict)  # member -> when last checked
+
+    def mark_gone(self, index: int) -> None:
+        """Member ``index``'s address refused our connection."""
+        self.gone.add(index)
+        if self.liveness is not None:
+            self.liveness.refused(self.group.members[index].peer_id)
+
+    def suspect(self, index: int, *, now: bool = False) -> None:
+        """Check whether member ``index`` is still there, in the background (a refusal adds it
+        to :attr:`gone`): at most once per ``RECHECK_S``, unless ``now`` (its stream broke)."""
+        if self.liveness is None or index in self.gone:
+            return
+        clock = time.monotonic()
+        if not now and clock - self.suspected.get(index, -math.inf) < RECHECK_S:
+            return
+        self.suspected[index] = clock
+        check = self.liveness.check(self.group.members[index])
+        check.add_done_callback(
+            lambda f: self.gone.add(index) if not f.cancelled() and f.result() else None
+        )

@@ -13,7 +13,10 @@ One round (see :mod:`swarm.averaging.group` for why stale views cannot split a g
 4. members re-declare themselves busy, so late peers do not wait for them.
 
 A refused or unreachable leader is skipped; a leader that times out (it may have counted us) ends
-the round for this peer. Nobody waits past its deadline plus one RPC slack.
+the round for this peer. Nobody waits past its deadline plus one RPC slack. A planned member that
+has not joined by the end of the gather window is checked for life (:mod:`.liveness`): a killed
+peer's record outlives it, and a leader does not wait for a member whose address refuses
+connections.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, is_order, next_order
+from swarm.averaging.liveness import Liveness
 from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
@@ -38,6 +43,11 @@ logger = logging.getLogger(__name__)
 _JOIN_SLACK_S = 3.0  # a follower waits this much past the leader's deadline for its answer
 _CLOSE_MARGIN_S = 0.3  # a leader closes this long before the earliest member deadline
 _GATHER_POLL_S = 0.02  # between DHT reads while gathering the planned members
+# Patience adapts to how late planned members joined in recent rounds: twice the latest of the
+# last _LAG_HISTORY arrivals plus _PATIENCE_SLACK_S, once _LAG_SAMPLES were seen.
+_LAG_HISTORY = 64
+_LAG_SAMPLES = 8
+_PATIENCE_SLACK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -53,13 +63,17 @@ class _Follower:
 class _Round:
     key: str
     deadline: float  # wall clock
+    started: float  # wall clock
     expected: int = 0  # members the caller planned for (0: unknown)
     patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
     planned_leader: PeerRecord | None = None
+    planned: tuple[PeerRecord, ...] = ()  # the other planned members (their records)
     order: int = 0  # this peer's round order; the group closes with the largest of its members'
     role: str = "candidate"  # candidate | leader | joining | closed
     declared: int = 0  # declarations stored this round (each one expires a little later)
     followers: dict[PeerID, _Follower] = field(default_factory=dict)
+    checked: set[PeerID] = field(default_factory=set)  # planned members checked for life
+    arrived: set[PeerID] = field(default_factory=set)  # planned members whose lag was noted
     closed: asyncio.Future[GroupInfo | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -80,6 +94,7 @@ class Matchmaker:
         min_group_size / target_group_size: group size bounds, this peer included.
         gather_window: seconds to wait after declaring before choosing a leader, so that peers
             that start a round at about the same time see each other.
+        liveness: checks planned members that do not join; refusals land in its ``gone``.
         poll_interval: seconds between DHT reads while waiting.
     """
 
@@ -91,6 +106,7 @@ class Matchmaker:
         min_group_size: int,
         target_group_size: int,
         gather_window: float,
+        liveness: Liveness | None = None,
         poll_interval: float = 0.25,
     ):
         self.peer = peer
@@ -101,7 +117,10 @@ class Matchmaker:
         self.poll_interval = poll_interval
         self._round: _Round | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.gone: set[PeerID] = set()  # leaders whose address refused us (the owner drains it)
+        self.liveness = liveness if liveness is not None else Liveness(peer)
+        # seconds after a round's start that planned members joined us, latest rounds
+        self.lags: deque[float] = deque(maxlen=_LAG_HISTORY)
+        self._last: _Round | None = None  # the previous round (late joiners still count)
         peer.transport.add_rpc(rpc_name, self.rpc_join)
 
     @property
@@ -116,6 +135,7 @@ class Matchmaker:
         expected: int = 0,
         patience: float = 0.0,
         leader: PeerRecord | None = None,
+        planned: tuple[PeerRecord, ...] = (),
         order: int = 0,
     ) -> GroupInfo | str:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
@@ -131,11 +151,15 @@ class Matchmaker:
         leader does not take it within the gather window (another view, not started yet), the
         round goes on through the DHT as usual.
 
+        ``planned``: the records of the other planned members; those that have not joined when
+        the gather window ends are checked for life, and the gone ones are not waited for.
+
         Returns:
             The agreed group, or a short reason why none formed (never raises for that).
         """
         now = time.time()
-        rnd = _Round(key, now + timeout, expected, now + min(patience, timeout), leader, order)
+        patience = min(patience, timeout)
+        rnd = _Round(key, now + timeout, now, expected, now + patience, leader, planned, order)
         self._round = rnd
         group: GroupInfo | str = "matchmaking did not finish"
         try:
@@ -144,12 +168,23 @@ class Matchmaker:
             return group
         finally:
             self._round = None
+            self._last = rnd
             if not rnd.closed.done():
                 rnd.closed.set_result(None)  # followers still waiting hear "no group"
             if isinstance(group, GroupInfo):
                 self._declare(rnd, busy=True)
 
+    def patience(self, most: float) -> float:
+        """How long a leader of a regular round waits for planned members: ``most`` until enough
+        arrivals were seen, then twice the latest recent arrival (plus a slack), at most
+        ``most``. A member that misses a round (it planned another group, or died) then costs
+        little."""
+        if len(self.lags) < _LAG_SAMPLES:
+            return most
+        return min(most, 2 * max(self.lags) + _PATIENCE_SLACK_S)
+
     async def close(self) -> None:
+        await self.liveness.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -168,14 +203,16 @@ class Matchmaker:
             if outcome is not None:
                 return outcome
         seen = 0
+        self._check_missing(rnd)
         while True:
             now = time.time()
             if rnd.role == "leader":
                 size = len(rnd.followers) + 1
+                expected = self._expected(rnd)
                 if size >= self.target_group_size:
                     return self._close(rnd)
-                if rnd.expected and size >= max(rnd.expected, self.min_group_size):
-                    return self._close(rnd)  # everyone planned under this key is in
+                if expected and size >= max(expected, self.min_group_size):
+                    return self._close(rnd)  # everyone planned under this key (and alive) is in
                 if now >= rnd.close_by():
                     if size >= self.min_group_size:
                         return self._close(rnd)
@@ -193,7 +230,7 @@ class Matchmaker:
                 waiting_for = [
                     p for p, d in view.items() if not d.leading and p not in rnd.followers
                 ]
-                patient = size < rnd.expected and now < rnd.patient_until
+                patient = size < expected and now < rnd.patient_until
                 ready = size >= self.min_group_size and not waiting_for and not patient
                 if ready and rnd.role == "leader":
                     return self._close(rnd)
@@ -201,10 +238,16 @@ class Matchmaker:
                 continue
             if now >= rnd.deadline:
                 return f"no group formed (saw {seen} other candidates)"
+            if rnd.planned and all(r.peer_id in self.liveness.gone for r in rnd.planned):
+                return "every other planned member is gone"
             view = await self._candidates(rnd)
             seen = max(seen, len(view))
             if rnd.role != "candidate":  # a follower joined while we read the DHT
                 continue
+            if not view and now >= rnd.patient_until and self._leads_plan(rnd):
+                # its planned members planned other groups (views differ) or are gone: do not
+                # sit through the whole timeout for them
+                return "no planned member came"
             leading = [p for p, d in view.items() if d.leading]
             leader = choose_leader([*view, self.peer_id], leading, refused)
             if leader is None or leader == self.peer_id:
@@ -256,7 +299,11 @@ class Matchmaker:
         None: it did not take us within the gather window (go on through the DHT)."""
         end = min(time.time() + self.gather_window, rnd.deadline)
         declaration = Declaration(leader, rnd.deadline)
-        while rnd.role == "candidate" and time.time() < end:
+        while (
+            rnd.role == "candidate"
+            and time.time() < end
+            and leader.peer_id not in self.liveness.gone
+        ):
             # a refusal here is not final (the leader may not have started): no refused set
             outcome = await self._follow(rnd, declaration, set())
             if outcome is not None:
@@ -268,7 +315,7 @@ class Matchmaker:
         """As the planned leader: wait (no DHT reads) for the planned members to join, at most
         the gather window."""
         end = min(time.time() + self.gather_window, rnd.deadline)
-        while time.time() < end and len(rnd.followers) + 1 < rnd.expected:
+        while time.time() < end and len(rnd.followers) + 1 < self._expected(rnd):
             await self._wait(rnd, end - time.time())
 
     async def _gather(self, rnd: _Round) -> None:
@@ -279,9 +326,33 @@ class Matchmaker:
             await self._wait(rnd, end - time.time())
             return
         while rnd.role == "candidate" and time.time() < end:
-            if len(await self._candidates(rnd)) + 1 >= rnd.expected:
+            if len(await self._candidates(rnd)) + 1 >= self._expected(rnd):
                 return
             await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
+
+    def _leads_plan(self, rnd: _Round) -> bool:
+        """This peer leads the planned group: its planned leader, or the first planned member
+        still there."""
+        if not rnd.expected or rnd.planned_leader is None:
+            return False
+        gone = self.liveness.gone
+        there = [r.peer_id for r in rnd.planned if r.peer_id not in gone] + [self.peer_id]
+        return min(there, key=lambda p: p.digest) == self.peer_id
+
+    def _expected(self, rnd: _Round) -> int:
+        """Members planned under the round's key, less those found gone (0: none planned)."""
+        if not rnd.expected:
+            return 0
+        gone = self.liveness.gone
+        return max(1, rnd.expected - sum(r.peer_id in gone for r in rnd.planned))
+
+    def _check_missing(self, rnd: _Round) -> None:
+        """Check (once a round, in the background) the planned members that have not joined."""
+        for record in rnd.planned:
+            if record.peer_id in rnd.followers or record.peer_id in rnd.checked:
+                continue
+            rnd.checked.add(record.peer_id)
+            self.liveness.check(record).add_done_callback(lambda _: rnd.changed.set())
 
     def _close(self, rnd: _Round) -> GroupInfo:
         rnd.role = "closed"
@@ -338,7 +409,7 @@ class Matchmaker:
             if time.monotonic() - started >= timeout - 0.5:
                 return f"leader {leader.record.peer_id.short} did not answer: {e}"
             if isinstance(e, TransportError) and e.refused:
-                self.gone.add(leader.record.peer_id)
+                self.liveness.refused(leader.record.peer_id)
             logger.debug("leader %s unreachable: %s", leader.record.peer_id.short, e)
             return None
         if reply.get("ok") is not True:
@@ -356,6 +427,7 @@ class Matchmaker:
     async def rpc_join(self, sender: RemotePeer, payload: dict[str, Any]) -> dict[str, Any]:
         """A follower asks to join; answered when this peer's group closes (or cannot form)."""
         rnd = self._round
+        self._arrived(sender.peer_id, payload.get("k"))
         if rnd is None or payload.get("k") != rnd.key:
             return {"ok": False, "why": "not looking for this key"}
         if rnd.role in ("joining", "closed"):
@@ -392,6 +464,17 @@ class Matchmaker:
         if group is None or sender.peer_id not in group.peer_ids:
             return {"ok": False, "why": "no group formed"}
         return {"ok": True, "group": group.to_wire()}
+
+    def _arrived(self, peer_id: PeerID, key: Any) -> None:
+        """Note how late a planned member asked to join (this round's, or the last one's once
+        it is over: a member too late for the patience must still count)."""
+        for rnd in (self._round, self._last):
+            if rnd is None or key != rnd.key:
+                continue
+            if peer_id not in rnd.arrived and any(r.peer_id == peer_id for r in rnd.planned):
+                self.lags.append(max(0.0, time.time() - rnd.started))
+                rnd.arrived.add(peer_id)
+            return
 
     def _declare(self, rnd: _Round, *, busy: bool = False, leading: bool = False) -> None:
         """Store our declaration in the background (tracked, cancelled on close)."""

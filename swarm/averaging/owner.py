@@ -38,6 +38,9 @@ from swarm.net.streams import InboundStream, ReplyStream
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.2
+# a sender that has not started this long into the attempt (or after another sender finished)
+# is checked for life: a killed peer is dropped at once instead of after the stall limit
+_SUSPECT_AFTER_S = 0.5
 
 
 class PartOwner:
@@ -223,6 +226,9 @@ class PartOwner:
             if reducer.state(s) is SenderState.STREAMING
         }
         pending = [s for s in reducer.expected if reducer.state(s) is SenderState.PENDING]
+        if pending and (self._timing.completions or now - self._timing.start > _SUSPECT_AFTER_S):
+            for s in pending:
+                self.ctx.suspect(s)
         if now >= self.deadline:
             verdicts = [(s, "all-reduce deadline") for s in (*streaming, *pending)]
         else:

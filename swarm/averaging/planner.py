@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from swarm.averaging import regions
 from swarm.averaging.group import GroupInfo, next_order
+from swarm.averaging.liveness import Liveness
 from swarm.averaging.prober import Prober
 from swarm.config import AveragingConfig
 from swarm.identity import PeerID
@@ -32,6 +33,7 @@ class RoundKey:
     key: str | None  # the group key (None: sit this round out, see ``idle``)
     expected: int = 0  # members planned under it (0: unknown)
     leader: PeerRecord | None = None  # the planned leader's record (None: unknown)
+    members: tuple[PeerRecord, ...] = ()  # records of the other planned members (known ones)
     order: int = 0  # the round order the plan was dealt with
     idle: str = ""  # why this peer has no group this round
 
@@ -43,12 +45,20 @@ class GroupPlanner:
         peer: the started peer (its identity and record).
         config: the averager's settings (grouping, sizes, timeouts).
         prober: the RTT prober whose view the plans come from (None with ``fixed`` grouping).
+        liveness: checks the peers that other records report gone, before a plan counts them.
     """
 
-    def __init__(self, peer: Peer, config: AveragingConfig, prober: Prober | None):
+    def __init__(
+        self,
+        peer: Peer,
+        config: AveragingConfig,
+        prober: Prober | None,
+        liveness: Liveness | None = None,
+    ):
         self.peer = peer
         self.config = config
         self.prober = prober
+        self.liveness = liveness
         self.grouping = config.grouping
         self.grouping_config = regions.GroupingConfig(
             config.min_group_size,
@@ -72,10 +82,12 @@ class GroupPlanner:
         base = self.config.group_key
         if self.prober is None or self.grouping == "fixed":
             return RoundKey(base, order=number)
+        budget = self.config.matchmaking_timeout_s / 4
         try:  # one fresh read per round: peers that start a round together see the same peers
-            await asyncio.wait_for(self.prober.refresh(), self.config.matchmaking_timeout_s / 4)
+            await asyncio.wait_for(self.prober.refresh(), budget)
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
+        await self._check_reports(budget)
         view, me = self.prober.view(), self.peer.peer_id
         if me not in view:  # cannot happen: the view always holds this peer
             return RoundKey(base, order=number)
@@ -90,10 +102,22 @@ class GroupPlanner:
         members = plan.groups[key]
         logger.debug("round %d: %s group %s of %d", number, plan.kind, key, len(members))
         leader = min(members, key=lambda p: p.digest)
-        record = self.peer.transport.record() if leader == me else self.prober.records.get(leader)
+        records = self.prober.records
+        record = self.peer.transport.record() if leader == me else records.get(leader)
+        others = tuple(records[p] for p in members if p != me and p in records)
         if round_ is None:
             key = regions.without_round(key)
-        return RoundKey(f"{base}.{key}", len(members), record, number)
+        return RoundKey(f"{base}.{key}", len(members), record, others, number)
+
+    async def _check_reports(self, timeout: float) -> None:
+        """Check the peers other records report gone (a refused connection is the proof), so
+        that this plan leaves out the ones that are."""
+        if self.liveness is None or self.prober is None:
+            return
+        checks = [self.liveness.check(r) for r in self.prober.reported_gone()]
+        if checks:
+            await asyncio.wait(checks, timeout=timeout)
+            self.forget(self.liveness.gone)
 
     def joined(self, group: GroupInfo) -> None:
         """Go on from the group's round order (unless it is implausibly far ahead)."""
@@ -101,7 +125,7 @@ class GroupPlanner:
 
     def forget(self, gone: set[PeerID]) -> None:
         """Plan no group with peers whose address refused us (until they sign a new record);
-        empties ``gone``."""
+        empties ``gone`` (:attr:`Liveness.gone`)."""
         if self.prober is not None:
             for peer_id in gone:
                 self.prober.mark_gone(peer_id)

@@ -11,6 +11,12 @@ it is sampled, and near peers are the ones grouping depends on), the rest to a r
 the others, so distant regions stay measured and a peer that moved is found. The cost is bounded:
 ``probes`` pings of 64 bytes and one DHT read and store per period, whatever the swarm size.
 
+Departures travel the same way: a peer that found another one gone (its address refused a
+connection, see :mod:`.liveness`) lists it under ``extra["gn"]`` and re-announces at once; the
+others read that list with the records before they plan a round and check those peers themselves
+(a report is a hint, never proof), so every view drops a killed peer within about a round instead
+of each peer finding out on its own.
+
 :meth:`Prober.view` is the input of :func:`swarm.averaging.regions.group_key`: the coordinate of
 every live peer as its own record says (this peer's local one when its record is not out yet); a
 peer that publishes none (not probing yet, or an invalid one) sits at the origin.
@@ -33,6 +39,13 @@ from swarm.protocols import Peer
 logger = logging.getLogger(__name__)
 
 COORDINATE_FIELD = "vc"  # key of the coordinate in PeerRecord.extra
+GONE_FIELD = "gn"  # key of the peers this peer found gone, in PeerRecord.extra
+# peers a record lists as gone (the latest ones; longer lists are ignored): 8 tags take about
+# 110 of the 768 bytes a record's extra may hold
+MAX_GONE_LISTED = 8
+GONE_TAG_CHARS = 12  # a listed peer: the first hex characters of its PeerID digest
+MAX_REPORT_CHECKS = 8  # reported peers checked per plan (a lying list costs a few pings)
+REPORT_RECHECK_S = 5.0  # a reported peer that answered is not checked again for this long
 
 
 def coordinate_of(record: PeerRecord, dims: int) -> Coordinate | None:
@@ -87,6 +100,8 @@ class Prober:
         self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
         self.records: dict[PeerID, PeerRecord] = {}
         self.gone: dict[PeerID, float] = {}  # peer -> time.time() its address refused us
+        self._reports_checked: dict[PeerID, float] = {}  # reported peer -> when we checked it
+        self._publishing: asyncio.Task[None] | None = None
         self.samples = 0
         self.refreshed_at = -math.inf  # time.monotonic() of the last refresh
         self._task: asyncio.Task[None] | None = None
@@ -101,6 +116,9 @@ class Prober:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="swarm-probe")
 
     async def close(self) -> None:
+        if self._publishing is not None:
+            self._publishing.cancel()
+            await asyncio.gather(self._publishing, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -139,8 +157,40 @@ class Prober:
     def mark_gone(self, peer_id: PeerID) -> None:
         """``peer_id``'s address refused a connection: plan no group with it until it signs a
         newer record (a killed peer's record lives on in the DHT until its TTL runs out)."""
+        known = peer_id in self.gone
         self.gone[peer_id] = time.time()
         self.records.pop(peer_id, None)
+        if not known and peer_id != self.peer.peer_id:
+            self._tell_gone()
+
+    def reported_gone(self) -> list[PeerRecord]:
+        """Peers that other records list as gone and that this view still holds: to check
+        (each at most once per ``REPORT_RECHECK_S``, at most ``MAX_REPORT_CHECKS`` at once)."""
+        by_tag = {pid.digest.hex()[:GONE_TAG_CHARS]: pid for pid in self.records}
+        now = time.monotonic()
+        self._reports_checked = {
+            p: t for p, t in self._reports_checked.items() if now - t < REPORT_RECHECK_S
+        }
+        suspects: list[PeerRecord] = []
+        for record in list(self.records.values()):
+            for tag in _gone_list(record):
+                pid = by_tag.get(tag)
+                if pid is None or pid == self.peer.peer_id or pid in self._reports_checked:
+                    continue
+                self._reports_checked[pid] = now
+                suspects.append(self.records[pid])
+                if len(suspects) >= MAX_REPORT_CHECKS:
+                    return suspects
+        return suspects
+
+    def _tell_gone(self) -> None:
+        """List the latest gone peers in this peer's record and re-announce (in the background;
+        one announcement at a time, later departures join the next)."""
+        if self._publishing is not None and not self._publishing.done():
+            return
+        self._publishing = asyncio.get_running_loop().create_task(
+            self._publish(), name="swarm-probe-gone"
+        )
 
     def _gone(self, record: PeerRecord) -> bool:
         return record.timestamp <= self.gone.get(record.peer_id, -math.inf)
@@ -203,7 +253,13 @@ class Prober:
 
     async def _publish(self) -> None:
         transport = self.peer.transport
-        extra = {**transport.record().extra, COORDINATE_FIELD: self.coordinate.to_wire()}
+        latest = sorted(self.gone, key=self.gone.__getitem__)[-MAX_GONE_LISTED:]
+        extra = {
+            **transport.record().extra,
+            GONE_FIELD: [pid.digest.hex()[:GONE_TAG_CHARS] for pid in latest],
+        }
+        if self.samples:  # no coordinate before the first RTT sample
+            extra[COORDINATE_FIELD] = self.coordinate.to_wire()
         transport.update_record(extra=extra)
         try:
             await self.peer.announce()
@@ -222,3 +278,11 @@ class Prober:
                 logger.exception("probe round failed")
             due = max(due + self.period, loop.time())
             await asyncio.sleep(due - loop.time())
+
+
+def _gone_list(record: PeerRecord) -> list[str]:
+    """The peers ``record`` lists as gone (hex tags); [] when the entry is missing or malformed."""
+    raw = record.extra.get(GONE_FIELD)
+    if not isinstance(raw, list) or len(raw) > MAX_GONE_LISTED:
+        return []
+    return [t for t in raw if isinstance(t, str) and len(t) == GONE_TAG_CHARS]

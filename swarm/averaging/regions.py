@@ -13,11 +13,16 @@ decided:
    order, so peers with the same view get the same regions bit for bit.
 2. **Near rounds.** A region smaller than ``min_group_size`` is merged into the nearest other
    region (it could never average alone). Each region is ordered by a hash of (round, PeerID),
-   which changes every round so that different peers of a region meet, and dealt round-robin
-   into ``ceil(size / target_group_size)`` groups: sizes differ by at most one, never exceed
+   which changes every round so that different peers of a region meet, and cut into
+   ``ceil(size / target_group_size)`` consecutive runs: sizes differ by at most one, never exceed
    the target and are at least ``target_group_size // 2`` (so keep ``min_group_size`` at or
-   below that, or some rounds plan groups too small to average).
-   Key: ``r{round}.n.{anchor}.{i}``, ``anchor`` being the region's smallest PeerID.
+   below that, or some rounds plan groups too small to average). Consecutive runs keep plans
+   close when views differ by one peer (one that just joined or died): the peers before it in
+   the order keep their groups and those after it shift by one place, so one peer per later
+   group boundary changes group (dealing round-robin would move every peer after it).
+   Key: ``r{round}.n.{first}``, ``first`` being the group's smallest PeerID (its leader), so a
+   group keeps its key in views that differ elsewhere (a key named after the region or a group
+   index would change for every group of the region when its first peer joins or dies).
 3. **Cross rounds** (every ``cross_every``-th round, when there are several regions; with one
    region the round is a near round, so peers that disagree on the round number still meet):
    Moshpit-style mixing. The regions (before
@@ -25,7 +30,7 @@ decided:
    order, and dealt round-robin into ``ceil(n / target_group_size)`` groups: consecutive members
    of a region go to different groups, so every group holds a peer of each region that has at
    least as many peers as there are groups, and at most one per region smaller than that.
-   Key: ``r{round}.x.{i}``.
+   Key: ``r{round}.x.{first}``.
 4. :func:`random_plan` keeps the group sizes of the latency-aware plan but fills them from a
    hashed permutation of all peers: the baseline for benchmarks.
 
@@ -56,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 NEAR, CROSS, RANDOM = "near", "cross", "random"
 _KIND_TAG = {NEAR: "n", CROSS: "x", RANDOM: "z"}
-_ANCHOR_CHARS = 8
+_KEY_CHARS = 16  # of the first member's digest, in hex: unique among a round's groups
 
 
 @dataclass(frozen=True)
@@ -163,18 +168,18 @@ def plan_groups(
     regions = find_regions(view, config.region_rtt)
     if config.is_cross_round(round_) and len(regions) > 1:  # one region: nothing to mix
         order = [p for region in regions for p in _hashed(region, round_, CROSS)]
-        groups = {_key(round_, CROSS, None, i): g for i, g in enumerate(_deal(order, config))}
+        groups = {_key(round_, CROSS, g): g for g in _deal(order, config)}
         return GroupPlan(round_, CROSS, regions, groups)
     able = [r for r in regions if len(r) >= config.min_group_size]
     if not able:  # no region can average alone (a scattered swarm): mix everyone
         order = [p for region in regions for p in _hashed(region, round_, CROSS)]
-        groups = {_key(round_, CROSS, None, i): g for i, g in enumerate(_deal(order, config))}
+        groups = {_key(round_, CROSS, g): g for g in _deal(order, config)}
         return GroupPlan(round_, CROSS, regions, groups)
     groups = {}
     for region in able:
-        anchor = region[0]  # regions are sorted by PeerID
-        dealt = _deal(_hashed(region, round_, NEAR), config)
-        groups.update({_key(round_, NEAR, anchor, i): g for i, g in enumerate(dealt)})
+        groups.update(
+            {_key(round_, NEAR, g): g for g in _cut(_hashed(region, round_, NEAR), config)}
+        )
     # a region too small to average sits regular rounds out rather than slow a near group down
     # with its long links; it takes part in every cross-region round
     idle = tuple(p for r in regions if len(r) < config.min_group_size for p in r)
@@ -189,8 +194,9 @@ def random_plan(
     sizes = [len(g) for g in plan.groups.values()]
     order = _hashed(sorted(view, key=lambda p: p.digest), round_, RANDOM)
     groups, start = {}, 0
-    for i, size in enumerate(sorted(sizes, reverse=True)):
-        groups[_key(round_, RANDOM, None, i)] = tuple(order[start : start + size])
+    for size in sorted(sizes, reverse=True):
+        group = tuple(order[start : start + size])
+        groups[_key(round_, RANDOM, group)] = group
         start += size
     return GroupPlan(round_, RANDOM, plan.regions, groups, tuple(order[start:]))
 
@@ -236,7 +242,21 @@ def _deal(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID,
     return [tuple(order[i::count]) for i in range(count) if order[i::count]]
 
 
-def _key(round_: int, kind: str, anchor: PeerID | None, index: int) -> str:
+def _cut(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID, ...]]:
+    """Consecutive runs of ``order`` as ``ceil(n / target)`` groups of balanced sizes (the
+    first ``n % count`` one larger), none above the target."""
+    count = max(1, math.ceil(len(order) / config.target_group_size))
+    size, extra = divmod(len(order), count)
+    groups, start = [], 0
+    for i in range(count):
+        end = start + size + (i < extra)
+        if end > start:
+            groups.append(tuple(order[start:end]))
+        start = end
+    return groups
+
+
+def _key(round_: int, kind: str, group: Sequence[PeerID]) -> str:
     """A matchmaking group key: short, no '/' (see :func:`~.group.matchmaking_key`)."""
-    middle = f".{anchor.digest.hex()[:_ANCHOR_CHARS]}" if anchor is not None else ""
-    return f"r{round_}.{_KIND_TAG[kind]}{middle}.{index}"
+    first = min(group, key=lambda p: p.digest)
+    return f"r{round_}.{_KIND_TAG[kind]}.{first.digest.hex()[:_KEY_CHARS]}"

@@ -98,7 +98,9 @@ class PartSender:
             return SentPart(self.part, None, f"part {self.part}: owner accused", (refusal,))
         except (*FAILURES, asyncio.TimeoutError) as e:
             if isinstance(e, TransportError) and e.refused:
-                self.ctx.gone.add(self.part)
+                self.ctx.mark_gone(self.part)
+            elif not isinstance(e, asyncio.TimeoutError):
+                self.ctx.suspect(self.part, now=True)  # the owner may have died mid-round
             reason = str(e) or type(e).__name__
             logger.info(
                 "part %d (owner %s) not averaged: %s", self.part, owner.peer_id.short, reason

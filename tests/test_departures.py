@@ -1,0 +1,246 @@
+"""Peers that die mid-run: nobody waits for a dead peer, and views agree again quickly.
+
+Real peers on loopback, one event loop. A "dead" peer is a started peer that was closed: its
+record is still in hand (as it stays in the DHT until its TTL) but its port refuses connections,
+which is what a SIGKILLed process leaves behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from loopback_peers import start_peers
+
+from swarm.averaging import Averager, AveragingConfig
+from swarm.averaging.context import RoundContext
+from swarm.averaging.group import GroupInfo
+from swarm.averaging.liveness import Liveness
+from swarm.averaging.matchmaking import Matchmaker
+from swarm.averaging.prober import (
+    GONE_FIELD,
+    GONE_TAG_CHARS,
+    MAX_GONE_LISTED,
+    MAX_REPORT_CHECKS,
+    Prober,
+)
+from swarm.identity import Identity
+from swarm.net.record import PeerRecord
+
+
+async def test_liveness_tells_a_closed_port_from_a_live_peer() -> None:
+    me, live, dead = await start_peers([81, 82, 83])
+    dead_record = dead.transport.record()
+    await dead.close()
+    liveness = Liveness(me)
+    try:
+        assert await liveness.check(dead_record) is True
+        assert await liveness.check(live.transport.record()) is False
+        assert liveness.gone == {dead_record.peer_id}
+        assert await liveness.check(dead_record) is True  # answered from what it knows
+    finally:
+        await liveness.close()
+        await asyncio.gather(me.close(), live.close())
+
+
+async def test_a_leader_does_not_wait_for_a_planned_member_that_died() -> None:
+    """Two live members planned with a dead one: they close a pair as soon as the check says it
+    is gone, not after the patience (20 s here, which the test's bound would not allow)."""
+    a, b, dead = await start_peers([84, 85, 86])
+    records = {p.peer_id: p.transport.record() for p in (a, b, dead)}
+    await dead.close()
+    leader = records[min(records, key=lambda pid: pid.digest)]
+    makers = [
+        Matchmaker(p, rpc_name="mm.join", min_group_size=2, target_group_size=3, gather_window=0.2)
+        for p in (a, b)
+    ]
+    try:
+
+        async def form(m: Matchmaker):
+            planned = tuple(r for pid, r in records.items() if pid != m.peer_id)
+            return await m.form_group(
+                "planned-dead", 30.0, expected=3, patience=20.0, leader=leader, planned=planned
+            )
+
+        groups = await asyncio.wait_for(asyncio.gather(*(form(m) for m in makers)), 10.0)
+        assert all(isinstance(g, GroupInfo) for g in groups), groups
+        assert set(groups[0].peer_ids) == {a.peer_id, b.peer_id}
+        assert any(dead.peer_id in m.liveness.gone for m in makers)  # the leader checked it
+    finally:
+        for m in makers:
+            await m.close()
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_planned_leader_left_alone_gives_up_after_the_patience() -> None:
+    """Its planned members are alive but look elsewhere (their views differ): it does not sit
+    through the whole matchmaking timeout."""
+    me, elsewhere = await start_peers([87, 88])
+    ids = sorted([me, elsewhere], key=lambda p: p.peer_id.digest)
+    first = ids[0]  # plans itself as the leader
+    other = ids[1].transport.record()
+    maker = Matchmaker(
+        first, rpc_name="mm.join", min_group_size=2, target_group_size=2, gather_window=0.1
+    )
+    try:
+        outcome = await asyncio.wait_for(
+            maker.form_group(
+                "alone",
+                30.0,
+                expected=2,
+                patience=0.5,
+                leader=first.transport.record(),
+                planned=(other,),
+            ),
+            10.0,
+        )
+        assert outcome == "no planned member came"
+        assert other.peer_id not in maker.liveness.gone  # alive: not reported gone
+    finally:
+        await maker.close()
+        await asyncio.gather(me.close(), elsewhere.close())
+
+
+async def test_patience_follows_how_late_planned_members_joined() -> None:
+    (peer,) = await start_peers([89])
+    maker = Matchmaker(
+        peer, rpc_name="mm.join", min_group_size=2, target_group_size=4, gather_window=0.1
+    )
+    try:
+        assert maker.patience(7.5) == 7.5  # nothing seen yet: the configured most
+        maker.lags.extend([0.01, 0.05, 0.2] * 4)
+        assert maker.patience(7.5) == pytest.approx(2 * 0.2 + 0.2)
+        maker.lags.append(30.0)  # a member that came very late: never above the most
+        assert maker.patience(7.5) == 7.5
+    finally:
+        await maker.close()
+        await peer.close()
+
+
+async def test_a_member_that_died_mid_round_is_found_gone() -> None:
+    me, live, dead = await start_peers([90, 91, 92])
+    group = GroupInfo.create([p.transport.record() for p in (me, live, dead)])
+    dead_index = group.index_of(dead.peer_id)
+    live_index = group.index_of(live.peer_id)
+    await dead.close()
+    liveness = Liveness(me)
+    ctx = RoundContext(
+        group=group,
+        me=group.index_of(me.peer_id),
+        weight=1.0,
+        feedback=None,
+        workers=None,
+        stall=None,
+        deadline=0.0,
+        faults=None,
+        liveness=liveness,
+    )
+    try:
+        ctx.suspect(dead_index)
+        ctx.suspect(live_index)
+        for _ in range(200):
+            if dead_index in ctx.gone:
+                break
+            await asyncio.sleep(0.01)
+        assert ctx.gone == {dead_index}
+        assert dead.peer_id in liveness.gone
+        ctx.mark_gone(live_index)  # a refusal seen by a stream counts the same way
+        assert live.peer_id in liveness.gone
+    finally:
+        await liveness.close()
+        await asyncio.gather(me.close(), live.close())
+
+
+def _record(extra: dict | None = None) -> PeerRecord:
+    from swarm.address import PeerAddress
+
+    return PeerRecord.create(
+        Identity.generate(),
+        address=PeerAddress("127.0.0.1", 9),
+        run_id="departures",
+        extra=extra or {},
+    )
+
+
+async def test_gone_reports_are_hints_checked_and_bounded() -> None:
+    (peer,) = await start_peers([93])
+    prober = Prober(peer)
+    try:
+        listed = [_record() for _ in range(MAX_REPORT_CHECKS + 4)]
+        tags = [r.peer_id.digest.hex()[:GONE_TAG_CHARS] for r in listed]
+        reporters = [_record({GONE_FIELD: tags[:6]}), _record({GONE_FIELD: tags[6:]})]
+        hostile = [
+            _record({GONE_FIELD: "not a list"}),
+            _record({GONE_FIELD: [7, b"bytes", None, "short"]}),
+            _record({GONE_FIELD: tags[: MAX_GONE_LISTED + 1]}),  # too long: ignored whole
+        ]
+        for r in [*listed, *reporters, *hostile]:
+            prober.records[r.peer_id] = r
+        suspects = prober.reported_gone()
+        assert len(suspects) == MAX_REPORT_CHECKS  # a long list costs a bounded number of pings
+        assert {s.peer_id for s in suspects} <= {r.peer_id for r in listed}
+        rest = prober.reported_gone()  # the others next time, never the same twice in a row
+        assert {s.peer_id for s in rest}.isdisjoint({s.peer_id for s in suspects})
+        assert prober.reported_gone() == []
+        unknown = _record({GONE_FIELD: [Identity.generate().peer_id.digest.hex()[:GONE_TAG_CHARS]]})
+        prober.records[unknown.peer_id] = unknown
+        assert prober.reported_gone() == []  # a peer this view does not hold is nothing to check
+    finally:
+        await prober.close()
+        await peer.close()
+
+
+async def test_a_peer_found_gone_is_reported_in_its_finders_record() -> None:
+    finder, other = await start_peers([94, 95])
+    prober = Prober(finder)
+    try:
+        gone = Identity.generate().peer_id
+        prober.mark_gone(gone)
+        for _ in range(200):
+            if GONE_FIELD in finder.transport.record().extra:
+                break
+            await asyncio.sleep(0.01)
+        assert finder.transport.record().extra[GONE_FIELD] == [gone.digest.hex()[:GONE_TAG_CHARS]]
+        seen = {}
+        for _ in range(100):  # announced at once, not at the next heartbeat
+            seen = await other.known_peers()
+            if GONE_FIELD in seen.get(finder.peer_id, _record()).extra:
+                break
+            await asyncio.sleep(0.05)
+        assert seen[finder.peer_id].extra[GONE_FIELD] == [gone.digest.hex()[:GONE_TAG_CHARS]]
+    finally:
+        await prober.close()
+        await asyncio.gather(finder.close(), other.close())
+
+
+async def test_rounds_of_different_purposes_never_group() -> None:
+    a, b = await start_peers([98, 99])
+    config = AveragingConfig(
+        min_group_size=2,
+        target_group_size=2,
+        matchmaking_timeout_s=1.5,
+        round_timeout_s=10.0,
+        gather_window_s=0.1,
+        group_key="purpose",
+        grouping="fixed",
+        threads=1,
+    )
+    averagers = [Averager(p, config) for p in (a, b)]
+    rng = random.Random(0)
+    tensors = [torch.tensor([rng.random() for _ in range(64)]) for _ in averagers]
+    try:
+        mixed = await asyncio.gather(
+            averagers[0].average([tensors[0]], purpose="values"),
+            averagers[1].average([tensors[1]]),
+        )
+        assert not any(r.averaged for r in mixed), mixed
+        same = await asyncio.gather(
+            *(avg.average([t], purpose="values") for avg, t in zip(averagers, tensors, strict=True))
+        )
+        assert all(r.averaged for r in same), same
+    finally:
+        for avg in averagers:
+            await avg.close()
+        await asyncio.gather(a.close(), b.close())
