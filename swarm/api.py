@@ -188,6 +188,7 @@ class AsyncSwarm:
                     sync=plan.sync,
                     sync_every=plan.sync_every,
                     order=plan.order,
+                    purpose=plan.purpose,
                 ),
                 self.config.round_timeout_s,
             )
@@ -251,7 +252,8 @@ class AsyncSwarm:
         await self.wait_round()  # the slots are the round in flight's until it lands
         with e.lock:
             e.outer.load_values()
-        plan = RoundPlan(e.outer.slots, max(e.samples_in_round, 1.0), 0.0)
+        # a peer still in a training round averages other values: the two never group
+        plan = RoundPlan(e.outer.slots, max(e.samples_in_round, 1.0), 0.0, purpose="values")
         outcome = await self.average_round(plan)
         if outcome.averaged:
             with e.lock:

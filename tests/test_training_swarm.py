@@ -150,15 +150,25 @@ def test_killed_peer_is_survived_and_late_joiner_catches_up(workers, tmp_path) -
         "--matchmaking-timeout",
         "3",
         "--step-delay",
-        "0.01",
+        "0.05",
     ]
-    first = workers("--rank", "0", "--rounds", "16", "--wait-peers", "3", *common)
+    # the survivors train until the test has seen enough (the late joiner's start takes
+    # seconds on a loaded machine), then are killed
+    first = workers("--rank", "0", "--rounds", "100000", "--wait-peers", "3", *common)
     address = first.wait_for(r"ADDRESS (\S+)", 60)[1]
-    second = workers(
-        "--rank", "1", "--rounds", "16", "--wait-peers", "3", "--initial-peers", address, *common
-    )
-    doomed = workers(
-        "--rank", "2", "--rounds", "16", "--wait-peers", "3", "--initial-peers", address, *common
+    second, doomed = (
+        workers(
+            "--rank",
+            rank,
+            "--rounds",
+            "100000",
+            "--wait-peers",
+            "3",
+            "--initial-peers",
+            address,
+            *common,
+        )
+        for rank in ("1", "2")
     )
     doomed.wait_for(r'ROUND \{"round": 3,', 120)
     doomed.kill()
@@ -167,18 +177,23 @@ def test_killed_peer_is_survived_and_late_joiner_catches_up(workers, tmp_path) -
     joined_round = int(late.wait_for(r"^START (\d+)", 120)[1])
     assert joined_round >= killed_at  # downloaded the live state, not round 0
     late.wait_for("^DONE", 120)
+    last = max(r["round"] for r in late.rounds())
     for w in (first, second):
-        w.wait_for("^DONE", 120)
+        w.wait_for(rf'ROUND \{{"round": {last + 1},', 60)
+        w.kill()
     # The survivors went on averaging with each other after losing a member.
     after = [r for r in first.rounds() if r["round"] > killed_at + 1]
-    assert after and sum(r["averaged"] for r in after) >= len(after) - 1, first.rounds()
+    assert after and sum(r["averaged"] for r in after) >= len(after) - 1, [
+        (r["round"], r["averaged"], r["group"], r["reason"], r["wait_s"]) for r in first.rounds()
+    ]
     late_first = late.rounds()[0]
     assert late_first["averaged"], late.rounds()
-    # the late joiner averaged with at least one survivor, so after that round it holds the same
-    # model as its group: compare with the closest of the two survivors (a racy matchmaking may
-    # have grouped it with only one of them)
+    # the late joiner averaged with at least one survivor, so after that round it holds about
+    # the model of its group: compare with the closest survivor round near the same number (a
+    # racy matchmaking may have grouped it with one survivor only, and with rounds of half a
+    # second the survivors may be a round or two on by the time its download lands)
     same_round = [
-        next(r for r in w.rounds() if r["round"] == late_first["round"]) for w in (first, second)
+        r for w in (first, second) for r in w.rounds() if abs(r["round"] - late_first["round"]) <= 2
     ]
     gap = min(abs(late_first["loss"] - r["loss"]) / r["loss"] for r in same_round)
     assert gap <= 0.05, (late_first, same_round)

@@ -69,6 +69,7 @@ class RoundPlan:
     sync: list[torch.Tensor] | None = None  # anchors the group may also average (diloco)
     sync_every: int = 0  # about one group in this many averages ``sync`` too
     order: int | None = None  # this peer's round: orders the planned groups (see Averager)
+    purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
 
 
 StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
