@@ -146,8 +146,6 @@ def main() -> None:
                     loss=test_loss if math.isfinite(test_loss) else None,
                     nan=not math.isfinite(test_loss),
                     diverging=report.diverging,
-                    wait=round(report.wait_s, 3),
-                    why=report.reason,
                 )
         print("END", flush=True)
     finally:

@@ -25,6 +25,12 @@ from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
 
+# A plan waits this long at most for the checks of peers others report gone: a refused
+# connection answers within one RTT, while a peer that does not answer pings (behind a NAT,
+# or named by a lying report) must not hold up every plan; a check still running lands in
+# the next plan.
+REPORT_WAIT_S = 0.5
+
 
 @dataclass(frozen=True)
 class RoundKey:
@@ -87,7 +93,7 @@ class GroupPlanner:
             await asyncio.wait_for(self.prober.refresh(), budget)
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
-        await self._check_reports(budget)
+        await self._check_reports(min(budget, REPORT_WAIT_S))
         view, me = self.prober.view(), self.peer.peer_id
         if me not in view:  # cannot happen: the view always holds this peer
             return RoundKey(base, order=number)

@@ -254,10 +254,9 @@ class Prober:
     async def _publish(self) -> None:
         transport = self.peer.transport
         latest = sorted(self.gone, key=self.gone.__getitem__)[-MAX_GONE_LISTED:]
-        extra = {
-            **transport.record().extra,
-            GONE_FIELD: [pid.digest.hex()[:GONE_TAG_CHARS] for pid in latest],
-        }
+        extra = {k: v for k, v in transport.record().extra.items() if k != GONE_FIELD}
+        if latest:
+            extra[GONE_FIELD] = [pid.digest.hex()[:GONE_TAG_CHARS] for pid in latest]
         if self.samples:  # no coordinate before the first RTT sample
             extra[COORDINATE_FIELD] = self.coordinate.to_wire()
         transport.update_record(extra=extra)
