@@ -43,7 +43,9 @@ from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.transfer import STATE_STREAM, Joined, StateProvider, download_state
 
 if TYPE_CHECKING:
+    from swarm.averaging import Averager
     from swarm.averaging.result import RoundResult
+    from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +109,8 @@ class AsyncSwarm:
         self.model = model
         self.optimizer = optimizer
         self.engine = TrainingEngine(model, optimizer, self.config)
-        self.peer: Any = None
-        self.averager: Any = None
+        self.peer: Peer | None = None  # set by start()
+        self.averager: Averager | None = None  # set by start()
         self._provider = StateProvider(self.engine)
         self._rounds: set[asyncio.Task[RoundOutcome]] = set()  # rounds running in the background
         self.joined: Joined | None = None  # the state adopted on joining, and refused providers

@@ -427,6 +427,30 @@ def test_stall_policy_limits_follow_the_measured_rate():
     assert policy.reply_limit(None) == 4.0
 
 
+def test_stall_policy_drops_in_order_deadline_gone_stalled_then_start_by():
+    from swarm.averaging.stall import PartTiming, StallPolicy
+
+    policy = StallPolicy(floor_s=1.0, factor=8.0)
+    timing = PartTiming(start=0.0)
+    # nothing measured, nobody gone, no start_by: nobody is dropped before the deadline
+    assert policy.drops(5.0, timing, {1: 4.0}, [2, 3], deadline=10.0) == []
+    at_deadline = policy.drops(10.0, timing, {1: 4.0}, [2], deadline=10.0, gone={2})
+    assert at_deadline == [(1, "all-reduce deadline"), (2, "all-reduce deadline")]
+    # a pending sender whose address refuses connections goes first, alone
+    gone = policy.drops(5.0, timing, {}, [2, 3], deadline=10.0, gone={3}, start_by=1.0)
+    assert gone == [(3, "its address refuses connections")]
+    # from start_by on, every pending sender goes when nothing else was found
+    late = policy.drops(5.0, timing, {1: 4.9}, [2, 3], deadline=10.0, start_by=5.0)
+    assert [s for s, _ in late] == [2, 3] and "never started" in late[0][1]
+    assert policy.drops(4.9, timing, {}, [2], deadline=10.0, start_by=5.0) == []
+    # once the stall policy finds someone, start_by adds nothing: its verdicts stand
+    for t in range(1, 11):
+        timing.received(float(t), 1 << 20)
+    stalled = policy.drops(60.0, timing, {1: 10.0}, [2], deadline=99.0, start_by=0.0)
+    assert [s for s, _ in stalled] == [1, 2]
+    assert "silent" in stalled[0][1] and "limit" in stalled[1][1]
+
+
 def test_averaging_config_validates_and_derives_one_timeout():
     from swarm.config import AveragingConfig, SwarmConfig
     from swarm.errors import ConfigError

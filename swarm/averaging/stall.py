@@ -16,7 +16,7 @@ The same rule bounds how long a sender waits for progress on its stream to an ow
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -97,6 +97,29 @@ class StallPolicy:
         if start is not None and now - timing.start > start:
             verdicts.extend((s, f"never started (limit {start:.1f} s)") for s in pending)
         return verdicts
+
+    def drops(
+        self,
+        now: float,
+        timing: PartTiming,
+        streaming: Mapping[int, float],
+        pending: Iterable[int],
+        *,
+        deadline: float,
+        gone: Collection[int] = (),
+        start_by: float | None = None,
+    ) -> list[tuple[int, str]]:
+        """Every sender an owner drops now, each with why: all of them at the ``deadline``;
+        else pending ones known ``gone`` (a refused address), else the :meth:`stalled` ones,
+        else, from ``start_by`` on, every pending one (nothing else will measure a rate)."""
+        pending = list(pending)
+        if now >= deadline:
+            return [(s, "all-reduce deadline") for s in (*streaming, *pending)]
+        refused = [(s, "its address refuses connections") for s in pending if s in gone]
+        found = refused or self.stalled(now, timing, streaming, pending)
+        if not found and start_by is not None and now >= start_by:
+            found = [(s, "never started; the rest of the round is over") for s in pending]
+        return found
 
     def reply_limit(self, chunk_s: float | None) -> float:
         """Seconds a sender waits for progress on its stream to an owner (a chunk going out or

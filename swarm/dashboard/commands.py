@@ -15,6 +15,7 @@ from swarm.dashboard.server import Dashboard
 from swarm.dashboard.status import RunReader, format_table, peer_row, summary_line, totals
 from swarm.errors import SwarmError
 from swarm.identity import Identity
+from swarm.protocols import Peer
 
 logger = logging.getLogger("swarm.cli")
 
@@ -101,7 +102,7 @@ async def run_dashboard(
     return 0
 
 
-async def log_status_every(peer: Any, interval: float) -> None:
+async def log_status_every(peer: Peer, interval: float) -> None:
     """Log one line of swarm-wide totals every ``interval`` seconds (0: never)."""
     if not interval > 0:
         return

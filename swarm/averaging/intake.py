@@ -1,0 +1,179 @@
+"""What a part owner receives: every sender's stream read into the reducer, stalled ones dropped.
+
+Each chunk a sender streams is added into the part's accumulator in a worker thread as it arrives
+(:class:`~swarm.averaging.reducer.PartReducer`); a chunk is ready to average once every sender
+delivered it and no add into it is still running. The :class:`~swarm.averaging.stall.
+StallPolicy` decides when a silent sender is dropped; a pending sender is checked for life first,
+so a killed peer is dropped at once instead of after the stall limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from swarm.averaging.context import RoundContext
+from swarm.averaging.outcome import FAILURES
+from swarm.averaging.reducer import PartReducer, SenderState
+from swarm.averaging.result import Refusal
+from swarm.averaging.stall import PartTiming
+from swarm.errors import AuthError, AveragingError, TransportError
+from swarm.net.streams import InboundStream
+
+logger = logging.getLogger(__name__)
+
+# a sender that has not started this long into the attempt (or after another sender finished)
+# is checked for life: a killed peer is dropped at once instead of after the stall limit
+_SUSPECT_AFTER_S = 0.5
+
+
+class PartIntake:
+    """The senders' streams of part ``ctx.me``, as its owner reads them into ``reducer``.
+
+    :attr:`changed` is set whenever a chunk may have become ready or a sender settled.
+    """
+
+    def __init__(self, ctx: RoundContext, reducer: PartReducer):
+        self.ctx, self.reducer = ctx, reducer
+        self.refusals: list[Refusal] = []
+        self.bytes_received = 0
+        self.changed = asyncio.Event()
+        self._adding = [0] * len(reducer.chunks)  # adds into each chunk submitted, not finished
+        self._readers: dict[int, asyncio.Task[None]] = {}
+        self._dropped: set[int] = set()
+        self._activity: dict[int, float] = {}
+        self._timing = PartTiming(time.monotonic())
+        self._start_by: float | None = None  # senders that have not started by then are dropped
+
+    def new_attempt(self) -> None:
+        self._timing = PartTiming(time.monotonic())
+
+    def chunk_ready(self, index: int) -> bool:
+        """Every sender delivered chunk ``index`` (or was dropped) and its adds are done."""
+        return self._adding[index] == 0 and self.reducer.chunk_ready(index)
+
+    def expect_by(self, when: float) -> None:
+        """Drop senders that have not started by ``when`` even if nobody sent anything (this
+        member's other streams are over: nothing else will give the stall policy a rate)."""
+        self._start_by = when
+        self.changed.set()
+
+    def accept(self, sender: int, weight: object) -> None:
+        """Take ``sender``'s stream of the current attempt, with the weight it claims.
+
+        Raises:
+            TransportError: refused (status 409): a bad weight, or a second stream.
+        """
+        try:
+            self.reducer.accept(sender, weight)  # type: ignore[arg-type]
+        except AveragingError as e:
+            self._refused(sender, str(e))
+            raise TransportError(str(e), status=409) from e
+        self._activity[sender] = time.monotonic()
+
+    async def receive(self, request: InboundStream, sender: int) -> None:
+        """Read an accepted sender's stream into the reducer, to its end.
+
+        Raises:
+            TransportError / AuthError: the stream failed (the sender is dropped).
+        """
+        reducer = self.reducer
+        reader = asyncio.create_task(self._consume(request, sender))
+        self._readers[sender] = reader
+        try:
+            await reader
+            reducer.complete(sender)
+        except asyncio.CancelledError:
+            if sender in self._dropped and reader.cancelled():
+                raise TransportError("dropped: stopped sending", status=408) from None
+            reducer.fail(sender)
+            self.changed.set()
+            raise
+        except FAILURES as e:
+            logger.info("part %d: stream from member %d failed: %s", self.ctx.me, sender, e)
+            self._refused(sender, str(e))
+            reducer.fail(sender)
+            self.changed.set()
+            if isinstance(e, (AuthError, TransportError)):
+                raise
+            raise TransportError(f"refused: {e}", status=400) from e
+        finally:
+            self._readers.pop(sender, None)
+        self._timing.completed(time.monotonic())
+        self.changed.set()
+
+    def watch(self) -> None:
+        """Drop the senders the stall policy gives up on; check slow starters' life."""
+        ctx, reducer, now = self.ctx, self.reducer, time.monotonic()
+        streaming = {
+            s: self._activity.get(s, now)
+            for s in reducer.expected
+            if reducer.state(s) is SenderState.STREAMING
+        }
+        pending = [s for s in reducer.expected if reducer.state(s) is SenderState.PENDING]
+        if pending and (self._timing.completions or now - self._timing.start > _SUSPECT_AFTER_S):
+            for s in pending:
+                ctx.suspect(s)
+        drops = ctx.stall.drops(
+            now,
+            self._timing,
+            streaming,
+            pending,
+            deadline=ctx.deadline,
+            gone=ctx.gone,
+            start_by=self._start_by,
+        )
+        for sender, why in drops:
+            self._drop(sender, why)
+
+    def _refused(self, sender: int, why: str) -> None:
+        peer_id = self.ctx.group.members[sender].peer_id
+        self.refusals.append(Refusal(peer_id, "refused", self.ctx.me, why[:200]))
+
+    def _drop(self, sender: int, why: str) -> None:
+        group = self.ctx.group
+        peer_id = group.members[sender].peer_id
+        logger.info(
+            "all-reduce %s: dropping %s from part %d: %s",
+            group.group_id.hex()[:8],
+            peer_id.short,
+            self.ctx.me,
+            why,
+        )
+        self.reducer.fail(sender)
+        self._dropped.add(sender)
+        self.refusals.append(Refusal(peer_id, "dropped", self.ctx.me, why))
+        reader = self._readers.get(sender)
+        if reader is not None:
+            reader.cancel()
+        self.changed.set()
+
+    async def _consume(self, request: InboundStream, sender: int) -> None:
+        reducer = self.reducer
+        loop = asyncio.get_running_loop()
+        async for payload in request:
+            index = reducer.next_index(sender)
+            self.bytes_received += len(payload)
+            self._timing.received(time.monotonic(), len(payload))
+            # counted before the add starts: a sender dropped (its task cancelled) while the worker
+            # thread adds its chunk must taint the part, since the add completes regardless
+            reducer.chunk_added(sender)
+            self._adding[index] += 1
+            cf = self.ctx.workers.submit(reducer.add_chunk, sender, index, payload)
+            # counted down when the add finishes, also if this task is cancelled meanwhile
+            cf.add_done_callback(functools.partial(_call_soon, loop, self._added, index))
+            await asyncio.wrap_future(cf)
+            self._activity[sender] = self._timing.last_byte = time.monotonic()
+
+    def _added(self, index: int) -> None:
+        self._adding[index] -= 1
+        self.changed.set()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """For a worker thread's done callback: ``fn(*args)`` on the loop (the future is dropped)."""
+    loop.call_soon_threadsafe(fn, *args[:-1])

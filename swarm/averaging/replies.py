@@ -1,0 +1,120 @@
+"""What a part owner streams back to its senders: the averaged chunks, then a verdict.
+
+Every sender's reply carries the same averaged chunks of the current attempt, written as the
+owner encodes them, and ends with a trailer that gives the attempt's :class:`PartOutcome`:
+``{"ok": true, "c": [member indices averaged]}``, ``{"retry": true}`` or
+``{"ok": false, "why": ...}``. Receivers apply a part only after an ``ok`` trailer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from swarm.averaging.outcome import PartOutcome
+from swarm.net.streams import ReplyStream
+
+
+class PartReplies:
+    """The replies of one part's owner to its senders, over every attempt.
+
+    Args:
+        chunks: how many chunks the part has.
+        hold: awaited instead of answering when the owner stays silent (fault injection).
+    """
+
+    def __init__(self, chunks: int, hold: Callable[[], Awaitable[None]]):
+        self.bytes_sent = 0
+        self._chunks = chunks
+        self._hold = hold
+        self._outcomes: dict[int, asyncio.Future[tuple[PartOutcome, Any]]] = {}
+        self._averaged: list[asyncio.Future[bytes | None]] = []  # None: the attempt stopped
+        self._waiting: set[asyncio.Task[Any]] = set()  # replies waiting for their verdict
+
+    def new_attempt(self) -> None:
+        """Later writers get the chunks of a new attempt (earlier ones keep theirs)."""
+        loop = asyncio.get_running_loop()
+        self._averaged = [loop.create_future() for _ in range(self._chunks)]
+
+    def publish(self, index: int, payload: bytes) -> None:
+        """Chunk ``index`` of the current attempt is averaged and encoded: send it."""
+        self._averaged[index].set_result(payload)
+
+    def stop(self) -> None:
+        """Writers waiting for chunks of the current attempt stop (they get None)."""
+        for chunk in self._averaged:
+            if not chunk.done():
+                chunk.set_result(None)
+
+    def resolve(self, attempt: int, outcome: PartOutcome, value: Any) -> None:
+        """Give ``attempt``'s verdict: the contributors (OK), the reason (FAILED) or None."""
+        fut = self._outcome(attempt)
+        if not fut.done():
+            fut.set_result((outcome, value))
+
+    def start(self, reply: ReplyStream) -> asyncio.Task[bool]:
+        """Write the current attempt's chunks on ``reply`` as they come (True: all of them)."""
+        return asyncio.create_task(self._write_chunks(reply, self._averaged))
+
+    async def finish(
+        self, reply: ReplyStream, writer: asyncio.Task[bool] | None, attempt: int
+    ) -> None:
+        """Wait for ``attempt``'s verdict and end ``reply`` with it (``writer`` None: the owner
+        stays silent)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._waiting.add(task)
+        try:
+            await self._finish(reply, writer, attempt)
+        finally:
+            if task is not None:
+                self._waiting.discard(task)
+
+    async def close(self, deadline: float) -> None:
+        """Unanswered attempts fail, writers stop; replies still ending get until ``deadline``."""
+        for fut in self._outcomes.values():
+            if not fut.done():
+                fut.set_result((PartOutcome.FAILED, "the round ended"))
+        self.stop()
+        if self._waiting:
+            remaining = max(0.0, deadline - time.monotonic())
+            _, late = await asyncio.wait(self._waiting, timeout=remaining)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+    def _outcome(self, attempt: int) -> asyncio.Future[tuple[PartOutcome, Any]]:
+        fut = self._outcomes.get(attempt)
+        if fut is None:
+            fut = self._outcomes[attempt] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def _write_chunks(
+        self, reply: ReplyStream, averaged: list[asyncio.Future[bytes | None]]
+    ) -> bool:
+        for chunk in averaged:
+            payload = await asyncio.shield(chunk)  # shared by every writer: never cancel it
+            if payload is None:
+                return False
+            await reply.write(payload)
+            self.bytes_sent += len(payload)
+        return True
+
+    async def _finish(
+        self, reply: ReplyStream, writer: asyncio.Task[bool] | None, attempt: int
+    ) -> None:
+        outcome, value = await self._outcome(attempt)
+        if writer is None:
+            await self._hold()
+            return
+        complete = await writer
+        if outcome is PartOutcome.RETRY:
+            reply.set_trailer({"retry": True})
+        elif outcome is PartOutcome.OK and complete:
+            reply.set_trailer({"ok": True, "c": list(value)})
+        elif outcome is PartOutcome.OK:
+            reply.set_trailer({"ok": False, "why": "the round ended before the part was sent"})
+        else:
+            reply.set_trailer({"ok": False, "why": str(value)})
