@@ -142,6 +142,7 @@ class AsyncSwarm:
         try:
             self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
             self.averager = Averager(self.peer, cfg.averaging)
+            self._provider.order = lambda: self.averager.order if self.averager else 0
             if cfg.sync_on_join and cfg.peer.initial_peers:
                 await self._join()
         except BaseException:
@@ -177,6 +178,8 @@ class AsyncSwarm:
             return
         self.joined = got
         await asyncio.to_thread(self.engine.load_snapshot, got.snapshot, got.steps_in_round)
+        if got.order is not None and self.averager is not None:
+            self.averager.adopt_order(got.order, base=self.engine.round)
         logger.info("joined at round %d", self.engine.round)
 
     async def average_round(self, plan: RoundPlan) -> RoundOutcome:

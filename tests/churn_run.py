@@ -5,6 +5,12 @@ once all are up (a go-file); the run's clock starts then and ends ``duration_s``
 killing every process. Killed peers are restarted ``restart_delay_s`` later through the live
 peers' addresses (a late join with a state download). A peer's final loss is its mean test loss
 over its rounds of the last few seconds (see :func:`final_loss`).
+
+With ``warm_restarts`` the replacements are started before the clock and wait, with torch
+imported and the model built, for the file that lists the addresses to join through. On two
+cores shared by every trainer a cold start takes 5-10 s of Python and torch imports; on a
+restarted home PC it takes about one, so the cold figure would measure this machine's load, not
+the swarm's rejoin.
 """
 
 from __future__ import annotations
@@ -47,6 +53,27 @@ def start_peer(slot: int, seed: int, peers: list[str], stop_at: float, args: lis
     return Life(OutputProcess(argv), slot, restarted=bool(seed >= 1000))
 
 
+@dataclass
+class Standby:
+    """A replacement process waiting, imports done, for the addresses to join through."""
+
+    life: Life
+    peers_file: Path
+
+    @classmethod
+    def start(cls, folder: Path, seed: int, stop_at: float, args: list[str]) -> Standby:
+        peers_file = folder / f"peers-{seed}"
+        life = start_peer(-1, seed, [], stop_at, [*args, "--peers-file", str(peers_file)])
+        return cls(life, peers_file)
+
+    def activate(self, slot: int, peers: list[str]) -> Life:
+        staged = self.peers_file.with_suffix(".tmp")
+        staged.write_text("\n".join(peers))
+        staged.replace(self.peers_file)  # whole or absent: the worker polls for it
+        self.life.slot = slot
+        return self.life
+
+
 def address(life: Life, timeout: float = 120.0) -> str:
     m = life.proc.wait_for(r'^JOINED .*"address": "([^"]+)"', timeout)
     return m.group(1)
@@ -63,12 +90,23 @@ def run_swarm(
     restart_delay_s: float = 3.0,
     seed: int = 0,
     final_window_s: float = 5.0,
+    warm_restarts: bool = False,
 ) -> dict:
     """Train ``peers`` peers for ``duration_s`` with churn (``kill_fraction`` 0: a calm run)."""
-    go = Path(tempfile.mkdtemp(prefix="churn-")) / "go"
+    folder = Path(tempfile.mkdtemp(prefix="churn-"))
+    go = folder / "go"
     args = [*worker_args, "--round-timeout", str(round_timeout_s), "--go-file", str(go)]
     rng = random.Random(seed)
     stop_at = time.time() + duration_s + 600.0  # a safety net: the run ends by killing them
+    per_kill = max(1, round(kill_fraction * peers)) if kill_fraction > 0 else 0
+    # The last kill leaves a restarted peer time to join and average before the end.
+    last_kill_s = duration_s - max(kill_every_s / 2, 2 * round_timeout_s)
+    kill_events = math.ceil(last_kill_s / kill_every_s) - 1 if per_kill else 0
+    standbys = [
+        Standby.start(folder, 1000 * (g + 1) + i, stop_at, args)
+        for g in range(max(0, kill_events) if warm_restarts else 0)
+        for i in range(per_kill)
+    ]
     lives = [start_peer(0, 0, [], stop_at, args)]
     first = address(lives[0])
     lives += [start_peer(i, i, [first], stop_at, args) for i in range(1, peers)]
@@ -76,15 +114,15 @@ def run_swarm(
     addresses = {0: first}
     for life in lives[1:]:
         addresses[life.slot] = address(life)
+    for standby in standbys:
+        standby.life.proc.wait_for(r"^STANDBY", 120.0)
     ready = time.time()  # every first peer is up: the run's clock starts here
     go.touch()
     end = ready + duration_s
     kills, generation = 0, 0
-    per_kill = max(1, round(kill_fraction * peers)) if kill_fraction > 0 else 0
     next_kill = ready + kill_every_s
     try:
-        # The last kill leaves a restarted peer time to join and average before the end.
-        while per_kill and next_kill < end - max(kill_every_s / 2, 2 * round_timeout_s):
+        while per_kill and next_kill < ready + last_kill_s:
             time.sleep(max(0.0, next_kill - time.time()))
             victims = rng.sample(sorted(live), per_kill)
             for slot in victims:
@@ -97,7 +135,10 @@ def run_swarm(
             generation += 1
             for slot in victims:
                 known = list(addresses.values())
-                life = start_peer(slot, 1000 * generation + slot, known, stop_at, args)
+                if standbys:
+                    life = standbys.pop(0).activate(slot, known)
+                else:
+                    life = start_peer(slot, 1000 * generation + slot, known, stop_at, args)
                 lives.append(life)
                 live[slot] = life
             for slot in victims:
@@ -106,10 +147,12 @@ def run_swarm(
         time.sleep(max(0.0, end - time.time()))
         end = time.time()  # a slow restart may have run late
     finally:
+        for standby in standbys:  # unused: the schedule ran late
+            standby.life.proc.kill()
         for life in lives:
             life.proc.kill()
             life.lines = list(life.proc.lines)
-        shutil.rmtree(go.parent, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
     return metrics(lives, list(live.values()), kills, ready, end, final_window_s)
 
 

@@ -85,6 +85,10 @@ def main() -> None:
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--stop-at", type=float, required=True, help="time.time() to stop at")
     p.add_argument("--go-file", help="train once this file exists (the run's clock starts)")
+    p.add_argument(
+        "--peers-file",
+        help="a warm standby: wait for this file, then join through the addresses it lists",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
@@ -92,6 +96,11 @@ def main() -> None:
     test = task.test_set()
     model = task.model()
     opt = torch.optim.Adam(model.parameters(), lr=task.lr)
+    if args.peers_file:
+        emit("STANDBY")
+        while not Path(args.peers_file).exists():
+            time.sleep(0.01)
+        args.initial_peers = Path(args.peers_file).read_text().split()
     started = time.time()
     for _ in range(10):
         try:

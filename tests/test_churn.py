@@ -29,7 +29,7 @@ def runs() -> dict[str, dict]:
     """One calm run and one with churn, shared by the tests below (each takes a minute)."""
     return {
         "calm": run_swarm(kill_fraction=0.0, **SETTINGS),
-        "churn": run_swarm(kill_fraction=0.2, **SETTINGS),
+        "churn": run_swarm(kill_fraction=0.2, warm_restarts=True, **SETTINGS),
     }
 
 
@@ -49,9 +49,10 @@ def test_churn_keeps_every_peer_training_and_averaging(runs: dict[str, dict]) ->
 
 @pytest.mark.xfail(
     strict=False,
-    reason="open: the stalls after a kill are gone (a dead peer leaves every plan within about a "
-    "round), but a restarted process takes 5-10 s to start on these 2 loaded cores, so one of six "
-    "peers' compute is missing for much of the run; measured 0.96-1.08x the calm run's loss",
+    reason="open: with warm restarts, no 3 s matchmaking stalls after a kill or a join, and "
+    "joiners planning with their providers' round order, 6 of 10 paired runs pass (worst peer "
+    "0.95-1.06x the calm mean; churned mean 1.017x on average), but calm runs alone end at "
+    "0.44-0.48 from run to run: one pair of 40 s runs cannot resolve 5%",
 )
 def test_churn_costs_at_most_5_percent_of_the_loss(runs: dict[str, dict]) -> None:
     calm, churn = runs["calm"], runs["churn"]

@@ -103,6 +103,29 @@ async def test_a_planned_leader_left_alone_gives_up_after_the_patience() -> None
         await asyncio.gather(me.close(), elsewhere.close())
 
 
+async def test_a_planned_follower_whose_leader_never_came_gives_up_after_the_patience() -> None:
+    """Its planned leader is alive but planned another group: the follower does not sit through
+    the whole matchmaking timeout either."""
+    me, elsewhere = await start_peers([93, 94])
+    ids = sorted([me, elsewhere], key=lambda p: p.peer_id.digest)
+    follower, leader = ids[1], ids[0].transport.record()
+    maker = Matchmaker(
+        follower, rpc_name="mm.join", min_group_size=2, target_group_size=2, gather_window=0.1
+    )
+    try:
+        outcome = await asyncio.wait_for(
+            maker.form_group(
+                "nobody-leads", 30.0, expected=2, patience=0.5, leader=leader, planned=(leader,)
+            ),
+            10.0,
+        )
+        assert outcome == "no planned member came"
+        assert leader.peer_id not in maker.liveness.gone  # alive: not reported gone
+    finally:
+        await maker.close()
+        await asyncio.gather(me.close(), elsewhere.close())
+
+
 async def test_patience_follows_how_late_planned_members_joined() -> None:
     (peer,) = await start_peers([89])
     maker = Matchmaker(

@@ -122,6 +122,28 @@ async def test_joiner_facing_one_lying_provider_of_three_adopts_the_honest_state
             await p.close()
 
 
+@pytest.mark.parametrize("lie", [2**50, "40", -1, 2**60])
+async def test_joiner_plans_with_its_providers_round_order_whatever_one_claims(lie) -> None:
+    """The joiner's first plans use the order its providers plan with (their median), so they
+    match theirs; one provider's huge or malformed order moves nothing."""
+    a = await start(0, sync_on_join=False)
+    peers = [a]
+    try:
+        peers.append(await start(1, [a.address]))
+        liar = await start(2, [a.address])
+        peers.append(liar)
+        for p in peers[:2]:
+            p.averager.planner.order = 40
+        liar._provider.order = lambda: lie
+        joiner = await start(3, [a.address])
+        peers.append(joiner)
+        assert joiner.averager.order == 40
+        assert joiner.round == a.round  # the training round is the downloaded one
+    finally:
+        for p in reversed(peers):
+            await p.close()
+
+
 async def test_no_majority_refuses_to_join_and_leaves_the_model_alone() -> None:
     a = await start(0, sync_on_join=False)
     peers = [a]

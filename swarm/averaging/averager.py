@@ -232,6 +232,16 @@ class Averager:
                 allreduce_s=result.allreduce_s + synced.allreduce_s,
             )
 
+    @property
+    def order(self) -> int:
+        """The round order this peer's next round plans with (late joiners copy it)."""
+        return self.planner.order
+
+    def adopt_order(self, order: int, base: int) -> None:
+        """Plan from the round order of the peers this joiner's state came from (see
+        :meth:`GroupPlanner.adopt`), so that its first plans match theirs."""
+        self.planner.adopt(order, base)
+
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state, for checkpoints."""
         fb = self._feedbacks.get(False)

@@ -171,8 +171,8 @@ class Matchmaker:
             self._last = rnd
             if not rnd.closed.done():
                 rnd.closed.set_result(None)  # followers still waiting hear "no group"
-            if isinstance(group, GroupInfo):
-                self._declare(rnd, busy=True)
+            if isinstance(group, GroupInfo) and rnd.deadline > time.time():
+                self._declare(rnd, busy=True)  # (an expired declaration is gone already)
 
     def patience(self, most: float) -> float:
         """How long a leader of a regular round waits for planned members: ``most`` until enough
@@ -231,7 +231,11 @@ class Matchmaker:
                     p for p, d in view.items() if not d.leading and p not in rnd.followers
                 ]
                 patient = size < expected and now < rnd.patient_until
-                ready = size >= self.min_group_size and not waiting_for and not patient
+                # a planned leader past its patience stops waiting for unplanned candidates too:
+                # keys outlive rounds, so a declaration may be a peer's from an earlier round
+                waited = bool(expected) and now >= rnd.patient_until
+                ready = size >= self.min_group_size and (waited or not waiting_for)
+                ready = ready and not patient
                 if ready and rnd.role == "leader":
                     return self._close(rnd)
                 await self._wait(rnd, self.poll_interval)
@@ -244,9 +248,11 @@ class Matchmaker:
             seen = max(seen, len(view))
             if rnd.role != "candidate":  # a follower joined while we read the DHT
                 continue
-            if not view and now >= rnd.patient_until and self._leads_plan(rnd):
-                # its planned members planned other groups (views differ) or are gone: do not
-                # sit through the whole timeout for them
+            coming = [p for p in view if p not in refused]
+            if rnd.expected and not coming and now >= rnd.patient_until:
+                # its planned members planned other groups (views differ) or are gone, and the
+                # declarations left refused us (an earlier round's): whether it would lead or
+                # follow, do not sit through the whole timeout
                 return "no planned member came"
             leading = [p for p, d in view.items() if d.leading]
             leader = choose_leader([*view, self.peer_id], leading, refused)
@@ -330,15 +336,6 @@ class Matchmaker:
                 return
             await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
 
-    def _leads_plan(self, rnd: _Round) -> bool:
-        """This peer leads the planned group: its planned leader, or the first planned member
-        still there."""
-        if not rnd.expected or rnd.planned_leader is None:
-            return False
-        gone = self.liveness.gone
-        there = [r.peer_id for r in rnd.planned if r.peer_id not in gone] + [self.peer_id]
-        return min(there, key=lambda p: p.digest) == self.peer_id
-
     def _expected(self, rnd: _Round) -> int:
         """Members planned under the round's key, less those found gone (0: none planned)."""
         if not rnd.expected:
@@ -386,6 +383,8 @@ class Matchmaker:
                 logger.debug("ignoring a declaration of %s: %s", owner.short, e)
                 continue
             if decl.busy or decl.deadline <= now or decl.record.run_id != self.peer.run_id:
+                continue
+            if owner in self.liveness.gone:  # a killed peer's declaration outlives it
                 continue
             view[owner] = decl
         return view

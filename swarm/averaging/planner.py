@@ -125,6 +125,11 @@ class GroupPlanner:
             await asyncio.wait(checks, timeout=timeout)
             self.forget(self.liveness.gone)
 
+    def adopt(self, order: int, base: int) -> None:
+        """Go on from ``order``, the round order the peers a joiner downloaded its state from
+        plan with, unless it is implausibly far ahead of ``base`` (the downloaded round)."""
+        self.order = next_order(max(self.order, base), [order])
+
     def joined(self, group: GroupInfo) -> None:
         """Go on from the group's round order (unless it is implausibly far ahead)."""
         self.order = next_order(self.order, [group.order + 1])

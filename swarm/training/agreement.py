@@ -49,6 +49,7 @@ class Manifest:
     steps_in_round: int
     sketch: tuple[float, ...]  # see :func:`sketch_of`
     loss: float | None = None  # the provider's recent mean training loss, if its script passes it
+    order: int | None = None  # the round order the provider plans groups with, if it averages
 
     @property
     def key(self) -> tuple[int, str, int]:

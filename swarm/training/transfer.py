@@ -3,8 +3,9 @@
 Protocol (stream ``swarm.state`` on the authenticated transport, empty request body):
 
 - manifest: request header ``{"schema": S, "round": None}``; reply header ``{"ok": True,
-  "round": R, "size": N, "sha256": H, "steps_in_round": K, "sketch": [floats], "loss": L}``,
-  no body. The provider builds the snapshot of its current round once (in a worker thread) and
+  "round": R, "size": N, "sha256": H, "steps_in_round": K, "sketch": [floats], "loss": L,
+  "order": O}`` (``O``: the round order it plans groups with, which the joiner takes up), no
+  body. The provider builds the snapshot of its current round once (in a worker thread) and
   caches the last two rounds, so a download in progress survives the provider moving on by one
   round.
 - part: ``{"schema": S, "round": R, "offset": O, "length": L}``; reply header ``{"ok": True}``,
@@ -27,8 +28,9 @@ import itertools
 import logging
 import math
 import random
+import statistics
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ CHUNK_BYTES = 1 << 20
 MIN_PART_BYTES = 4 << 20
 MAX_MANIFESTS = 8  # providers asked, chosen at random among the live peers
 LIE_ROUNDS = 10**9  # how far ahead a Fault.LIE_ROUND provider claims to be
+MAX_ORDER = 1 << 53  # round orders are below this (a JSON-safe int)
 _KEEP_ROUNDS = 2
 
 
@@ -87,6 +90,7 @@ class StateProvider:
     def __init__(self, engine: TrainingEngine, fault: Fault = Fault.NONE):
         self.engine = engine
         self.fault = fault
+        self.order: Callable[[], int] | None = None  # this peer's round order, once it averages
         self._cache: OrderedDict[int, tuple[bytes, str, list[float]]] = OrderedDict()
         self._build = asyncio.Lock()
 
@@ -150,6 +154,7 @@ class StateProvider:
                         "steps_in_round": self.engine.steps_in_round,
                         "sketch": sketch,
                         "loss": means[-1] if means else None,
+                        "order": self.order() if self.order is not None else None,
                     }
                 )
                 return
@@ -198,6 +203,9 @@ async def _manifest(transport: Any, record: Any, schema: str, timeout: float) ->
     loss = reply.get("loss")
     if loss is not None and (not isinstance(loss, float | int) or isinstance(loss, bool)):
         raise TrainingError("manifest loss is not a number")
+    order = reply.get("order")
+    if order is not None and not (type(order) is int and 0 <= order < MAX_ORDER):
+        raise TrainingError("manifest order is not a round order")
     return Manifest(
         record,
         _int(reply.get("round"), "round"),
@@ -206,6 +214,7 @@ async def _manifest(transport: Any, record: Any, schema: str, timeout: float) ->
         _int(reply.get("steps_in_round"), "steps_in_round"),
         tuple(float(x) for x in sketch),
         None if loss is None else float(loss),
+        order,
     )
 
 
@@ -289,6 +298,7 @@ class Joined:
     steps_in_round: int  # the providers' phase in the round (the joiner aligns with it)
     providers: tuple[Any, ...]  # PeerIDs the state was downloaded from
     refused: tuple[tuple[Any, str], ...]  # (PeerID, why) of every provider not copied
+    order: int | None = None  # the median round order of the agreeing providers (None: unknown)
 
 
 async def download_state(
@@ -373,10 +383,12 @@ async def download_state(
             len(verdict.accepted),
             answered,
         )
+        orders = [m.order for m in verdict.accepted if m.order is not None]
         return Joined(
             snap,
             max(x.steps_in_round for x in group),
             tuple(x.provider.peer_id for x in group),
             tuple(refused),
+            int(statistics.median_low(orders)) if orders else None,
         )
     raise TrainingError("could not download the swarm's state: " + "; ".join(failures))
