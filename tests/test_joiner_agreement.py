@@ -95,16 +95,27 @@ async def start(seed: int, peers=(), **kw) -> AsyncSwarm:
     )
 
 
-@pytest.mark.parametrize("fault", [Fault.LIE_ROUND, Fault.LIE_WEIGHTS])
-async def test_joiner_facing_one_lying_provider_of_three_adopts_the_honest_state(
-    fault: Fault, caplog
-) -> None:
+async def providers_and_a_liar() -> list[AsyncSwarm]:
+    """Two honest providers and a third (last) that the test makes lie."""
     a = await start(0, sync_on_join=False)
     peers = [a]
     try:
         peers.append(await start(1, [a.address]))
-        liar = await start(2, [a.address])
-        peers.append(liar)
+        peers.append(await start(2, [a.address]))
+    except BaseException:
+        for p in reversed(peers):
+            await p.close()
+        raise
+    return peers
+
+
+@pytest.mark.parametrize("fault", [Fault.LIE_ROUND, Fault.LIE_WEIGHTS])
+async def test_joiner_facing_one_lying_provider_of_three_adopts_the_honest_state(
+    fault: Fault, caplog
+) -> None:
+    peers = await providers_and_a_liar()
+    a, liar = peers[0], peers[-1]
+    try:
         liar._provider.fault = fault
         honest = [t.clone() for t in a.model.state_dict().values()]
         with caplog.at_level(logging.WARNING, logger="swarm.training.transfer"):
@@ -126,12 +137,9 @@ async def test_joiner_facing_one_lying_provider_of_three_adopts_the_honest_state
 async def test_joiner_plans_with_its_providers_round_order_whatever_one_claims(lie) -> None:
     """The joiner's first plans use the order its providers plan with (their median), so they
     match theirs; one provider's huge or malformed order moves nothing."""
-    a = await start(0, sync_on_join=False)
-    peers = [a]
+    peers = await providers_and_a_liar()
+    a, liar = peers[0], peers[-1]
     try:
-        peers.append(await start(1, [a.address]))
-        liar = await start(2, [a.address])
-        peers.append(liar)
         for p in peers[:2]:
             p.averager.planner.order = 40
         liar._provider.order = lambda: lie
