@@ -58,7 +58,7 @@ CHUNK_BYTES = 1 << 20
 MIN_PART_BYTES = 4 << 20
 MAX_MANIFESTS = 8  # providers asked, chosen at random among the live peers
 LIE_ROUNDS = 10**9  # how far ahead a Fault.LIE_ROUND provider claims to be
-MAX_ORDER = 1 << 53  # round orders are below this (a JSON-safe int)
+MAX_ORDER = 1 << 53  # round orders are below this, as in averaging.group (the layers stay apart)
 _KEEP_ROUNDS = 2
 
 
