@@ -142,12 +142,16 @@ class AsyncSwarm:
         try:
             self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
             self.averager = Averager(self.peer, cfg.averaging)
-            self._provider.order = lambda: self.averager.order if self.averager else 0
+            self._provider.order = self._round_order
             if cfg.sync_on_join and cfg.peer.initial_peers:
                 await self._join()
         except BaseException:
             await self.close()
             raise
+
+    def _round_order(self) -> int | None:
+        """The round order this peer plans groups with (None once closed), for joiners."""
+        return self.averager.order if self.averager is not None else None
 
     async def _join(self) -> None:
         cfg = self.config

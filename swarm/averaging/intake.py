@@ -90,20 +90,23 @@ class PartIntake:
         except asyncio.CancelledError:
             if sender in self._dropped and reader.cancelled():
                 raise TransportError("dropped: stopped sending", status=408) from None
-            reducer.fail(sender)
-            self.changed.set()
+            self.fail(sender)
             raise
         except FAILURES as e:
             logger.info("part %d: stream from member %d failed: %s", self.ctx.me, sender, e)
             self._refused(sender, str(e))
-            reducer.fail(sender)
-            self.changed.set()
+            self.fail(sender)
             if isinstance(e, (AuthError, TransportError)):
                 raise
             raise TransportError(f"refused: {e}", status=400) from e
         finally:
             self._readers.pop(sender, None)
         self._timing.completed(time.monotonic())
+        self.changed.set()
+
+    def fail(self, sender: int) -> None:
+        """``sender``'s stream ended before it was read to its end (a complete one stays)."""
+        self.reducer.fail(sender)
         self.changed.set()
 
     def watch(self) -> None:

@@ -133,6 +133,8 @@ class PartOwner:
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+            # also when the reply broke before the read began: nobody waits for the stall limit
+            self.intake.fail(sender)
             raise
         await self.replies.finish(reply, writer, attempt)
 

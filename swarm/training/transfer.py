@@ -90,7 +90,7 @@ class StateProvider:
     def __init__(self, engine: TrainingEngine, fault: Fault = Fault.NONE):
         self.engine = engine
         self.fault = fault
-        self.order: Callable[[], int] | None = None  # this peer's round order, once it averages
+        self.order: Callable[[], int | None] | None = None  # this peer's round order, if any
         self._cache: OrderedDict[int, tuple[bytes, str, list[float]]] = OrderedDict()
         self._build = asyncio.Lock()
 
