@@ -103,6 +103,24 @@ async def test_joiner_downloads_from_several_and_survives_a_truncating_provider(
         await a.close()
 
 
+async def test_joiner_asks_again_when_its_only_provider_breaks_the_connection_once() -> None:
+    """A reset mid-part (seen under load) is not the end of the join: the part is asked again."""
+    a = await start(bn_model(0), "rejoin", inner_steps=2, sync_on_join=False)
+    try:
+        a._provider.fault = Fault.BREAK_ONCE
+        b = await start(bn_model(5), "rejoin", [a.address], inner_steps=2)
+        try:
+            assert a._provider.fault is Fault.NONE  # the break did happen
+            for p, q in zip(
+                a.model.state_dict().values(), b.model.state_dict().values(), strict=True
+            ):
+                assert torch.equal(p, q)
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_cuda_model_averages_on_the_gpu() -> None:

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.errors import SwarmError, TrainingError
+from swarm.errors import SwarmError, TrainingError, TransportError
 from swarm.training.agreement import (
     SKETCH_SLICES,
     Manifest,
@@ -58,6 +58,7 @@ CHUNK_BYTES = 1 << 20
 MIN_PART_BYTES = 4 << 20
 MAX_MANIFESTS = 8  # providers asked, chosen at random among the live peers
 LIE_ROUNDS = 10**9  # how far ahead a Fault.LIE_ROUND provider claims to be
+PART_RETRIES = 2  # a provider whose connection broke mid-part is asked again this many times
 MAX_ORDER = 1 << 53  # round orders are below this, as in averaging.group (the layers stay apart)
 _KEEP_ROUNDS = 2
 
@@ -79,6 +80,7 @@ class Fault(enum.Enum):
     NONE = "none"
     CORRUPT = "corrupt"  # flip a byte in every part it serves
     TRUNCATE = "truncate"  # send only half of every part
+    BREAK_ONCE = "break-once"  # break the connection halfway through the first part it serves
     LIE_ROUND = "lie-round"  # claim a round 10^9 ahead, with blown-up weights (consistently)
     LIE_WEIGHTS = "lie-weights"  # serve the current round with weights scaled 100x
     LIE_NAN = "lie-nan"  # serve the current round with NaN weights and a finite sketch
@@ -178,6 +180,10 @@ class StateProvider:
         elif self.fault is Fault.TRUNCATE:
             length //= 2
         await reply.prepare({"ok": True})
+        if self.fault is Fault.BREAK_ONCE:
+            self.fault = Fault.NONE
+            await reply.write(bytes(blob[offset : offset + length // 2]))
+            raise ConnectionResetError("fault injected: the connection broke mid-part")
         for start in range(offset, offset + length, CHUNK_BYTES):
             await reply.write(bytes(blob[start : min(start + CHUNK_BYTES, offset + length)]))
         logger.debug("served %d bytes of round %d's state", length, round_)
@@ -261,16 +267,28 @@ async def _download(
     left = [pending.qsize()]
 
     async def worker(m: Manifest) -> None:
+        loop = asyncio.get_running_loop()
+        retries = PART_RETRIES
         while left[0] > 0:
             try:
                 offset, length = pending.get_nowait()
             except asyncio.QueueEmpty:
                 await asyncio.sleep(0.05)  # another worker may hand a failed part back
                 continue
+            started = loop.time()
             try:
                 await _fetch_part(transport, m, schema, buf, offset, length, timeout)
             except (SwarmError, OSError, asyncio.TimeoutError) as e:
                 pending.put_nowait((offset, length))
+                # a connection that broke quickly (a reset under load) earns a retry; a provider
+                # that declined, sent too much or too little, or kept us waiting does not
+                broken = isinstance(e, TransportError | ConnectionError)
+                if broken and retries > 0 and loop.time() - started < timeout / 4:
+                    retries -= 1
+                    logger.info(
+                        "state part from %s broke (%s); asking again", m.provider.peer_id.short, e
+                    )
+                    continue
                 logger.info(
                     "state part from %s failed (%s); re-assigning it", m.provider.peer_id.short, e
                 )
