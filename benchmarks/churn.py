@@ -12,6 +12,11 @@ one JSON object with ``peers``, ``kill_fraction``, ``kill_every_s``, ``duration_
 ``final_loss_max``, ``calm_final_loss_mean``, ``join_to_first_average_s_max``.
 Goals: ``final_loss_mean`` <= 1.02 x ``calm_final_loss_mean``, ``final_loss_max`` <= 1.05 x it,
 ``nan_rounds`` = 0 and ``join_to_first_average_s_max`` <= 10.
+
+The final losses compare the runs at the same wall time, so they include what churn costs in
+throughput (and the machine's own swings in it). ``equal_round``, ``final_loss_max_equal_round``
+and ``calm_final_loss_mean_equal_round`` compare them at the last round both reached instead
+(the same samples per peer; tests/churn_run.py ``losses_at_equal_rounds``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from churn_run import run_swarm
+from churn_run import losses_at_equal_rounds, run_swarm
 
 
 def main() -> None:
@@ -55,6 +60,7 @@ def main() -> None:
     }
     calm = run_swarm(kill_fraction=0.0, **settings)
     churn = run_swarm(kill_fraction=args.kill_fraction, **settings)
+    calm_at_round, churned_at_round, at_round = losses_at_equal_rounds(calm, churn)
     row = {
         "peers": args.peers,
         "kill_fraction": args.kill_fraction,
@@ -69,6 +75,9 @@ def main() -> None:
         "calm_final_loss_mean": round(calm["final_loss_mean"], 4),
         "join_to_first_average_s_max": churn["join_to_first_average_s_max"]
         and round(churn["join_to_first_average_s_max"], 1),
+        "equal_round": at_round,
+        "final_loss_max_equal_round": round(max(churned_at_round), 4),
+        "calm_final_loss_mean_equal_round": round(calm_at_round, 4),
     }
     print(json.dumps(row), flush=True)
 

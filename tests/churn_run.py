@@ -4,7 +4,8 @@ Shared by tests/test_churn.py and benchmarks/churn.py. The first peers start tra
 once all are up (a go-file); the run's clock starts then and ends ``duration_s`` later by
 killing every process. Killed peers are restarted ``restart_delay_s`` later through the live
 peers' addresses (a late join with a state download). A peer's final loss is its mean test loss
-over its rounds of the last few seconds (see :func:`final_loss`).
+over its rounds of the last few seconds (see :func:`final_loss`); :func:`losses_at_equal_rounds`
+compares two runs at the same round instead (the same samples per peer).
 
 With ``warm_restarts`` the replacements are started before the clock and wait, with torch
 imported and the model built, for the file that lists the addresses to join through. On two
@@ -201,6 +202,10 @@ def metrics(
             joins.append(stop - start)
     finals = [final_loss(life, end, final_window_s) for life in final]
     return {
+        "round_losses": [
+            [[r["round"], r["loss"]] for r in life.events("ROUND") if r["t"] <= end]
+            for life in final
+        ],
         "kills": kills,
         "rounds": len(rounds),
         "averaged_share": sum(r["averaged"] for r in rounds) / max(1, len(rounds)),
@@ -212,3 +217,37 @@ def metrics(
         "final_loss_max": max(finals, default=math.nan),
         "join_to_first_average_s_max": max(joins) if joins else None,
     }
+
+
+def losses_at_equal_rounds(
+    calm: dict, churn: dict, window_share: float = 0.25
+) -> tuple[float, list[float], int]:
+    """The calm run's mean test loss and each churned final peer's, at the same rounds.
+
+    A run's clock is wall time, and on two cores shared by every trainer the runs of the churn
+    test end anywhere between 140 and 240 rounds: that alone moves the final loss by +-4%,
+    as much as the effect measured. So this compares the runs at the last round both reached,
+    ``R``, each peer's loss being its mean over rounds ``R - window_share * R`` to ``R`` (the test
+    loss waves by about 3% from one round to the next, in step across averaging peers). A round
+    is ``inner_steps`` local steps of every peer, so equal rounds are equal samples per peer;
+    what churn costs per sample shows, what it costs the machine's throughput does not (the
+    benchmark measures that at equal wall time).
+
+    Returns:
+        (calm mean loss, churned peers' losses, R). A peer with no round in the window counts
+        with its last one before it (NaN when it has none).
+    """
+    runs = calm["round_losses"] + churn["round_losses"]
+    end = min((max(r for r, _ in rounds) for rounds in runs if rounds), default=0)
+    start = end - max(1, round(window_share * end))
+
+    def loss(rounds: list[list]) -> float:
+        recent = [x for r, x in rounds if start < r <= end]
+        if not recent:
+            recent = [x for r, x in rounds if r <= start][-1:]
+        if not recent or None in recent:
+            return math.nan
+        return statistics.fmean(recent)
+
+    calm_losses = [loss(rounds) for rounds in calm["round_losses"]]
+    return statistics.fmean(calm_losses), [loss(r) for r in churn["round_losses"]], end

@@ -3,7 +3,8 @@
 Trains with the default mode and codec (``diloco``, int8) until the wall-clock time ``--stop-at``
 (so peers restarted late end with the others), passing its loss to ``step``. Prints
 ``JOINED <json>`` once its state is adopted, ``ROUND <json>`` after every round (time, round,
-averaged, group size, test loss of the model right after the round, diverging) and ``END``.
+averaged, group size, test loss of the model right after the round, diverging, seconds
+the step waited for the round) and ``END``.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def main() -> None:
                     loss=test_loss if math.isfinite(test_loss) else None,
                     nan=not math.isfinite(test_loss),
                     diverging=report.diverging,
+                    wait=round(report.wait_s, 4),
                 )
         print("END", flush=True)
     finally:

@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from swarm.api import AsyncSwarm
+from swarm.errors import TrainingError
 from swarm.training.agreement import SKETCH_SLICES, Manifest, agree, sketch_distance, sketch_of
+from swarm.training.transfer import Fault
 
 SKETCH = tuple(float(i + 1) for i in range(8))
 
@@ -68,13 +71,7 @@ def test_sketch() -> None:
 
 
 # -- against real providers ------------------------------------------------------------------
-pytest.importorskip("swarm.peer")
-if not hasattr(pytest.importorskip("swarm.averaging"), "Averager"):
-    pytest.skip("swarm.averaging.Averager is not available yet", allow_module_level=True)
 
-from swarm.api import AsyncSwarm  # noqa: E402
-from swarm.errors import TrainingError  # noqa: E402
-from swarm.training.transfer import Fault  # noqa: E402
 
 OPTIONS = {"listen": "127.0.0.1:0", "codec": "none", "heartbeat_s": 2.0, "inner_steps": 2}
 

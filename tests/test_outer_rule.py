@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from swarm.api import Swarm
 from swarm.config import SwarmConfig
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.engine import RoundOutcome, TrainingEngine
@@ -138,9 +139,6 @@ class SwarmStep(AdamStep):
 
 
 def test_lone_diloco_peer_with_defaults_matches_plain_adam() -> None:
-    pytest.importorskip("swarm.peer")
-    from swarm.api import Swarm
-
     adam = AdamStep()
     target = 0.53  # ~8 rounds of Adam; the paper rule alone needs 2.5x
     adam_samples = samples_to_reach(target, adam)
