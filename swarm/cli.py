@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-port-mapping",
         action="store_true",
         default=None,
-        help="do not ask the home router (UPnP-IGD, NAT-PMP) to forward our port "
+        help="do not ask the home router (UPnP-IGD, PCP, NAT-PMP) to forward our port "
         "(env SWARM_NO_PORT_MAPPING=1)",
     )
     parser.add_argument(

@@ -69,7 +69,7 @@ class TransportError(SwarmError):
 
 
 class PortMapError(TransportError):
-    """The router refused a port mapping, or offers neither UPnP-IGD nor NAT-PMP."""
+    """The router refused a port mapping, or offers none of UPnP-IGD, PCP and NAT-PMP."""
 
 
 class DHTError(SwarmError):

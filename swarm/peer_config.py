@@ -49,7 +49,7 @@ class PeerConfig:
         metrics: serve Prometheus metrics at ``GET /metrics`` on the peer's HTTP port, without
             the swarm's authentication (Prometheus cannot sign requests): anyone who can reach
             the port can read them, so it is off by default.
-        port_mapping: behind a home router, ask it (UPnP-IGD, NAT-PMP) to forward our port.
+        port_mapping: behind a home router, ask it (UPnP-IGD, PCP, NAT-PMP) to forward our port.
         relay_peers: how many unreachable peers we relay for at once when reachable; 0: none.
         relay_rate: bytes/s we give to relayed traffic, all relayed peers together.
         reachability: learn whether others can dial us (dial-back), relay when they cannot.

@@ -8,7 +8,8 @@ Linux, as root. :class:`NatTopology` builds, and removes again on exit (also on 
 - public hosts: a namespace each, on the bridge at ``11.0.0.(10+i)``;
 - routers: a namespace each, WAN side on the bridge at ``11.0.0.(100+r)``, LAN side
   ``192.168.(r+1).1/24``, forwarding, ``iptables -t nat ... MASQUERADE`` out of the WAN side;
-  with ``upnp=True``, ``miniupnpd`` (UPnP-IGD and NAT-PMP) listens on the LAN side;
+  with ``upnp=True``, ``miniupnpd`` (UPnP-IGD, and PCP and NAT-PMP on port 5351) listens on
+  the LAN side; with ``upnp="pmp"``, miniupnpd with UPnP turned off (PCP and NAT-PMP only);
 - one home namespace behind each router at ``192.168.(r+1).2``, default route via the router.
 
 Commands run in a namespace through :meth:`Host.argv`. Address space is private to the namespaces
@@ -86,16 +87,16 @@ class Router:
     ns: str
     wan_ip: str
     lan_ip: str
-    upnp: bool
+    upnp: bool | str  # False: plain MASQUERADE; True: miniupnpd; "pmp": miniupnpd without UPnP
 
 
 class NatTopology:
-    """Public hosts, and home hosts behind routers (``routers[r]`` says whether r runs UPnP)."""
+    """Public hosts, and home hosts behind routers (``routers[r]``: r's :attr:`Router.upnp`)."""
 
     def __init__(
         self,
         public: int = 1,
-        routers: list[bool] | tuple[bool, ...] = (),
+        routers: list[bool | str] | tuple[bool | str, ...] = (),
         rate_mbit: int | None = None,
     ):
         self.rate_mbit = rate_mbit  # tbf on every link to the bridge, both ways (benchmarks)
@@ -188,7 +189,7 @@ class NatTopology:
                     "listening_ip=lan",
                     "port=0",
                     "enable_natpmp=yes",
-                    "enable_upnp=yes",
+                    f"enable_upnp={'no' if router.upnp == 'pmp' else 'yes'}",
                     "secure_mode=yes",
                     "system_uptime=yes",
                     "notify_interval=60",

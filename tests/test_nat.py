@@ -106,6 +106,58 @@ def test_a_peer_behind_a_upnp_router_maps_its_port_and_is_dialed_directly(proces
         assert f"--dport {port}" not in net.mappings(router), behind.output()
 
 
+MAP_ONCE = """
+import asyncio, sys
+from swarm.address import PeerAddress
+from swarm.net.portmap import PortMapper
+
+async def main():
+    mapper = PortMapper(PeerAddress(sys.argv[1], int(sys.argv[2])), methods=(sys.argv[3],))
+    mapping = await mapper.map()
+    print("MAPPED", mapping.method, mapping.external, mapping.lease_s, flush=True)
+    sys.stdin.readline()  # the test looks at the router's rules meanwhile
+    await mapper.close()
+    print("REMOVED", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_router_without_upnp_maps_through_pcp_or_nat_pmp(processes) -> None:
+    """miniupnpd with UPnP off: PCP and NAT-PMP each map both protocols and remove them; a peer
+    behind that router maps through PCP and is dialed directly."""
+    _skip_unless(upnp=True)
+    with NatTopology(public=1, routers=["pmp"]) as net:
+        home, router = net.homes[0], net.routers[0]
+        for method, port in (("natpmp", 40001), ("pcp", 40002)):
+            argv = [sys.executable, "-c", MAP_ONCE, home.ip, str(port), method]
+            once = subprocess.Popen(
+                home.argv(argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=child_env(),
+                cwd=HERE.parent,
+            )
+            try:
+                line = once.stdout.readline().split()
+                assert line[:3] == ["MAPPED", method, f"{router.wan_ip}:{port}"], (line, once)
+                assert int(line[3]) > 0, line
+                rules = net.mappings(router)
+                assert rules.count(f"--dport {port}") == 2, rules  # TCP and UDP
+                out, _ = once.communicate("\n", timeout=30)
+            finally:
+                once.kill()
+            assert "REMOVED" in out, out
+            assert f"--dport {port}" not in net.mappings(router), net.mappings(router)
+        _, bootstrap = _peer(net.public[0], processes)
+        behind, _ = _peer(home, processes, "--initial-peers", bootstrap)
+        m = behind.wait_for(r"reachable \(mapped\) at (\S+): (\S+) dialed us back", 60)
+        assert m[1].startswith(f"{router.wan_ip}:"), behind.output()
+        assert re.search(r"router mapped \S+ to \S+ \(pcp, lease", behind.output())
+
+
 def test_no_port_mapping_leaves_the_router_alone_and_says_why(processes) -> None:
     _skip_unless(upnp=True)
     with NatTopology(public=1, routers=[True]) as net:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import struct
 from collections.abc import AsyncIterator
 
@@ -16,9 +17,9 @@ from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.errors import ConfigError, PortMapError, TransportError
 from swarm.identity import Identity
-from swarm.net import natpmp
+from swarm.net import natpmp, pcp
 from swarm.net.nat import may_relay
-from swarm.net.portmap import guess_gateway, is_home_address
+from swarm.net.portmap import PortMapper, guess_gateway, is_home_address
 from swarm.net.reachability import DialbackService, Reach, request_dialback
 from swarm.net.record import PeerRecord
 from swarm.net.relay import CONTROL_STREAM, MAGIC, RelayBudget, RelayLink, RelayService
@@ -208,6 +209,65 @@ def test_natpmp_hostile_answers_raise_one_error(data: bytes) -> None:
     ):
         with contextlib.suppress(PortMapError):  # anything else fails the test
             parse(data)
+
+
+NONCE = bytes(range(12))
+
+
+def pcp_answer(
+    result: int = 0,
+    lifetime: int = 3600,
+    nonce: bytes = NONCE,
+    protocol: int = 6,
+    ports: tuple[int, int] = (7000, 7001),
+    external: str = "::ffff:11.0.0.101",
+    op: int = 0x81,
+) -> bytes:
+    header = struct.pack("!BBxBII12x", 2, op, result, lifetime, 1234)
+    payload = nonce + struct.pack("!B3xHH", protocol, *ports)
+    return header + payload + ipaddress.IPv6Address(external).packed
+
+
+def test_pcp_map_request_and_answers() -> None:
+    request = pcp.map_request("udp", "192.168.1.2", 7000, 3600, NONCE)
+    assert len(request) == 60 and request[:2] == bytes([2, 1])
+    assert request[8:24] == ipaddress.IPv6Address("::ffff:192.168.1.2").packed
+    assert request[24:36] == NONCE and request[36] == 17
+    assert struct.unpack_from("!HH", request, 40) == (7000, 7000)
+    m = pcp.parse_map_answer(pcp_answer(), "tcp", 7000, NONCE)
+    assert (m.external_ip, m.external_port, m.lifetime_s) == ("11.0.0.101", 7001, 3600)
+    removed = pcp.parse_map_answer(pcp_answer(lifetime=0, ports=(7000, 0)), "tcp", 7000, NONCE)
+    assert removed.lifetime_s == 0
+    wrong = {
+        "refused: not authorized": pcp_answer(result=2),
+        "another request": pcp_answer(nonce=bytes(12)),  # a stale or forged answer
+        "NAT-PMP only": struct.pack("!BBHI", 0, 129, 1, 5),
+        "opcode": pcp_answer(op=0x01),  # our own request reflected back
+        "a mapping to": pcp_answer(external="2001:db8::1"),  # not an IPv4 gateway
+        "61-byte": pcp_answer() + b"\0",  # options come in whole 4-byte units
+    }
+    for why, data in wrong.items():
+        with pytest.raises(PortMapError, match=why):
+            pcp.parse_map_answer(data, "tcp", 7000, NONCE)
+    with pytest.raises(PortMapError, match="another request"):
+        pcp.parse_map_answer(pcp_answer(), "udp", 7000, NONCE)  # a TCP answer to a UDP request
+    with_option = pcp_answer() + b"\0" * 4  # an option the gateway added: ignored
+    assert pcp.parse_map_answer(with_option, "tcp", 7000, NONCE).external_port == 7001
+    assert pcp.is_answer(pcp_answer()) and pcp.is_answer(struct.pack("!BBHI", 0, 129, 1, 5))
+    assert not pcp.is_answer(pcp_answer()[:59]) and not pcp.is_answer(b"\2" * 1104)
+
+
+@given(st.binary(max_size=80), st.sampled_from(["udp", "tcp"]))
+def test_pcp_hostile_answers_raise_one_error(data: bytes, protocol: str) -> None:
+    with contextlib.suppress(PortMapError):  # anything else fails the test
+        pcp.parse_map_answer(data, protocol, 7000, NONCE)
+
+
+def test_port_mapping_methods_are_checked() -> None:
+    internal = PeerAddress("192.168.1.2", 7000)
+    assert PortMapper(internal).methods == ("upnp", "pcp", "natpmp")
+    with pytest.raises(ValueError, match="methods"):
+        PortMapper(internal, methods=("upnp", "stun"))
 
 
 def test_gateway_guess() -> None:

@@ -2,7 +2,8 @@
 
 The parsing is pure (no I/O) so hostile answers can be tested without a router: an answer is
 exactly 12 (external address) or 16 (mapping) bytes, version 0, the opcode of the request plus
-128; anything else raises :class:`~swarm.errors.PortMapError`.
+128; anything else raises :class:`~swarm.errors.PortMapError`. :func:`exchange` also carries
+PCP (:mod:`swarm.net.pcp`), which shares the port.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarm.errors import PortMapError
@@ -25,6 +27,7 @@ RESULTS = {
     5: "unsupported opcode",
 }
 _RETRIES_S = (0.25, 0.5, 1.0)  # RFC 6886 3.1 starts at 250 ms and doubles
+MAX_ANSWER_BYTES = 1100  # a PCP message's limit (RFC 6887 7); NAT-PMP answers are 16 at most
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,23 @@ class _Exchange(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:  # type: ignore[override]
         if addr[0] == self.gateway and not self.answers.full():  # RFC 6886 3.1: only the gateway
-            self.answers.put_nowait(bytes(data[:64]))
+            self.answers.put_nowait(bytes(data[:MAX_ANSWER_BYTES]))
 
 
-async def exchange(gateway: str, request: bytes, *, local_host: str, answer_size: int) -> bytes:
-    """Send ``request`` to ``gateway:5351`` with RFC 6886 retries; the first answer of the size.
+async def exchange(
+    gateway: str,
+    request: bytes,
+    *,
+    local_host: str,
+    answer_size: int | None = None,
+    accept: Callable[[bytes], bool] | None = None,
+    protocol_name: str = "NAT-PMP",
+) -> bytes:
+    """Send ``request`` to ``gateway:5351`` with RFC 6886 retries; the first answer of
+    ``answer_size`` bytes (or that ``accept`` takes), others from the gateway are ignored.
 
     Raises:
-        PortMapError: no answer (no NAT-PMP on this gateway).
+        PortMapError: no answer (nothing listens on the gateway's port 5351).
     """
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.create_datagram_endpoint(
@@ -106,10 +118,10 @@ async def exchange(gateway: str, request: bytes, *, local_host: str, answer_size
                 async with asyncio.timeout(wait):
                     while True:
                         data = await protocol.answers.get()
-                        if len(data) == answer_size:
+                        if len(data) == answer_size or (accept is not None and accept(data)):
                             return data
             except TimeoutError:
                 continue
     finally:
         transport.close()
-    raise PortMapError(f"NAT-PMP: no answer from {gateway}")
+    raise PortMapError(f"{protocol_name}: no answer from {gateway}")

@@ -1,9 +1,12 @@
-"""Port mapping on the home router: UPnP-IGD first, NAT-PMP where UPnP is absent.
+"""Port mapping on the home router: UPnP-IGD first, then PCP, then NAT-PMP.
 
 UPnP-IGD goes through ``async-upnp-client`` (pure Python on aiohttp, so it installs everywhere
-swarm does, asyncio-native, and kept up as Home Assistant's UPnP layer); NAT-PMP (RFC 6886) is
-12-byte datagrams, handled in :mod:`swarm.net.natpmp`. One port number is mapped for both TCP
-(HTTP) and UDP (the DHT), for ``lease_s``, renewed at half the lease, and removed on close.
+swarm does, asyncio-native, and kept up as Home Assistant's UPnP layer); PCP (RFC 6887) and its
+predecessor NAT-PMP (RFC 6886) are single datagrams to the gateway's port 5351, handled in
+:mod:`swarm.net.pcp` and :mod:`swarm.net.natpmp`. A gateway that speaks neither is silent on
+that port, so NAT-PMP is only tried when PCP got an answer (a NAT-PMP gateway answers a PCP
+request with its version 0). One port number is mapped for both TCP (HTTP) and UDP (the DHT),
+for ``lease_s``, renewed at half the lease, and removed on close.
 """
 
 from __future__ import annotations
@@ -11,25 +14,27 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from swarm.address import PeerAddress
 from swarm.errors import PortMapError
-from swarm.net import natpmp
+from swarm.net import natpmp, pcp
 
 logger = logging.getLogger(__name__)
 
 DESCRIPTION = "swarm peer"
 _PROTOCOLS = ("tcp", "udp")
 SSDP_WAIT_S = 2  # seconds a UPnP search listens for gateways (SSDP MX)
+METHODS = ("upnp", "pcp", "natpmp")  # in the order they are tried
 
 
 @dataclass(frozen=True)
 class PortMapping:
     """A mapping the router granted."""
 
-    method: str  # "upnp" or "natpmp"
+    method: str  # "upnp", "pcp" or "natpmp"
     external: PeerAddress  # the router's public address and the mapped port
     internal: PeerAddress  # our LAN address and port
     lease_s: int  # seconds the router keeps it without a renewal
@@ -79,32 +84,46 @@ class PortMapper:
         internal: the address the peer is bound to (a specific LAN address, not a wildcard).
         lease_s: lease asked for; renewed at half of what the router grants.
         timeout: seconds for discovery and for each router request.
+        methods: the protocols to try, in order (a subset of :data:`METHODS`).
     """
 
-    def __init__(self, internal: PeerAddress, *, lease_s: int = 3600, timeout: float = 3.0):
+    def __init__(
+        self,
+        internal: PeerAddress,
+        *,
+        lease_s: int = 3600,
+        timeout: float = 3.0,
+        methods: tuple[str, ...] = METHODS,
+    ):
+        if not methods or not set(methods) <= set(METHODS):
+            raise ValueError(f"port mapping methods must be some of {METHODS}, not {methods}")
         self.internal = internal
         self.lease_s = lease_s
         self.timeout = timeout
+        self.methods = methods
         self.mapping: PortMapping | None = None
         self._device: Any = None
         self._gateway: str | None = None
+        self._nonce = os.urandom(pcp.NONCE_BYTES)  # names our PCP mappings in renewals
         self._renewal: asyncio.Task[None] | None = None
 
     async def map(self) -> PortMapping:
-        """Ask the router for a mapping, UPnP first, then NAT-PMP; start renewing it.
+        """Ask the router for a mapping (UPnP, then PCP, then NAT-PMP); start renewing it.
 
         Raises:
-            PortMapError: neither works; the message says what each answered.
+            PortMapError: none works; the message says what each answered.
         """
         reasons = []
-        for method in (self._map_upnp, self._map_natpmp):
+        for name in self.methods:
+            if name == "natpmp" and any(r.startswith("PCP: no answer") for r in reasons):
+                continue  # the port PCP found silent is NAT-PMP's too
             try:
-                self.mapping = await method()
+                self.mapping = await self._map_with(name)
             except (PortMapError, OSError, TimeoutError) as e:
                 reasons.append(str(e) or type(e).__name__)
                 continue
             except Exception as e:  # a malformed device description from the router
-                reasons.append(f"{method.__name__[5:]}: {type(e).__name__}: {e}")
+                reasons.append(f"{name}: {type(e).__name__}: {e}")
                 continue
             self._renewal = asyncio.create_task(self._renew_loop(), name="swarm-portmap-renew")
             logger.info(
@@ -116,6 +135,9 @@ class PortMapper:
             )
             return self.mapping
         raise PortMapError("; ".join(reasons))
+
+    async def _map_with(self, method: str) -> PortMapping:
+        return await getattr(self, f"_map_{method}")()
 
     # ---- UPnP-IGD
 
@@ -171,13 +193,47 @@ class PortMapper:
                     raise PortMapError(f"UPnP: router refused {name}: {e}") from e
         raise PortMapError(f"UPnP: the router offers no {name}")
 
+    # ---- PCP
+
+    async def _map_pcp(self, lease_s: int | None = None) -> PortMapping:
+        lease = self.lease_s if lease_s is None else lease_s
+        granted = [await self._pcp_map(protocol, lease) for protocol in _PROTOCOLS]
+        ports = {g.external_port for g in granted}
+        addresses = {g.external_ip for g in granted}
+        if len(ports) != 1 or len(addresses) != 1:  # one HOST:PORT for TCP and UDP
+            await self._remove_pcp()
+            raise PortMapError(f"PCP: router gave different addresses for TCP and UDP: {granted}")
+        lease = min(g.lifetime_s for g in granted)
+        external = PeerAddress(addresses.pop(), ports.pop())
+        return PortMapping("pcp", external, self.internal, lease)
+
+    async def _pcp_map(self, protocol: str, lease_s: int) -> pcp.MapAnswer:
+        host, port = self.internal.host, self.internal.port
+        request = pcp.map_request(protocol, host, port, lease_s, self._nonce)
+        answer = await natpmp.exchange(
+            self._gateway_address("PCP"),
+            request,
+            local_host=host,
+            accept=pcp.is_answer,
+            protocol_name="PCP",
+        )
+        return pcp.parse_map_answer(answer, protocol, port, self._nonce)
+
+    async def _remove_pcp(self) -> None:
+        for protocol in _PROTOCOLS:
+            await self._pcp_map(protocol, 0)
+
     # ---- NAT-PMP
 
-    async def _map_natpmp(self, lease_s: int | None = None) -> PortMapping:
+    def _gateway_address(self, protocol_name: str) -> str:
         gateway = self._gateway or default_gateway() or guess_gateway(self.internal.host)
         if gateway is None:
-            raise PortMapError("NAT-PMP: no default gateway found")
+            raise PortMapError(f"{protocol_name}: no default gateway found")
         self._gateway = gateway
+        return gateway
+
+    async def _map_natpmp(self, lease_s: int | None = None) -> PortMapping:
+        gateway = self._gateway_address("NAT-PMP")
         host = self.internal.host
         answer = await natpmp.exchange(
             gateway, natpmp.address_request(), local_host=host, answer_size=12
@@ -212,9 +268,8 @@ class PortMapper:
     async def _renew_loop(self) -> None:
         while self.mapping is not None:
             await asyncio.sleep(max(30.0, self.mapping.lease_s / 2))
-            renew = self._map_upnp if self.mapping.method == "upnp" else self._map_natpmp
             try:
-                renewed = await renew()
+                renewed = await self._map_with(self.mapping.method)
             except Exception as e:  # keep the old one; the router may still honour it
                 logger.warning("could not renew the port mapping %s: %s", self.mapping.external, e)
                 continue
@@ -241,6 +296,8 @@ class PortMapper:
                             NewExternalPort=mapping.external.port,
                             NewProtocol=protocol.upper(),
                         )
+                elif mapping.method == "pcp":
+                    await self._remove_pcp()
                 else:
                     await self._remove_natpmp()
         except Exception as e:  # the router may be gone; the lease ends the mapping anyway
