@@ -260,6 +260,62 @@ def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
     torch.testing.assert_close(acc, expected, rtol=1e-5, atol=1e-5)
 
 
+@given(
+    n=st.integers(1, 200),
+    chunk=st.integers(1, 64),
+    senders=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_reducer_centered_clip_chunk_by_chunk_in_any_arrival_order(n, chunk, senders, seed):
+    """Each chunk is CenteredClip of its own rows, whatever order chunks arrive and finish in
+    (chunks are reduced as soon as ready, so row buffers are reused while others are in flight),
+    also after a sender broke off and the part restarted without it."""
+    from swarm.averaging.robust import centered_clip
+
+    rng = random.Random(seed)
+    codec = get_codec("none")
+    values = [torch.randn(n, generator=torch.Generator().manual_seed(seed + i)) for i in range(6)]
+    values[1] *= 50.0  # an outlier, so that clipping really happens
+    acc = torch.empty(n)
+    chunks = _chunks(n, chunk)
+    expected = list(range(1, senders + 1))
+    r = PartReducer(acc, chunks, expected)
+    r.begin(values[0], 1.0)
+    quitter = expected[-1] if len(chunks) > 1 else None
+    for attempt in range(2):
+        for s in r.expected:
+            r.accept(s, 1.0)
+        progress = dict.fromkeys(r.expected, 0)
+        finished = 0
+        while not r.settled() or (finished < len(chunks) and not r.tainted):
+            open_ = [
+                s for s in r.expected if r.state(s) in (SenderState.PENDING, SenderState.STREAMING)
+            ]
+            if open_:
+                s = rng.choice(open_)
+                i = r.next_index(s)
+                a, b = chunks[i]
+                r.add_chunk(s, i, codec.encode(values[s][a:b]))
+                r.chunk_added(s)
+                progress[s] += 1
+                if attempt == 0 and s == quitter and progress[s] == 1:
+                    r.fail(s)  # breaks off after one chunk: taints the part
+                elif progress[s] == len(chunks):
+                    r.complete(s)
+            if not r.tainted and finished < len(chunks) and r.chunk_ready(finished):
+                r.finish_chunk(finished, r.chunk_total(finished))  # as the owner: at once
+                finished += 1
+        if not r.tainted:
+            break
+        assert r.restart() == tuple(e for e in expected if e != quitter)
+    live = [0, *r.contributors()]
+    for a, b in chunks:
+        rows = torch.stack([values[m][a:b] for m in live])
+        want = centered_clip(rows, [1.0] * len(live)).center
+        torch.testing.assert_close(acc[a:b], want.float(), rtol=1e-5, atol=1e-5)
+
+
 def finish(r: PartReducer) -> tuple[int, ...]:
     """Average every chunk, as the owner does once each is ready; returns the contributors."""
     for index in range(len(r.chunks)):
@@ -515,6 +571,31 @@ def test_centered_clip_bounds_one_outlier(k, n, scale, seed):
     assert torch.isfinite(clip.center).all()
     assert float((clip.center - mean).norm()) <= 2.0 * spread + 1e-9
     assert clip.scales[-1] < 0.1  # the outlier was clipped (and will be reported)
+
+
+def test_centered_clip_leaves_blatant_outliers_out():
+    """Far beyond ten radii a contribution pulls nothing, whatever its size or claimed weight."""
+    from swarm.averaging.robust import centered_clip
+
+    honest = torch.randn(5, 500, generator=torch.Generator().manual_seed(3)) * 0.1 + 1.0
+    mean = honest.double().mean(0)
+    spread = float((honest.double() - mean).norm(dim=1).mean())
+    centers = []
+    for flip, huge, weight in ((-1e4, 1e30, 1.0), (-1e6, 1e20, 2.0)):
+        rows = torch.cat((honest, flip * honest[:1], torch.full((1, 500), huge)))
+        clip = centered_clip(rows, [1.0] * 5 + [weight, weight])
+        assert max(clip.scales[-2:]) < 0.1  # both reported as clipped
+        centers.append(clip.center.double())
+    torch.testing.assert_close(centers[0], centers[1])
+    assert float((centers[0] - mean).norm()) < 0.2 * spread
+
+
+def test_centered_clip_where_only_outliers_claim_a_weight_stays_finite():
+    from swarm.averaging.robust import centered_clip
+
+    rows = torch.cat((torch.zeros(3, 50), torch.full((2, 50), 1e6)))
+    clip = centered_clip(rows, [0.0, 0.0, 0.0, 1.0, 1.0])
+    assert torch.isfinite(clip.center).all() and float(clip.center.abs().max()) == 0.0
 
 
 def test_centered_clip_is_exact_when_nobody_is_clipped():

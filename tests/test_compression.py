@@ -280,13 +280,16 @@ def test_1bit_decodes_to_sign_times_block_mean(shape, dist, seed, block):
     seed=st.integers(0, 2**31),
     weight=st.sampled_from([1.0, -1.0, 0.25]),
 )
-def test_decode_into_accumulates(spec, shape, dist, seed, weight):
+def test_decode_into_accumulates_or_overwrites(spec, shape, dist, seed, weight):
     x = make(dist, shape, seed, torch.float32)
     payload = get_codec(spec).encode(x)
     base = make("normal", (x.numel(),), seed + 1, torch.float32)
     out = base.clone()
     assert decode_into(payload, out, weight) is out
     assert torch.allclose(out, base + weight * decode(payload).view(-1), rtol=1e-5, atol=1e-5)
+    out = base.clone()  # overwriting: nothing of what the buffer held survives
+    assert decode_into(payload, out, weight, accumulate=False) is out
+    assert torch.allclose(out, weight * decode(payload).view(-1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec", specs_under_test())

@@ -70,8 +70,7 @@ class FlatFeedback:
         except CompressionError:
             r.zero_()
             raise
-        values.zero_()
-        decode_into(payload, values, 1.0)  # values = D(c), what every receiver applies
+        decode_into(payload, values, accumulate=False)  # values = D(c), what receivers apply
         r.sub_(values)  # r = e - D(c)
         return payload
 

@@ -13,7 +13,10 @@ With ``aggregator="centered_clip"`` (the default) the senders' chunks are decode
 each instead of being added, and a chunk is reduced by :func:`~swarm.averaging.robust.
 centered_clip` with weights capped at ``weight_cap`` times the group's median once every sender
 delivered it (or was dropped); ``aggregator="mean"`` is the plain weighted mean above, for
-swarms whose peers are all trusted.
+swarms whose peers are all trusted. The rows of a chunk live in a buffer of their own, taken
+from a pool when its first row arrives and given back once the chunk is reduced: memory holds
+the chunks in flight, not the whole part once per sender, and reused buffers cost no fresh
+pages.
 
 The tensor work (:meth:`PartReducer.begin`, :meth:`add_chunk`, :meth:`finish_chunk`) is meant
 for a worker thread; the bookkeeping methods are cheap and belong to the event loop. Work on one
@@ -96,8 +99,10 @@ class PartReducer:
         self.robust = aggregator == "centered_clip"
         self.weight_cap = weight_cap
         self._slots = {s: i + 1 for i, s in enumerate(self.expected)}
-        # centered_clip: row 0 holds the owner's values, row slot(s) sender s's decoded values
-        self._rows: torch.Tensor | None = None
+        # centered_clip, per chunk in flight: row 0 the owner's values, row slot(s) sender s's
+        self._rows: dict[int, torch.Tensor] = {}
+        self._spare: list[torch.Tensor] = []  # buffers of reduced chunks, for the next ones
+        self._pool_lock = threading.Lock()
         self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
         self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
         self.own_weight = 0.0
@@ -112,13 +117,8 @@ class PartReducer:
     def begin(self, own: torch.Tensor, own_weight: float) -> None:
         """Start from the owner's own values: ``acc = own_weight * own``."""
         self._own, self.own_weight = own, check_weight(own_weight)
-        if self.robust:
-            if self._rows is None:
-                shape = (1 + len(self.expected), self.acc.numel())
-                self._rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
-            self._rows[0].copy_(own)
-            return
-        torch.mul(own, self.own_weight, out=self.acc)
+        if not self.robust:
+            torch.mul(own, self.own_weight, out=self.acc)
 
     def add_chunk(self, sender: int, index: int, payload: bytes | memoryview) -> None:
         """Add ``weight * D(payload)`` into chunk ``index`` (call :meth:`accept` first).
@@ -131,10 +131,9 @@ class PartReducer:
         if header.numel != end - start:
             raise CompressionError(f"chunk {index} holds {header.numel}, expected {end - start}")
         with self._locks[index]:
-            if self._rows is not None:
-                row = self._rows[self._slots[sender], start:end]
-                row.zero_()
-                decode_into(payload, row, 1.0)
+            if self.robust:
+                row = self._chunk_rows(index)[self._slots[sender], : end - start]
+                decode_into(payload, row, accumulate=False)
             else:
                 decode_into(payload, self.acc[start:end], self._senders[sender].weight)
 
@@ -145,7 +144,7 @@ class PartReducer:
         When the weights sum to 0 the owner's own values are restored (nothing to average).
         """
         start, end = self.chunks[index]
-        if self._rows is not None:
+        if self.robust:
             return self._clip_chunk(index, start, end)
         with self._locks[index]:
             if total > 0:
@@ -154,8 +153,28 @@ class PartReducer:
                 self.acc[start:end].copy_(self._own[start:end])
         return self.acc[start:end]
 
+    def _chunk_rows(self, index: int) -> torch.Tensor:
+        """The row buffer of chunk ``index`` (call under its lock)."""
+        rows = self._rows.get(index)
+        if rows is None:
+            with self._pool_lock:
+                if self._spare:
+                    rows = self._spare.pop()
+                else:
+                    width = max(e - s for s, e in self.chunks)
+                    shape = (1 + len(self._slots), width)
+                    rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
+            self._rows[index] = rows
+        return rows
+
+    def _release_rows(self, index: int) -> None:
+        rows = self._rows.pop(index, None)
+        if rows is not None:
+            with self._pool_lock:
+                self._spare.append(rows)
+
     def _clip_chunk(self, index: int, start: int, end: int) -> torch.Tensor:
-        if self._own is None or self._rows is None:
+        if self._own is None:
             raise AveragingError("finish_chunk() before begin()")
         live = sorted(self.delivered(index), key=self._slots.__getitem__)  # row order
         weights = cap_weights([self.own_weight, *(self._senders[s].weight for s in live)])
@@ -163,15 +182,18 @@ class PartReducer:
         with self._locks[index]:
             if not live or sum(weights) <= 0:
                 out.copy_(self._own[start:end])
+                self._release_rows(index)
                 return out
+            buffer = self._chunk_rows(index)
+            buffer[0, : end - start].copy_(self._own[start:end])
             slots = [0, *(self._slots[s] for s in live)]
-            if len(slots) == self._rows.shape[0]:  # everyone delivered: a view, no copy
-                rows = self._rows[:, start:end]
+            if len(slots) == buffer.shape[0]:  # everyone delivered: a view, no copy
+                rows = buffer[:, : end - start]
             else:
-                index = torch.tensor(slots, device=self._rows.device)
-                rows = self._rows[index, start:end]
+                rows = buffer[torch.tensor(slots, device=buffer.device), : end - start]
             clip = centered_clip(rows, weights)
             out.copy_(clip.center)
+            self._release_rows(index)
         for sender, scale in zip(live, clip.scales[1:], strict=True):
             if scale < CLIPPED_BELOW:
                 self.clipped[sender] = min(scale, self.clipped.get(sender, 1.0))

@@ -9,18 +9,21 @@ on, and values may be huge, sign-flipped or crafted to overflow a float32 accumu
   centre by the weighted mean of the offsets, each offset clipped to the radius ``tau`` = the
   median of the contributions' distances to the centre (the medoid's own 0 left out). A
   contribution far from the others moves the result by at most its weight share times ``tau``,
-  however large its values; one clipped hard (its offset scaled below :data:`OUTLIER_SCALE`)
-  counts at most the median weight, so a claimed weight cannot amplify an outlier's pull. When
-  every contribution lies within ``tau`` a step gives the exact weighted mean. Two
-  contributions are averaged as they are: without a majority neither can be called wrong.
+  however large its values; one clipped hard (its offset scaled below :data:`OUTLIER_SCALE`,
+  so more than ten radii away, where no honest contribution of the group lies) is left out of
+  the step altogether: a blatant attack (huge values, a sign flip, a huge weight) then moves the
+  result not at all, and only a contribution placed within ten radii pulls, by at most its
+  share times ``tau``. When every contribution lies within ``tau`` a step gives the exact
+  weighted mean. Two contributions are averaged as they are: without a majority neither can
+  be called wrong.
 
 The work runs on the chunk's device, in float32 when no difference or norm can overflow there
-and in float64 otherwise (values near the float32 limit).
+and in float64 otherwise (values near the float32 limit): the Gram matrix of the rows, which the
+distances need anyway, tells which.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 CLIP_ITERATIONS = 2
-OUTLIER_SCALE = 0.1  # a contribution scaled below this is an outlier (reported, weight limited)
-_SAFE_F32 = 1e18  # max |value| * sqrt(n) below which float32 norms of differences cannot overflow
+OUTLIER_SCALE = 0.1  # a contribution scaled below this is an outlier (reported, left out)
+_SAFE_F32 = 1e18  # row norm below which float32 norms of differences cannot overflow
 
 
 def cap_weights(weights: Sequence[float], ratio: float = 2.0) -> list[float]:
@@ -59,24 +62,24 @@ def centered_clip(
         weights: ``k`` weights >= 0; when they sum to 0 every row counts the same.
         iterations: clipping steps after the medoid start.
     """
-    k, n = rows.shape
-    low, high = torch.aminmax(rows) if rows.numel() else (torch.zeros(()), torch.zeros(()))
-    big = max(-float(low), float(high))
-    x = rows.float() if big * math.sqrt(max(n, 1)) < _SAFE_F32 else rows.double()
-    w = torch.tensor([float(v) for v in weights], dtype=x.dtype, device=x.device)
-    if float(w.sum()) <= 0:
-        w = torch.ones(k, dtype=x.dtype, device=x.device)
+    k = rows.shape[0]
+    x = rows.float()
     if k == 1:
         return ClipResult(x[0].clone(), (1.0,), 0.0)
-    if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
-        return ClipResult((w / w.sum()) @ x, (1.0, 1.0), 0.0)
     # distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
     # matrix-vector product: no k x n temporary per iteration
     gram = x @ x.T
+    if not bool(gram.diagonal().max() < _SAFE_F32**2):  # huge norms (or inf): exact in float64
+        x = rows.double()
+        gram = x @ x.T
+    w = torch.tensor([float(v) for v in weights], dtype=x.dtype, device=x.device)
+    if float(w.sum()) <= 0:
+        w = torch.ones(k, dtype=x.dtype, device=x.device)
+    if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
+        return ClipResult((w / w.sum()) @ x, (1.0, 1.0), 0.0)
     sq = gram.diagonal().clone()
     start, dist2 = _medoid(gram)
     v = x[start].clone()
-    median_weight = float(w.median())
     scale = torch.ones(k, dtype=x.dtype, device=x.device)
     tau = 0.0
     for step in range(iterations):
@@ -88,9 +91,11 @@ def centered_clip(
             dist = others = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
         tau = float(others.median())  # the lower median: one of two far rows is clipped
         scale = torch.where(dist > tau, tau / torch.clamp(dist, min=torch.finfo(x.dtype).tiny), 1.0)
-        wk = torch.where(scale < OUTLIER_SCALE, torch.clamp(w, max=median_weight), w)
-        c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v)
-        v = c @ x + (1 - c.sum()) * v
+        wk = torch.where(scale < OUTLIER_SCALE, 0.0, w)
+        if not float(wk.sum()) > 0:  # only outliers claim a weight: stay at the medoid
+            break
+        c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v) = (1 - sum c) v + x^T c
+        v = torch.addmv(v, x.T, c, beta=float(1 - c.sum()))
     return ClipResult(v, tuple(float(s) for s in scale.cpu()), tau)
 
 

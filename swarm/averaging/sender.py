@@ -195,8 +195,6 @@ class PartSender:
             header = read_header(payload, max_numel=end - start)
             if header.numel != end - start:
                 raise CompressionError(f"chunk holds {header.numel}, expected {end - start}")
-            out = self.result[start:end]
-            out.zero_()
-            decode_into(payload, out, 1.0)
+            decode_into(payload, self.result[start:end], accumulate=False)
         except CompressionError as e:
             raise OwnerLied(f"sent an averaged chunk that does not decode: {e}") from e

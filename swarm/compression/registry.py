@@ -126,7 +126,11 @@ def decode(
 
 
 def decode_into(
-    payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0
+    payload: bytes | bytearray | memoryview,
+    out: torch.Tensor,
+    weight: float = 1.0,
+    *,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """Accumulate a payload into ``out``: ``out += weight * decode(payload)``, without a temporary.
 
@@ -137,6 +141,8 @@ def decode_into(
         payload: bytes produced by :meth:`Codec.encode`.
         out: contiguous float tensor on the device where the work happens.
         weight: factor applied to the decoded values (e.g. a peer's share of the samples).
+        accumulate: False overwrites instead, ``out = weight * decode(payload)`` (no pass to
+            zero ``out`` first).
 
     Returns:
         ``out``.
@@ -153,7 +159,9 @@ def decode_into(
         raise CompressionError(
             f"payload holds {header.numel} elements, output buffer has {out.numel()}"
         )
-    codec._decode(header, sections, out.view(-1), True, float(weight))
+    codec._decode(header, sections, out.view(-1), accumulate, float(weight))
+    if not accumulate and weight != 1.0:
+        out.mul_(weight)
     return out
 
 
