@@ -171,14 +171,19 @@ class AllReduce:
 def _deviations(
     flat: torch.Tensor, result: torch.Tensor, ranges: dict[int, tuple[int, int]]
 ) -> dict[int, float]:
-    """Per part, ``||result - flat|| / ||flat||`` (inf when it overflows, NaN when the result
-    holds NaN or inf: see :func:`swarm.averaging.checks.not_finite`)."""
+    """Per part, ``||result - flat|| / ||flat||`` (NaN when the result holds NaN or inf: see
+    :func:`swarm.averaging.checks.not_finite`). Norms that overflow float32 (values near its
+    limit) are taken again in float64, so huge own values do not read as a bad average."""
     out = {}
     for j, (start, end) in ranges.items():
         mine, got = flat[start:end], result[start:end]
         diff = float(torch.linalg.vector_norm(got - mine))
-        if not math.isfinite(diff) and not bool(torch.isfinite(got).all()):
-            out[j] = math.nan  # checked only here: a finite norm means finite values
-            continue
-        out[j] = diff / max(float(torch.linalg.vector_norm(mine)), 1e-30)
+        size = float(torch.linalg.vector_norm(mine))
+        if not (math.isfinite(diff) and math.isfinite(size)):
+            if not bool(torch.isfinite(got).all()):
+                out[j] = math.nan  # checked only here: a finite norm means finite values
+                continue
+            diff = float(torch.linalg.vector_norm(got.double() - mine.double()))
+            size = float(torch.linalg.vector_norm(mine, dtype=torch.float64))
+        out[j] = diff / max(size, 1e-30)
     return out
