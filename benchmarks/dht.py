@@ -11,9 +11,10 @@ POSIX, TerminateProcess on Windows) and the same operations run again at once: g
 stored before (those the dead nodes held included) and fresh stores with their gets.
 
 Prints one JSON object per configuration: nodes, killed_fraction, success_rate, get_p50_ms,
-get_p90_ms, store_p50_ms, store_p90_ms, bootstrap_s, rss_mb_per_node (the growth of the workers'
-resident memory while creating their nodes, per node), plus the operation counts and the host's
-1-minute load average (load_avg_1m).
+get_p90_ms, store_p50_ms, store_p90_ms, bootstrap_s, bootstrap_empty (nodes whose routing table
+was empty after joining, their initial peer too busy to answer in time: they join again by
+themselves), rss_mb_per_node (the growth of the workers' resident memory while creating their
+nodes, per node), plus the operation counts and the host's 1-minute load average (load_avg_1m).
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ async def _serve(conn: Any, seed: int) -> None:
                 joining = nodes[1:]
             else:
                 joining = nodes
+            unjoined = 0  # nodes left with no contact: they rejoin by themselves
             for start in range(0, len(joining), 8):
-                await asyncio.gather(
+                counts = await asyncio.gather(
                     *(n.bootstrap([bootstrap]) for n in joining[start : start + 8])
                 )
-            conn.send((bootstrap, rss_mb() - before))
+                unjoined += counts.count(0)
+            conn.send((bootstrap, rss_mb() - before, unjoined))
         elif cmd in ("store", "get"):
             results = []
             for key, value in args[0]:
@@ -145,7 +148,9 @@ def pct(values: list[float], q: float) -> float:
     return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 2)
 
 
-def report(nodes: int, killed: float, boot_s: float, rss: float, stores, gets) -> dict[str, Any]:
+def report(
+    nodes: int, killed: float, boot_s: float, rss: float, stores, gets, unjoined: int
+) -> dict[str, Any]:
     oks = stores[0] + gets[0]
     return {
         "nodes": nodes,
@@ -156,6 +161,7 @@ def report(nodes: int, killed: float, boot_s: float, rss: float, stores, gets) -
         "store_p50_ms": pct(stores[1], 50),
         "store_p90_ms": pct(stores[1], 90),
         "bootstrap_s": round(boot_s, 2),
+        "bootstrap_empty": unjoined,
         "rss_mb_per_node": round(rss, 3),
         "stores": len(stores[0]),
         "gets": len(gets[0]),
@@ -181,18 +187,21 @@ def bench(total: int, processes: int, ops: int, kill: float, timeout: float) -> 
     try:
         counts = spread(total, processes)
         started = time.perf_counter()
-        bootstrap, rss0 = workers[0].ask("start", counts[0], None, timeout)
+        bootstrap, rss0, unjoined = workers[0].ask("start", counts[0], None, timeout)
         rss = [rss0]
         for w, count in zip(workers[1:], counts[1:], strict=True):
             w.conn.send(("start", count, bootstrap, timeout))
-        rss += [w.conn.recv()[1] for w in workers[1:]]
+        for w in workers[1:]:
+            _, grown, failed = w.conn.recv()
+            rss.append(grown)
+            unjoined += failed
         boot_s = time.perf_counter() - started
         rss_per_node = sum(rss) / total
 
         items = [(f"bench/{i}", b"value-%d" % i) for i in range(ops)]
         stores = run_ops(workers, "store", items, rng)
         gets = run_ops(workers, "get", items, rng)
-        out = [report(total, 0.0, boot_s, rss_per_node, stores, gets)]
+        out = [report(total, 0.0, boot_s, rss_per_node, stores, gets, unjoined)]
         print(json.dumps(out[-1]), flush=True)
 
         if kill > 0:
@@ -208,7 +217,7 @@ def bench(total: int, processes: int, ops: int, kill: float, timeout: float) -> 
             new_stores = run_ops(alive, "store", fresh, rng)
             new_gets = run_ops(alive, "get", fresh, rng)
             gets = (old_gets[0] + new_gets[0], old_gets[1] + new_gets[1])
-            out.append(report(total, killed, boot_s, rss_per_node, new_stores, gets))
+            out.append(report(total, killed, boot_s, rss_per_node, new_stores, gets, unjoined))
             print(json.dumps(out[-1]), flush=True)
             workers = alive
         return out

@@ -131,6 +131,59 @@ async def test_wrong_swarm_key_cannot_join():
         await bad.close()
 
 
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_node_that_could_not_join_joins_at_its_next_read():
+    port = free_udp_port()  # the initial peer is not up yet
+    lonely = await DHTNode.create(
+        Identity.generate(), Membership.open(), host=HOST, request_timeout=0.3
+    )
+    nodes: list[DHTNode] = []
+    try:
+        assert await lonely.bootstrap([f"{HOST}:{port}"], attempts=1) == 0
+        nodes.append(
+            await DHTNode.create(Identity.generate(), Membership.open(), host=HOST, port=port)
+        )
+        for _ in range(3):
+            nodes.append(await DHTNode.create(Identity.generate(), Membership.open(), host=HOST))
+            assert await nodes[-1].bootstrap([f"{HOST}:{port}"]) > 0
+        assert await nodes[-1].store("run/peers", b"up", later()) >= 2
+        got = await lonely.get("run/peers")
+        assert [e.value for e in got.values()] == [b"up"]
+        assert len(lonely.contacts()) == 4
+    finally:
+        await asyncio.gather(*(n.close() for n in [lonely, *nodes]))
+
+
+async def test_a_node_whose_contacts_all_failed_rejoins_through_a_former_one():
+    seed, other, node = [
+        await DHTNode.create(Identity.generate(), Membership.open(), host=HOST, request_timeout=0.3)
+        for _ in range(3)
+    ]
+    other_identity, other_port = other.identity, other.port
+    back = None
+    try:
+        for joiner in (other, node):
+            assert await joiner.bootstrap([f"{HOST}:{seed.port}"]) > 0
+        await eventually(lambda: len(node.contacts()) == 2)
+        await seed.close()  # gone for good
+        await other.close()  # gone for a while (a network outage looks the same)
+        assert await node.get("missing") == {}
+        await eventually(lambda: node.contacts() == [])  # both failed twice: evicted
+
+        back = await DHTNode.create(other_identity, Membership.open(), host=HOST, port=other_port)
+        assert await back.store("run/peers", b"back", later()) == 1  # it knows nobody yet
+        got = await node.get("run/peers")  # the seed is dead; the former contact answers
+        assert [e.value for e in got.values()] == [b"back"]
+        assert [c.id for c in node.contacts()] == [back.node_id]
+    finally:
+        await asyncio.gather(*(n.close() for n in [seed, other, node, back] if n is not None))
+
+
 async def test_allow_list_admits_only_listed_keys():
     ids = [Identity.generate() for _ in range(3)]
     allowed = Membership.allow_list({i.public_key for i in ids[:2]})

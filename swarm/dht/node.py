@@ -51,6 +51,8 @@ _REFRESH_IN_PARALLEL = 6
 _REFRESH_KSIZE = 4
 BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
+REJOIN_CHECK_S = 5.0  # how often an empty routing table is noticed in the background
+REJOIN_BACKOFF_S = (1.0, 60.0)  # wait after a rejoin that nobody answered: doubles up to the cap
 
 
 class DHTNode:
@@ -99,6 +101,10 @@ class DHTNode:
         self.protocol: SwarmProtocol | None = None
         self._refresh: asyncio.Task[None] | None = None
         self._verified: dict[tuple[bytes, bytes], None] = {}
+        self._seeds: list[PeerAddress] = []  # the initial peers, to rejoin through
+        self._rejoin_lock = asyncio.Lock()
+        self._rejoin_after = 0.0  # monotonic time before which no rejoin is tried again
+        self._rejoin_wait = REJOIN_BACKOFF_S[0]
 
     @classmethod
     async def create(
@@ -174,8 +180,14 @@ class DHTNode:
         """The routing table's contacts."""
         return self._protocol.router.contacts()
 
-    async def bootstrap(self, addresses: Iterable[str]) -> int:
+    async def bootstrap(
+        self, addresses: Iterable[str], *, attempts: int = BOOTSTRAP_ATTEMPTS
+    ) -> int:
         """Join through any live nodes given as ``HOST:PORT`` (hostnames are resolved).
+
+        The addresses are remembered: should the routing table ever empty (nobody answered
+        here, a network outage evicted every contact), the node joins through them again, and
+        through the contacts it evicted last, before its next lookup and in the background.
 
         Returns:
             How many contacts the routing table holds afterwards (0: nobody answered).
@@ -184,26 +196,63 @@ class DHTNode:
             ConfigError: an address is not ``HOST:PORT``.
         """
         parsed = [PeerAddress.parse(text) for text in addresses]
-        resolved = await asyncio.gather(*(self._resolve(a) for a in parsed))
-        targets = sorted({addr for group in resolved for addr in group})
+        self._seeds = list(dict.fromkeys([*self._seeds, *parsed]))
         answered = 0
-        for attempt in range(BOOTSTRAP_ATTEMPTS):
+        for attempt in range(attempts):
             if attempt:  # a lost datagram or a flooded peer: try again, backing off
                 await asyncio.sleep(BOOTSTRAP_BACKOFF_S * 2 ** (attempt - 1))
                 logger.info("no initial peer answered yet; retry %d", attempt)
-            answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in targets))
-            answered = sum(a is not None for a in answers)
-            if answered or not targets:
+            answered = await self._ping_known(parsed)
+            if answered or not parsed:
                 break
         if answered == 0:
             logger.warning("no initial peer answered: %s", ", ".join(map(str, parsed)))
             return 0
+        count = await self._fill_table()
+        logger.info("DHT joined through %d initial peer(s); %d contacts", answered, count)
+        return count
+
+    async def _ping_known(
+        self, seeds: list[PeerAddress], former: list[tuple[str, int]] = ()
+    ) -> int:
+        """First-contact pings to the seeds (resolved now) and to former contacts' addresses
+        (whoever answers there now: a restarted node has new keys); how many answered."""
+        resolved = await asyncio.gather(*(self._resolve(a) for a in seeds))
+        targets = {addr for group in resolved for addr in group} | set(former)
+        answers = await asyncio.gather(*(self._protocol.ping_address(a) for a in sorted(targets)))
+        return sum(a is not None for a in answers)
+
+    async def _fill_table(self) -> int:
         await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
         if not self.client:
             await self.refresh_buckets()
-        count = len(self.contacts())
-        logger.info("DHT joined through %d initial peer(s); %d contacts", answered, count)
-        return count
+        return len(self.contacts())
+
+    async def rejoin(self) -> int:
+        """Join again through the initial peers and the contacts evicted last, unless the
+        routing table has contacts or a rejoin that nobody answered was tried moments ago
+        (the wait doubles up to a minute). Returns the routing table's size afterwards."""
+        async with self._rejoin_lock:
+            protocol = self._protocol
+            loop = asyncio.get_running_loop()
+            if protocol.router.contacts() or loop.time() < self._rejoin_after:
+                return len(protocol.router.contacts())
+            former = [c.address for c in protocol.evicted.values()][-self.ksize :]
+            if not self._seeds and not former:
+                return 0
+            if await self._ping_known(self._seeds, former):
+                self._rejoin_wait = REJOIN_BACKOFF_S[0]
+                count = await self._fill_table()
+                logger.info("DHT routing table was empty; rejoined, %d contacts", count)
+                return count
+            self._rejoin_after = loop.time() + self._rejoin_wait
+            self._rejoin_wait = min(2 * self._rejoin_wait, REJOIN_BACKOFF_S[1])
+            logger.warning(
+                "the DHT routing table is empty and no initial or former peer answered; "
+                "retrying within %.0f s",
+                self._rejoin_wait,
+            )
+            return 0
 
     async def _resolve(self, address: PeerAddress) -> list[tuple[str, int]]:
         loop = asyncio.get_running_loop()
@@ -233,6 +282,8 @@ class DHTNode:
         digest = key_digest(key)
         entry = DHTEntry.create(self.identity, digest, subkey, bytes(value), float(expiration))
         protocol = self._protocol
+        if not protocol.router.contacts():
+            await self.rejoin()
         found = await lookup(protocol, digest, ksize=self.ksize, alpha=self.alpha)
         goal = int.from_bytes(digest, "big")
         stored = 0
@@ -271,6 +322,8 @@ class DHTNode:
             ``{(owner, subkey): entry}`` with only verified, unexpired entries, the latest per slot.
         """
         digest = key_digest(key)
+        if not self._protocol.router.contacts():
+            await self.rejoin()
         found = await lookup(
             self._protocol,
             digest,
@@ -330,12 +383,18 @@ class DHTNode:
         return True
 
     async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        refresh_at = loop.time() + self.refresh_interval
         while True:
-            await asyncio.sleep(self.refresh_interval)
-            self.storage.cull()
+            await asyncio.sleep(max(0.0, min(REJOIN_CHECK_S, refresh_at - loop.time())))
             try:
-                await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
-                await self.refresh_buckets()
+                if not self._protocol.router.contacts():
+                    await self.rejoin()
+                if loop.time() < refresh_at:
+                    continue
+                refresh_at = loop.time() + self.refresh_interval
+                self.storage.cull()
+                await self._fill_table()
             except DHTError as e:
                 logger.debug("routing-table refresh failed: %s", e)
 

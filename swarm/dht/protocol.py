@@ -68,6 +68,7 @@ MIN_TIMEOUT_S = 1.0
 MIN_STALL_S = 0.1
 SUSPECT_FOR_S = 30.0  # a node that failed twice in a row is skipped by lookups this long
 _MAX_SUSPECTS = 4096
+MAX_EVICTED = 64  # contacts evicted lately, kept to rejoin through should the table empty
 REPLICATE_BATCH_S = 0.5  # newcomers met within this long get their records in one pass
 REPLICATION_QUEUE = 4096  # (newcomer, key) pairs waiting; past this, the oldest are dropped
 REPLICATION_RATE = 200.0  # replication stores sent per second, at most
@@ -113,6 +114,9 @@ class SwarmProtocol(KademliaProtocol):
         self._pending: dict[bytes, tuple[asyncio.Future[Any], Any]] = {}
         self._failures: dict[bytes, int] = {}
         self._suspects: dict[bytes, float] = {}  # node id -> monotonic time of last failure
+        # the paper keeps stale contacts when nothing replaces them; we drop them from the table
+        # (lookups must not wait on them) but remember the last few to rejoin through
+        self.evicted: OrderedDict[bytes, Contact] = OrderedDict()
         self._newcomers: dict[bytes, Contact] = {}
         self._replicator: asyncio.Task[Any] | None = None  # sends newcomers their records
         self._replication: deque[tuple[Contact, bytes]] = deque(maxlen=REPLICATION_QUEUE)
@@ -413,6 +417,10 @@ class SwarmProtocol(KademliaProtocol):
             self._failures.pop(contact.id, None)
             logger.debug("%s did not answer twice; removed from the routing table", contact)
             self.router.remove_contact(contact)
+            self.evicted[contact.id] = contact
+            self.evicted.move_to_end(contact.id)
+            while len(self.evicted) > MAX_EVICTED:
+                self.evicted.popitem(last=False)
         else:
             self._failures[contact.id] = count
 
@@ -432,6 +440,7 @@ class SwarmProtocol(KademliaProtocol):
         if node.id == self.source_node.id or node.client:
             return
         self._suspects.pop(node.id, None)
+        self.evicted.pop(node.id, None)
         is_new = self.router.is_new_node(node)
         self.router.add_contact(node)  # for a known node: refreshes its position and address
         if not is_new:
