@@ -33,7 +33,9 @@ ATTACKS = [
     Fault.SKIP_REPLY,
     Fault.NAN_OWNER,
 ]
-HONEST_DEV_BOUND = 1.0  # the benchmark's "poisoned" line; its goal (0.5) is reported there
+HONEST_DEV_BOUND = 1.0  # the benchmark's "poisoned" line
+HONEST_DEV_GOAL = 0.5  # issue 11's goal, for every attack and every round
+OWNER_FAULTS = (*LIARS, Fault.SKIP_REPLY)  # their parts fail: averaged again without them
 
 
 def honest_values(seed: int, numel: int = NUMEL) -> torch.Tensor:
@@ -109,11 +111,15 @@ async def test_honest_peers_stay_near_the_honest_mean(n: int, attackers: int, fa
         assert not (named - bad), [str(r) for r in first.refusals]  # no honest peer named
         for result, got in zip(mine, values, strict=True):
             assert torch.isfinite(got).all()
-            assert honest_dev(got, honest) <= HONEST_DEV_BOUND, (fault, result)
+            assert honest_dev(got, honest) <= HONEST_DEV_GOAL, (fault, result)
+        if fault in OWNER_FAULTS:  # the attackers' parts, averaged again by the honest peers
+            honest_ids = set(first.members) - bad
+            owned = [j for j, m in enumerate(first.members) if m in bad]
+            assert all(set(first.parts[j]) == honest_ids for j in owned), first
+            assert "averaged again" in first.reason, first
         if rounds > 1:  # the liar was accused in round 1: excluded from round 2
             last = mine[-1]
             assert {r.peer for r in last.refusals if r.action == "excluded"} == bad, last
-            assert honest_dev(values[-1], honest) <= 0.5
 
 
 async def test_plain_mean_is_one_setting_away_and_exact() -> None:

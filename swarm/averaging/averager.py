@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.allreduce import AllReduce
+from swarm.averaging.allreduce import AllReduce, RoundParts
 from swarm.averaging.context import RoundContext
 from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
@@ -40,6 +40,7 @@ from swarm.averaging.planner import GroupPlanner, RoundKey
 from swarm.averaging.prober import Prober
 from swarm.averaging.reducer import check_weight
 from swarm.averaging.registry import RoundRegistry
+from swarm.averaging.repair import Repair
 from swarm.averaging.result import Refusal, RoundResult
 from swarm.averaging.stall import StallPolicy
 from swarm.averaging.workers import Workers
@@ -319,6 +320,9 @@ class Averager:
         finally:
             self._rounds.end(group.group_id)
             self.current_group = None
+        repair = Repair.plan(group, plan, me, set(outcome.parts))
+        if repair is not None:
+            outcome = await self._repair(repair, ctx, outcome, flat, result, started)
         self.planner.forget(self.liveness.gone)
         parts_idx, notes = outcome.parts, outcome.notes
         refusals = [
@@ -361,6 +365,67 @@ class Averager:
             matchmaking_s=matchmaking_s,
             allreduce_s=allreduce_s,
             refusals=tuple(refusals),
+        )
+
+    async def _repair(
+        self,
+        repair: Repair,
+        ctx: RoundContext,
+        outcome: RoundParts,
+        flat: torch.Tensor,
+        result: torch.Tensor,
+        started: float,
+    ) -> RoundParts:
+        """Average the round's failed parts again among the members left (see
+        :mod:`swarm.averaging.repair`); the outcome with the parts that it averaged."""
+        now = time.monotonic()
+        # it moves less than the round did; a member that never joins must not hold it long
+        deadline = min(ctx.deadline, now + 2 * (now - started) + 4 * self.stall.floor_s)
+        if deadline - now < self.stall.floor_s:
+            return outcome
+        loop = asyncio.get_running_loop()
+        sub = await loop.run_in_executor(self._pool, repair.gather, flat)
+        sub_result = torch.empty_like(sub)
+        members = repair.group.members
+        bandwidths = [0.0 if m.peer_id in self.excluded else m.bandwidth for m in members]
+        plan = PartPlan.create(repair.numel, bandwidths, self._chunk_elems, self.config.max_share)
+        sub_ctx = dataclasses.replace(
+            ctx,
+            group=repair.group,
+            me=repair.group.index_of(self.peer.peer_id),
+            # its residuals would not line up with the round's: this short vector goes without
+            feedback=FlatFeedback(self.codec, repair.numel, sub.device),
+            deadline=deadline,
+            excluded=frozenset(i for i, m in enumerate(members) if m.peer_id in self.excluded),
+            gone=set(),
+            suspected={},
+        )
+        round_ = AllReduce(
+            self.peer.transport,
+            self.stream_name,
+            sub_ctx,
+            plan,
+            sub,
+            sub_result,
+            self.config.check_owners,
+        )
+        self._rounds.start(repair.group.group_id, round_)
+        try:
+            fixed = await round_.run()
+        finally:
+            self._rounds.end(repair.group.group_id)
+        parts = repair.repaired(plan, fixed.parts, ctx.group)
+        if parts:
+            await loop.run_in_executor(self._pool, repair.scatter, sub_result, result, set(parts))
+        notes = [f"part {j} averaged again among {len(c)} peers" for j, c in parts.items()]
+        if len(parts) < len(repair.parts):
+            notes.append(f"{len(repair.parts) - len(parts)} failed part(s) kept local values")
+        return RoundParts(
+            {**outcome.parts, **parts},
+            [*outcome.notes, *notes],
+            (*outcome.refusals, *fixed.refusals),
+            outcome.bytes_sent + fixed.bytes_sent,
+            outcome.bytes_received + fixed.bytes_received,
         )
 
     def _feedback_for(self, numel: int, device: torch.device, synced: bool) -> FlatFeedback:

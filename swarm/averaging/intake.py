@@ -10,6 +10,7 @@ so a killed peer is dropped at once instead of after the stall limit.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -168,15 +169,20 @@ class PartIntake:
             self._adding[index] += 1
             cf = self.ctx.workers.submit(reducer.add_chunk, sender, index, payload)
             # counted down when the add finishes, also if this task is cancelled meanwhile
-            cf.add_done_callback(functools.partial(_call_soon, loop, self._added, index))
+            cf.add_done_callback(functools.partial(_call_soon, loop, self._added, sender, index))
             await asyncio.wrap_future(cf)
             self._activity[sender] = self._timing.last_byte = time.monotonic()
 
-    def _added(self, index: int) -> None:
+    def _added(self, sender: int, index: int, add: concurrent.futures.Future[Any]) -> None:
+        if add.cancelled() or add.exception() is not None:
+            # failed in the same step that makes the chunk ready: its row (a refused payload,
+            # half decoded) must never be averaged, as it was when the reader failed it later
+            self.reducer.fail(sender)
         self._adding[index] -= 1
         self.changed.set()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    """For a worker thread's done callback: ``fn(*args)`` on the loop (the future is dropped)."""
-    loop.call_soon_threadsafe(fn, *args[:-1])
+    """For a worker thread's done callback: ``fn(*args)`` on the loop (args end with the
+    finished future)."""
+    loop.call_soon_threadsafe(fn, *args)

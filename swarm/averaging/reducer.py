@@ -255,7 +255,9 @@ class PartReducer:
         Raises:
             AveragingError: it ended before its last chunk.
         """
-        s = self._senders[sender]
+        s = self._senders.get(sender)
+        if s is None or s.state is SenderState.FAILED:
+            raise AveragingError(f"member {sender}'s stream is not part of this attempt")
         if s.next_chunk != len(self.chunks):
             raise AveragingError(
                 f"member {sender} ended after {s.next_chunk} of {len(self.chunks)} chunks"
