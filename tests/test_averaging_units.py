@@ -18,6 +18,7 @@ from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
 from swarm.averaging.plan import CHUNK_ALIGN, PartPlan, chunk_elems_for, schema_hash, split_parts
 from swarm.averaging.reducer import PartReducer, SenderState, check_weight
+from swarm.averaging.repair import Repair
 from swarm.averaging.result import RoundResult
 from swarm.compression import decode, get_codec
 from swarm.errors import AveragingError, CompressionError
@@ -720,3 +721,41 @@ def test_a_round_order_far_ahead_is_not_followed():
     assert next_order(5, [5 + ORDER_SLACK]) == 5 + ORDER_SLACK
     assert next_order(5, [6 + ORDER_SLACK, MAX_ORDER - 1, 9]) == 9
     assert next_order(5, []) == 5
+
+
+def test_repair_is_planned_alike_by_every_member_that_lost_the_same_parts(records):
+    group = GroupInfo(b"g" * 16, tuple(records))
+    plan = PartPlan.create(4000, [1.0] * 4, 256)
+    # members 0 and 2 both refused part 3 (its owner lied); the liar itself lost nothing
+    first, second = Repair.plan(group, plan, 0, {0, 1, 2}), Repair.plan(group, plan, 2, {0, 1, 2})
+    assert first is not None and first == second
+    assert first.parts == (3,) and first.numel == plan.size(3)
+    assert first.group.members == tuple(records[:3])
+    assert Repair.plan(group, plan, 3, {0, 1, 2, 3}) is None
+    assert Repair.plan(group, plan, 0, {0, 1, 2, 3}) is None
+    # only one member would be left: nothing to average with
+    assert Repair.plan(group, plan, 0, {0}) is None
+    two = Repair.plan(group, plan, 0, {0, 2})
+    assert two is not None and two.parts == (1, 3) and two.group.group_id != first.group.group_id
+
+
+def test_repair_maps_back_only_the_parts_averaged_whole(records):
+    group = GroupInfo(b"g" * 16, tuple(records))
+    plan = PartPlan.create(4000, [1.0] * 4, 256)
+    repair = Repair.plan(group, plan, 0, {0, 2})
+    assert repair is not None
+    flat = torch.arange(4000, dtype=torch.float32)
+    sub = repair.gather(flat)
+    assert torch.equal(sub, torch.cat([flat[1000:2000], flat[3000:4000]]))
+    sub_plan = PartPlan.create(repair.numel, [1.0, 1.0], 256)  # members 0 and 2 are left
+    assert repair.repaired(sub_plan, {0: (0, 1), 1: (0, 1)}, group) == {1: (0, 2), 3: (0, 2)}
+    assert repair.repaired(sub_plan, {0: (0, 1)}, group) == {1: (0, 2)}  # its half failed
+    assert repair.repaired(sub_plan, {0: (0,)}, group) == {}  # nobody else contributed
+    # a repair part that straddles two failed parts is needed for both
+    skewed = PartPlan.create(repair.numel, [3.0, 1.0], 256)
+    assert repair.repaired(skewed, {0: (0, 1)}, group) == {1: (0, 2)}
+    assert repair.repaired(skewed, {1: (0, 1)}, group) == {}
+    result = torch.zeros(4000)
+    repair.scatter(sub * 2, result, {1})
+    assert torch.equal(result[1000:2000], flat[1000:2000] * 2)
+    assert not result[:1000].any() and not result[2000:].any()
