@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import math
 import random
@@ -14,14 +16,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.address import PeerAddress
+from swarm.averaging.context import RoundContext
+from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
+from swarm.averaging.intake import PartIntake
 from swarm.averaging.plan import CHUNK_ALIGN, PartPlan, chunk_elems_for, schema_hash, split_parts
 from swarm.averaging.reducer import PartReducer, SenderState, check_weight
 from swarm.averaging.repair import Repair
 from swarm.averaging.result import RoundResult
+from swarm.averaging.stall import StallPolicy
+from swarm.averaging.workers import Workers
 from swarm.compression import decode, get_codec
-from swarm.errors import AveragingError, CompressionError
+from swarm.errors import AveragingError, CompressionError, TransportError
 from swarm.identity import Identity, PeerID
 from swarm.net.record import PeerRecord
 
@@ -759,3 +766,59 @@ def test_repair_maps_back_only_the_parts_averaged_whole(records):
     repair.scatter(sub * 2, result, {1})
     assert torch.equal(result[1000:2000], flat[1000:2000] * 2)
     assert not result[:1000].any() and not result[2000:].any()
+
+
+class _CheckedEvent(asyncio.Event):
+    """An event that runs a check each time it is set (the owner wakes on it)."""
+
+    def __init__(self, check) -> None:
+        super().__init__()
+        self.check = check
+
+    def set(self) -> None:
+        self.check()
+        super().set()
+
+
+async def test_a_refused_chunk_is_never_ready_with_its_sender_live(records):
+    """The owner finishes a chunk as soon as it is ready when its intake wakes it; a payload
+    whose add failed must have failed its sender by then, or its half-decoded row (a NaN)
+    enters the average."""
+    group = GroupInfo(b"g" * 16, tuple(records[:3]))
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    ctx = RoundContext(
+        group=group,
+        me=0,
+        weight=1.0,
+        feedback=FlatFeedback(get_codec("none"), 8),
+        workers=Workers(pool),
+        stall=StallPolicy(1.0, 8.0),
+        deadline=time.monotonic() + 30.0,
+        faults=FaultInjector(),
+    )
+    reducer = PartReducer(torch.zeros(8), ((0, 8),), [1, 2])
+    reducer.begin(torch.ones(8), 1.0)
+    intake = PartIntake(ctx, reducer)
+    wakes: list[tuple[bool, tuple[int, ...]]] = []  # (chunk ready, its live senders) per wake
+
+    def check() -> None:  # runs in loop callbacks, where a raise would only be logged
+        wakes.append((intake.chunk_ready(0), reducer.delivered(0)))
+
+    intake.changed = _CheckedEvent(check)
+    nan = FaultInjector(Fault.NAN).payload(get_codec("none").encode(torch.ones(8)))
+
+    async def stream():
+        yield nan
+
+    try:
+        intake.accept(1, 1.0)
+        intake.fail(2)  # the other sender is gone: sender 1's chunk alone makes it ready
+        with pytest.raises(TransportError, match="non-finite"):
+            await intake.receive(stream(), 1)
+        assert reducer.state(1) is SenderState.FAILED and reducer.tainted
+        ready = [delivered for is_ready, delivered in wakes if is_ready]
+        assert ready, wakes  # the owner was woken with the chunk ready
+        assert all(1 not in delivered for delivered in ready), wakes
+    finally:
+        await ctx.workers.drain()
+        pool.shutdown()

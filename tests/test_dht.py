@@ -15,7 +15,7 @@ from dht_nodes import HOST, swarm_of
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
-from swarm.errors import AuthError, DHTError
+from swarm.errors import AuthError, ConfigError, DHTError
 from swarm.identity import Identity
 
 
@@ -147,6 +147,8 @@ async def test_a_node_that_could_not_join_joins_at_its_next_read():
     )
     nodes: list[DHTNode] = []
     try:
+        with pytest.raises(ConfigError):
+            await lonely.bootstrap([f"{HOST}:{port}"], attempts=0)
         assert await lonely.bootstrap([f"{HOST}:{port}"], attempts=1) == 0
         nodes.append(
             await DHTNode.create(Identity.generate(), Membership.open(), host=HOST, port=port)

@@ -285,12 +285,7 @@ class Averager:
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
-        # an owner this peer accused owns nothing in its plan (and its streams are refused)
-        bandwidths = [
-            0.0 if m.peer_id in self.excluded else b
-            for m, b in zip(group.members, group.bandwidths, strict=True)
-        ]
-        plan = PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
+        plan = self._plan(group, numel)
         flat, result = await loop.run_in_executor(self._pool, self._staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
@@ -305,20 +300,13 @@ class Averager:
             faults=self.faults,
             aggregator=self.config.aggregator,
             weight_cap=self.config.weight_cap,
-            excluded=frozenset(
-                i for i, m in enumerate(group.members) if m.peer_id in self.excluded
-            ),
+            excluded=self._excluded_in(group),
             liveness=self.liveness,
         )
-        round_ = AllReduce(
-            self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
-        )
-        self._rounds.start(group.group_id, round_)
         self.current_group = group
         try:
-            outcome = await round_.run()
+            outcome = await self._run(ctx, plan, flat, result)
         finally:
-            self._rounds.end(group.group_id)
             self.current_group = None
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:
@@ -367,6 +355,27 @@ class Averager:
             refusals=tuple(refusals),
         )
 
+    def _plan(self, group: GroupInfo, numel: int) -> PartPlan:
+        # an owner this peer accused owns nothing in its plan (and its streams are refused)
+        bandwidths = [0.0 if m.peer_id in self.excluded else m.bandwidth for m in group.members]
+        return PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
+
+    def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
+        return frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded)
+
+    async def _run(
+        self, ctx: RoundContext, plan: PartPlan, flat: torch.Tensor, result: torch.Tensor
+    ) -> RoundParts:
+        """One all-reduce of ``ctx.group``, registered so that its members' streams find it."""
+        round_ = AllReduce(
+            self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
+        )
+        self._rounds.start(ctx.group.group_id, round_)
+        try:
+            return await round_.run()
+        finally:
+            self._rounds.end(ctx.group.group_id)
+
     async def _repair(
         self,
         repair: Repair,
@@ -386,9 +395,7 @@ class Averager:
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self._pool, repair.gather, flat)
         sub_result = torch.empty_like(sub)
-        members = repair.group.members
-        bandwidths = [0.0 if m.peer_id in self.excluded else m.bandwidth for m in members]
-        plan = PartPlan.create(repair.numel, bandwidths, self._chunk_elems, self.config.max_share)
+        plan = self._plan(repair.group, repair.numel)
         sub_ctx = dataclasses.replace(
             ctx,
             group=repair.group,
@@ -396,24 +403,11 @@ class Averager:
             # its residuals would not line up with the round's: this short vector goes without
             feedback=FlatFeedback(self.codec, repair.numel, sub.device),
             deadline=deadline,
-            excluded=frozenset(i for i, m in enumerate(members) if m.peer_id in self.excluded),
+            excluded=self._excluded_in(repair.group),
             gone=set(),
             suspected={},
         )
-        round_ = AllReduce(
-            self.peer.transport,
-            self.stream_name,
-            sub_ctx,
-            plan,
-            sub,
-            sub_result,
-            self.config.check_owners,
-        )
-        self._rounds.start(repair.group.group_id, round_)
-        try:
-            fixed = await round_.run()
-        finally:
-            self._rounds.end(repair.group.group_id)
+        fixed = await self._run(sub_ctx, plan, sub, sub_result)
         parts = repair.repaired(plan, fixed.parts, ctx.group)
         if parts:
             await loop.run_in_executor(self._pool, repair.scatter, sub_result, result, set(parts))

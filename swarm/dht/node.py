@@ -20,7 +20,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from swarm.address import PeerAddress
@@ -193,8 +193,10 @@ class DHTNode:
             How many contacts the routing table holds afterwards (0: nobody answered).
 
         Raises:
-            ConfigError: an address is not ``HOST:PORT``.
+            ConfigError: an address is not ``HOST:PORT``, or ``attempts`` is below 1.
         """
+        if attempts < 1:
+            raise ConfigError(f"bootstrap attempts must be at least 1, not {attempts}")
         parsed = [PeerAddress.parse(text) for text in addresses]
         self._seeds = list(dict.fromkeys([*self._seeds, *parsed]))
         answered = 0
@@ -213,7 +215,7 @@ class DHTNode:
         return count
 
     async def _ping_known(
-        self, seeds: list[PeerAddress], former: list[tuple[str, int]] = ()
+        self, seeds: Sequence[PeerAddress], former: Sequence[tuple[str, int]] = ()
     ) -> int:
         """First-contact pings to the seeds (resolved now) and to former contacts' addresses
         (whoever answers there now: a restarted node has new keys); how many answered."""
@@ -235,7 +237,7 @@ class DHTNode:
         async with self._rejoin_lock:
             protocol = self._protocol
             loop = asyncio.get_running_loop()
-            if protocol.router.contacts() or loop.time() < self._rejoin_after:
+            if not protocol.router.empty() or loop.time() < self._rejoin_after:
                 return len(protocol.router.contacts())
             former = [c.address for c in protocol.evicted.values()][-self.ksize :]
             if not self._seeds and not former:
@@ -282,7 +284,7 @@ class DHTNode:
         digest = key_digest(key)
         entry = DHTEntry.create(self.identity, digest, subkey, bytes(value), float(expiration))
         protocol = self._protocol
-        if not protocol.router.contacts():
+        if protocol.router.empty():
             await self.rejoin()
         found = await lookup(protocol, digest, ksize=self.ksize, alpha=self.alpha)
         goal = int.from_bytes(digest, "big")
@@ -322,7 +324,7 @@ class DHTNode:
             ``{(owner, subkey): entry}`` with only verified, unexpired entries, the latest per slot.
         """
         digest = key_digest(key)
-        if not self._protocol.router.contacts():
+        if self._protocol.router.empty():
             await self.rejoin()
         found = await lookup(
             self._protocol,
@@ -388,7 +390,7 @@ class DHTNode:
         while True:
             await asyncio.sleep(max(0.0, min(REJOIN_CHECK_S, refresh_at - loop.time())))
             try:
-                if not self._protocol.router.contacts():
+                if self._protocol.router.empty():
                     await self.rejoin()
                 if loop.time() < refresh_at:
                     continue

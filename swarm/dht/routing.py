@@ -109,6 +109,9 @@ class SwarmRoutingTable(RoutingTable):
     def contacts(self) -> list:
         return [c for b in self.buckets for c in b.nodes.values()]
 
+    def empty(self) -> bool:
+        return not any(b.nodes for b in self.buckets)
+
     def add_contact(self, node: Node) -> None:
         index = self.get_bucket_for(node)
         bucket = self.buckets[index]
