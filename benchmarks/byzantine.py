@@ -12,6 +12,13 @@ JSON object per (attack, peers, aggregator)::
                            (null where not applicable or never)
     allreduce_s            mean all-reduce time of the honest peers
     overhead_vs_mean       allreduce_s / that of the plain mean without attack, same size
+    attacker_share         per round, the share of the vector the attackers owned together
+                           (from their bytes sent: a member owning p of V sends V + (N-2) p)
+
+The ``overclaim`` attackers announce 1e300 bytes/s and upload slowly (honest values). Every peer
+then announces 1e12 bytes/s, more than loopback carries, so that measured rates decide every
+part, and the vector is at least 4 chunks per part, enough to be measured; the rows show the
+attackers' share fall from the median claim's to what their link delivers.
 
 Goals (issue 11): poisoned_rounds = 0 and honest_dev_max <= 0.5 for every attack with 1 of 4
 and 2 of 8 attackers; lying owners detected within 3 rounds; overhead_vs_mean <= 1.3 (N=4,
@@ -34,6 +41,8 @@ import torch
 
 from swarm.averaging import Averager, AveragingConfig, Fault, RoundResult
 from swarm.averaging.faults import LIARS
+from swarm.averaging.plan import chunk_elems_for
+from swarm.compression import get_codec
 from swarm.config import PeerConfig
 from swarm.peer import Peer
 
@@ -47,6 +56,7 @@ ATTACKS = [
     Fault.HUGE_BANDWIDTH,
     Fault.SKIP_REPLY,
     Fault.NAN_OWNER,
+    Fault.OVERCLAIM,
 ]
 
 
@@ -72,6 +82,10 @@ async def scenario(
     fault: Fault, n: int, attackers: int, aggregator: str, numel: int, rounds: int, base: int
 ) -> dict[str, object]:
     peers: list[Peer] = []
+    claim = 1e6
+    if fault is Fault.OVERCLAIM:
+        claim = 1e12
+        numel = max(numel, n * 4 * chunk_elems_for(get_codec("none")))
     for i in range(n):
         peers.append(
             await Peer.start(
@@ -79,7 +93,7 @@ async def scenario(
                     run_id="bench-byzantine",
                     listen=f"127.0.0.{base + i}:0",
                     initial_peers=(str(peers[0].address),) if peers else (),
-                    bandwidth=1e6,
+                    bandwidth=claim,
                     heartbeat_s=5.0,
                 )
             )
@@ -106,6 +120,7 @@ async def scenario(
     bad = {p.peer_id for p in peers[honest_n:]}
     devs: list[float] = []
     times: list[float] = []
+    shares: list[float] = []
     poisoned = 0
     detected: int | None = None
     try:
@@ -121,6 +136,8 @@ async def scenario(
             devs.extend(round_devs)
             poisoned += max(round_devs) > 1.0
             times.extend(r.allreduce_s for r in results[:honest_n])
+            owned = [(r.bytes_sent / 4 - numel) / max(1, n - 2) for r in results[honest_n:]]
+            shares.append(round(sum(owned) / numel, 3))
             accused = [
                 {r.peer for r in res.refusals if r.action == "accused"} >= bad
                 for res in results[:honest_n]
@@ -142,6 +159,7 @@ async def scenario(
         "poisoned_rounds": poisoned,
         "detected_after_rounds": detected,
         "allreduce_s": round(statistics.mean(times), 4),
+        "attacker_share": shares,
     }
 
 

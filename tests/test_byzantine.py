@@ -3,9 +3,9 @@
 Every peer is a real :class:`~swarm.peer.Peer` with its own loopback address; attackers run the
 same :class:`~swarm.averaging.Averager` with a :class:`~swarm.averaging.Fault` switched on (huge
 values, scaled sign flips, a huge weight, overflow values, NaN, a lying owner, a huge bandwidth
-claim then lies, a frozen owner). With 1 attacker among 4 peers and 2 among 8, every honest peer
-must apply only finite values that stay close to the honest peers' mean, and its round report
-must name every attacker.
+claim then lies, a frozen owner, a claim of 1e300 bytes/s on a slow link). With 1 attacker among
+4 peers and 2 among 8, every honest peer must apply only finite values that stay close to the
+honest peers' mean, and its round report must name every attacker.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ ATTACKS = [
     Fault.HUGE_BANDWIDTH,
     Fault.SKIP_REPLY,
     Fault.NAN_OWNER,
+    Fault.OVERCLAIM,
 ]
 HONEST_DEV_BOUND = 1.0  # the benchmark's "poisoned" line
 HONEST_DEV_GOAL = 0.5  # issue 11's goal, for every attack and every round

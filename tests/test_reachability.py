@@ -91,6 +91,8 @@ async def test_peers_on_loopback_learn_they_are_direct() -> None:
             )
         )
         try:
+            # an offer changed while reach is still unknown survives the reach's publication
+            second.transport.update_record(bandwidth=5e6)  # type: ignore[union-attr]
             for _ in range(200):
                 if first.reach is Reach.DIRECT and second.reach is Reach.DIRECT:
                     break
@@ -98,6 +100,7 @@ async def test_peers_on_loopback_learn_they_are_direct() -> None:
             assert (first.reach, second.reach) == (Reach.DIRECT, Reach.DIRECT)
             record = second.transport.record()  # type: ignore[union-attr]
             assert record.extra["reach"] == "direct" and record.extra["relay"] is True
+            assert record.bandwidth == 5e6
         finally:
             await second.close()
     finally:

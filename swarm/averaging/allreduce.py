@@ -24,6 +24,7 @@ from swarm.averaging.context import RoundContext
 from swarm.averaging.outcome import OwnedPart, SentPart
 from swarm.averaging.owner import PartOwner
 from swarm.averaging.plan import PartPlan
+from swarm.averaging.rates import stream_upload_rate
 from swarm.averaging.result import Refusal
 from swarm.averaging.sender import PartSender
 from swarm.errors import TransportError
@@ -73,7 +74,7 @@ class AllReduce:
         self.plan, self.flat, self.result = plan, flat, result
         self.stall_floor = ctx.stall.floor_s
         self.check_owners = check_owners
-        self.workers = ctx.workers
+        self.workers, self.rates = ctx.workers, ctx.rates
         start, end = plan.ranges[ctx.me]
         self.owner: PartOwner | None = None
         if end > start:
@@ -104,6 +105,7 @@ class AllReduce:
         await asyncio.gather(*pending, return_exceptions=True)
         if self.owner is not None:
             await self.owner.close()
+            self._measure(self.owner)
         await self.workers.drain()
         parts: dict[int, tuple[int, ...]] = {}
         refusals: list[Refusal] = []
@@ -126,6 +128,16 @@ class AllReduce:
             sum(s.bytes_sent for s in sides),
             sum(s.bytes_received for s in sides),
         )
+
+    def _measure(self, owner: PartOwner) -> None:
+        """File the upload rate of every sender whose stream of our part was read whole."""
+        if self.rates is None:
+            return
+        for sender, t in owner.intake.completed_streams().items():
+            rate = stream_upload_rate(
+                t.bytes_after_first, t.chunks, t.elapsed, self.plan.streams(sender)
+            )
+            self.rates.observe(self.group.members[sender].peer_id, rate)
 
     async def _idle_owner(self, owner: PartOwner, sending: list[asyncio.Task[Any]]) -> None:
         """Once this member's own streams are over, its part's senders get a few floors to

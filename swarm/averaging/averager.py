@@ -35,9 +35,10 @@ from swarm.averaging.flat import FlatStaging, check_tensors, scatter
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
 from swarm.averaging.liveness import Liveness
 from swarm.averaging.matchmaking import Matchmaker
-from swarm.averaging.plan import PartPlan, chunk_elems_for, schema_hash
+from swarm.averaging.plan import PartPlan, chunk_elems_for, effective_bandwidths, schema_hash
 from swarm.averaging.planner import GroupPlanner, RoundKey
 from swarm.averaging.prober import Prober
+from swarm.averaging.rates import PeerRates
 from swarm.averaging.reducer import check_weight
 from swarm.averaging.registry import RoundRegistry
 from swarm.averaging.repair import Repair
@@ -90,6 +91,7 @@ class Averager:
         self.stream_name = f"{config.name}.part"
         self.stall = StallPolicy(config.stall_timeout_min_s, config.stall_factor)
         self.liveness = Liveness(peer)  # checks members that keep a round waiting
+        self.rates = PeerRates()  # others' upload as this peer's owner side measured it
         self.matchmaker = Matchmaker(
             peer,
             rpc_name=f"{config.name}.join",
@@ -97,6 +99,7 @@ class Averager:
             target_group_size=config.target_group_size,
             gather_window=config.gather_window_s or 0.0,
             liveness=self.liveness,
+            rates=self.rates,
         )
         peer.transport.add_stream(self.stream_name, self._handle_part)
         if self.faults.active:
@@ -213,8 +216,8 @@ class Averager:
             if not syncing or not syncs(group, sync_every):
                 return result
             # the same members average the synced tensors under a derived group id
-            derived = GroupInfo(
-                hashlib.sha256(b"sync" + group.group_id).digest()[:GROUP_ID_BYTES], group.members
+            derived = dataclasses.replace(
+                group, group_id=hashlib.sha256(b"sync" + group.group_id).digest()[:GROUP_ID_BYTES]
             )
             synced = await self._allreduce(
                 syncing,
@@ -302,6 +305,7 @@ class Averager:
             weight_cap=self.config.weight_cap,
             excluded=self._excluded_in(group),
             liveness=self.liveness,
+            rates=self.rates,
         )
         self.current_group = group
         try:
@@ -318,6 +322,8 @@ class Averager:
             for m in group.members
             if m.peer_id in self.excluded
         ]
+        if not synced:
+            refusals.extend(unbelieved_claims(group))
         for r in outcome.refusals:
             refusals.append(r)
             if r.action == "accused" and r.peer not in self.excluded:
@@ -356,8 +362,11 @@ class Averager:
         )
 
     def _plan(self, group: GroupInfo, numel: int) -> PartPlan:
+        bandwidths = effective_bandwidths(group.bandwidths, group.measured)
         # an owner this peer accused owns nothing in its plan (and its streams are refused)
-        bandwidths = [0.0 if m.peer_id in self.excluded else m.bandwidth for m in group.members]
+        for i, m in enumerate(group.members):
+            if m.peer_id in self.excluded:
+                bandwidths[i] = 0.0
         return PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
 
     def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
@@ -452,6 +461,24 @@ class Averager:
         if request.sender.peer_id in self.excluded:
             raise AuthError(f"{request.sender.peer_id.short} is excluded: it was accused")
         await round_.serve(request, reply, sender, header)
+
+
+def unbelieved_claims(group: GroupInfo) -> list[Refusal]:
+    """The members that plans size by less than half the bandwidth they announced: measured
+    lower than they claim, or never measured and claiming more than twice the median."""
+    planned = effective_bandwidths(group.bandwidths, group.measured)
+    measured = group.measured or (0.0,) * len(group.members)
+    return [
+        Refusal(
+            m.peer_id,
+            "bandwidth-capped",
+            -1,
+            f"announced {m.bandwidth:.3g} B/s, planned with {bw:.3g} B/s "
+            + ("(measured)" if rate > 0 else "(not measured yet: the group's median claim)"),
+        )
+        for m, bw, rate in zip(group.members, planned, measured, strict=True)
+        if bw < m.bandwidth / 2
+    ]
 
 
 def syncs(group: GroupInfo, every: int) -> bool:

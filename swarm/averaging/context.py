@@ -10,6 +10,7 @@ from swarm.averaging.faults import FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.liveness import Liveness
+from swarm.averaging.rates import PeerRates
 from swarm.averaging.stall import StallPolicy
 from swarm.averaging.workers import Workers
 
@@ -32,6 +33,7 @@ class RoundContext:
     weight_cap: float = 2.0  # centered_clip: no weight above this times the median weight
     excluded: frozenset[int] = frozenset()  # members this peer accused: neither owner nor sender
     liveness: Liveness | None = None  # checks members that keep us waiting (None: never)
+    rates: PeerRates | None = None  # where this member's owner side files senders' rates
     # members whose address refused our connection this round: gone, so the owner side stops
     # waiting for their part at once (a killed peer costs no stall limit)
     gone: set[int] = field(default_factory=set)

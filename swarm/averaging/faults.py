@@ -21,6 +21,7 @@ OVERFLOW = 3e38  # near the float32 limit: a plain float32 accumulator overflows
 FLIP_SCALE = -10.0
 HUGE_WEIGHT = 1e30  # the largest weight check_weight accepts
 HUGE_BANDWIDTH = 1e300
+OVERCLAIM_DELAY_S = 0.2  # before each chunk an overclaiming sender sends: a slow link
 
 
 class Fault(enum.Enum):
@@ -37,6 +38,7 @@ class Fault(enum.Enum):
     LYING_OWNER = "lying-owner"  # return 1e30 as the average of the part it owns
     HUGE_BANDWIDTH = "huge-bandwidth"  # announce 1e300 bytes/s, then lie as owner
     NAN_OWNER = "nan-owner"  # return a NaN in every averaged chunk (crafted bytes, as NAN)
+    OVERCLAIM = "overclaim"  # announce 1e300 bytes/s, upload on a slow link (honest values)
 
 
 _CONTRIBUTIONS = {
@@ -61,7 +63,9 @@ class FaultInjector:
 
     def bandwidth(self, announced: float) -> float:
         """The bandwidth to announce."""
-        return HUGE_BANDWIDTH if self.fault is Fault.HUGE_BANDWIDTH else announced
+        if self.fault in (Fault.HUGE_BANDWIDTH, Fault.OVERCLAIM):
+            return HUGE_BANDWIDTH
+        return announced
 
     def contribution(self, flat: torch.Tensor) -> torch.Tensor:
         """The values to contribute instead of ``flat`` (never modified in place)."""
@@ -101,6 +105,9 @@ class FaultInjector:
         """Sender side, before chunk ``index`` of ``count`` goes out."""
         if self.fault is Fault.STALL_MID_STREAM and index >= count // 2:
             await self._hang()
+        if self.fault is Fault.OVERCLAIM:
+            self.triggered.set()
+            await asyncio.sleep(OVERCLAIM_DELAY_S)
 
     @property
     def owner_silent(self) -> bool:

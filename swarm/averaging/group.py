@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,12 +119,29 @@ class GroupInfo:
     group_id: bytes  # random, chosen by the leader
     members: tuple[PeerRecord, ...]  # ordered: members[j] owns part j
     order: int = 0  # the largest round order among the members (see Averager.average)
+    # the leader's measured upload rate of each member in bytes/s (0: never measured; empty:
+    # none measured); parts are planned with min(announced, measured), see plan.py
+    measured: tuple[float, ...] = ()
 
     @classmethod
-    def create(cls, members: Sequence[PeerRecord], order: int = 0) -> GroupInfo:
-        """A new group with a fresh id; members are ordered by PeerID."""
+    def create(
+        cls,
+        members: Sequence[PeerRecord],
+        order: int = 0,
+        measured: Mapping[PeerID, float] | None = None,
+    ) -> GroupInfo:
+        """A new group with a fresh id; members are ordered by PeerID and carry the leader's
+        ``measured`` rates (missing: 0.0, never measured)."""
         ordered = tuple(sorted(members, key=lambda r: r.peer_id.digest))
-        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, order)
+        rates = tuple(measured.get(r.peer_id, 0.0) for r in ordered) if measured else ()
+        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, order, rates)
+
+    def subgroup(self, group_id: bytes, keep: Iterable[int]) -> GroupInfo:
+        """The members at indices ``keep`` (in order), with their measurements, under
+        ``group_id``."""
+        kept = sorted(set(keep))
+        measured = tuple(self.measured[i] for i in kept) if self.measured else ()
+        return GroupInfo(group_id, tuple(self.members[i] for i in kept), self.order, measured)
 
     @property
     def peer_ids(self) -> tuple[PeerID, ...]:
@@ -146,7 +163,12 @@ class GroupInfo:
         raise AveragingError(f"{peer_id.short} is not a member of group {self.group_id.hex()[:8]}")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"g": self.group_id, "m": [r.serialize() for r in self.members], "o": self.order}
+        return {
+            "g": self.group_id,
+            "m": [r.serialize() for r in self.members],
+            "o": self.order,
+            "r": list(self.measured),
+        }
 
     @classmethod
     def from_wire(cls, obj: Any, *, me: PeerID, leader: PeerID) -> GroupInfo:
@@ -176,7 +198,12 @@ class GroupInfo:
         order = obj.get("o", 0)
         if not is_order(order):
             raise AveragingError("group info: bad order")
-        return cls(group_id, members, order)
+        measured = obj.get("r", [])
+        if not isinstance(measured, list) or len(measured) not in (0, len(members)):
+            raise AveragingError("group info: measured rates must be a list, one per member")
+        if not all(isinstance(m, float) and 0 <= m < math.inf for m in measured):
+            raise AveragingError("group info: measured rates must be finite floats >= 0")
+        return cls(group_id, members, order, tuple(measured))
 
 
 MAX_ORDER = 2**53  # a round order above this is refused (it stays exact in every encoding)

@@ -21,7 +21,7 @@ from swarm.averaging.context import RoundContext
 from swarm.averaging.outcome import FAILURES
 from swarm.averaging.reducer import PartReducer, SenderState
 from swarm.averaging.result import Refusal
-from swarm.averaging.stall import PartTiming
+from swarm.averaging.stall import PartTiming, StreamTiming
 from swarm.errors import AuthError, AveragingError, TransportError
 from swarm.net.streams import InboundStream
 
@@ -49,9 +49,15 @@ class PartIntake:
         self._activity: dict[int, float] = {}
         self._timing = PartTiming(time.monotonic())
         self._start_by: float | None = None  # senders that have not started by then are dropped
+        self._streams: dict[int, StreamTiming] = {}  # this attempt's streams, by sender
 
     def new_attempt(self) -> None:
         self._timing = PartTiming(time.monotonic())
+        self._streams = {}
+
+    def completed_streams(self) -> dict[int, StreamTiming]:
+        """The current attempt's streams that were read to their end, by sender."""
+        return {s: t for s, t in self._streams.items() if t.complete}
 
     def chunk_ready(self, index: int) -> bool:
         """Every sender delivered chunk ``index`` (or was dropped) and its adds are done."""
@@ -88,6 +94,8 @@ class PartIntake:
         try:
             await reader
             reducer.complete(sender)
+            if sender in self._streams:
+                self._streams[sender].complete = True
         except asyncio.CancelledError:
             if sender in self._dropped and reader.cancelled():
                 raise TransportError("dropped: stopped sending", status=408) from None
@@ -159,10 +167,13 @@ class PartIntake:
     async def _consume(self, request: InboundStream, sender: int) -> None:
         reducer = self.reducer
         loop = asyncio.get_running_loop()
+        stream = self._streams[sender] = StreamTiming()
         async for payload in request:
             index = reducer.next_index(sender)
             self.bytes_received += len(payload)
-            self._timing.received(time.monotonic(), len(payload))
+            now = time.monotonic()
+            self._timing.received(now, len(payload))
+            stream.received(now, len(payload))
             # counted before the add starts: a sender dropped (its task cancelled) while the worker
             # thread adds its chunk must taint the part, since the add completes regardless
             reducer.chunk_added(sender)

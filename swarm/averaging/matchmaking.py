@@ -32,6 +32,7 @@ from typing import Any
 
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, is_order, next_order
 from swarm.averaging.liveness import Liveness
+from swarm.averaging.rates import PeerRates
 from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
@@ -95,6 +96,8 @@ class Matchmaker:
         gather_window: seconds to wait after declaring before choosing a leader, so that peers
             that start a round at about the same time see each other.
         liveness: checks planned members that do not join; refusals land in its ``gone``.
+        rates: this peer's measurements of others' upload, handed to the members of the groups
+            it leads (:attr:`GroupInfo.measured`); default: none measured.
         poll_interval: seconds between DHT reads while waiting.
     """
 
@@ -107,6 +110,7 @@ class Matchmaker:
         target_group_size: int,
         gather_window: float,
         liveness: Liveness | None = None,
+        rates: PeerRates | None = None,
         poll_interval: float = 0.25,
     ):
         self.peer = peer
@@ -118,6 +122,7 @@ class Matchmaker:
         self._round: _Round | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.liveness = liveness if liveness is not None else Liveness(peer)
+        self.rates = rates
         # seconds after a round's start that planned members joined us, latest rounds
         self.lags: deque[float] = deque(maxlen=_LAG_HISTORY)
         self._last: _Round | None = None  # the previous round (late joiners still count)
@@ -355,7 +360,13 @@ class Matchmaker:
         rnd.role = "closed"
         followers = rnd.followers.values()
         members = [self.peer.transport.record()] + [f.record for f in followers]
-        group = GroupInfo.create(members, next_order(rnd.order, [f.order for f in followers]))
+        order = next_order(rnd.order, [f.order for f in followers])
+        measured = (
+            self.rates.estimates([m.peer_id for m in members], self.peer_id)
+            if self.rates is not None
+            else None
+        )
+        group = GroupInfo.create(members, order, measured)
         rnd.closed.set_result(group)
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group

@@ -1,12 +1,13 @@
 """The part plan of a butterfly all-reduce (sans-I/O): who owns which slice of the flat vector.
 
 The flat vector of ``numel`` elements is cut into one contiguous part per group member, in member
-order, sized in proportion to the bandwidth each member announced; a member with bandwidth 0 (a
+order, sized in proportion to each member's bandwidth: what it announced, but no more than the
+group's leader measured it deliver (:func:`effective_bandwidths`); a member with bandwidth 0 (a
 client behind NAT) owns an empty part but still sends and receives. Each part travels in chunks of
 at most :func:`chunk_elems_for` elements, so one compressed chunk fits one transport frame.
 
-Every member derives the same plan from the ordered member list, the bandwidths and the codec, so
-no plan crosses the wire.
+Every member derives the same plan from the ordered member list, its announced and measured
+bandwidths and the codec, so no plan crosses the wire.
 """
 
 from __future__ import annotations
@@ -63,6 +64,40 @@ def split_parts(numel: int, bandwidths: Sequence[float]) -> tuple[tuple[int, int
         ranges.append((start, start + size))
         start += size
     return tuple(ranges)
+
+
+MEASURED_FLOOR = 64  # no measurement plans a member below the group's largest / this
+
+
+def effective_bandwidths(announced: Sequence[float], measured: Sequence[float] = ()) -> list[float]:
+    """The bandwidths a part plan may use: ``min(announced, measured)`` per member.
+
+    ``measured`` (one per member, the group's leader's view; 0 or missing: never measured) is a
+    lower bound of what the member uploads. A member never measured is planned with no more
+    than the lower median of the group's claims, so a claim alone buys no more than a median
+    share. No measurement pushes a member below the group's largest bandwidth /
+    :data:`MEASURED_FLOOR` (its claim still bounds it), so a hostile leader cannot starve the
+    others' parts to nothing and own the vector: it owns at most the share cap
+    (:func:`cap_shares`), as any member does.
+
+    Raises:
+        AveragingError: a negative or non-finite announced bandwidth, a negative or NaN
+            measurement, or more measurements than members.
+    """
+    claims = [float(b) for b in announced]
+    if any(not math.isfinite(b) or b < 0 for b in claims):
+        raise AveragingError(f"bandwidths must be finite and >= 0, got {claims}")
+    rates = [float(m) for m in measured]
+    if len(rates) > len(claims) or any(not m >= 0 for m in rates):
+        raise AveragingError(f"measured bandwidths must be >= 0, one per member, got {rates}")
+    rates += [0.0] * (len(claims) - len(rates))
+    positive = sorted(b for b in claims if b > 0)
+    if not positive:
+        return claims
+    median = positive[(len(positive) - 1) // 2]
+    believed = [min(c, r if r > 0 else median) for c, r in zip(claims, rates, strict=True)]
+    floor = max(believed) / MEASURED_FLOOR
+    return [max(b, min(c, floor)) for c, b in zip(claims, believed, strict=True)]
 
 
 def cap_shares(bandwidths: Sequence[float], max_share: float) -> list[float]:
@@ -152,6 +187,12 @@ class PartPlan:
     def owned(self) -> tuple[int, ...]:
         """Indices of the members that own a non-empty part."""
         return tuple(i for i in range(len(self.ranges)) if self.size(i) > 0)
+
+    def streams(self, member: int) -> int:
+        """How many streams ``member`` uploads on at once: one to every other owner, and an
+        averaged part back to every other member when it owns one."""
+        others = len(self.owned()) - (self.size(member) > 0)
+        return others + (len(self.ranges) - 1 if self.size(member) > 0 else 0)
 
 
 def schema_hash(tensors: Sequence[torch.Tensor], codec_spec: str) -> str:

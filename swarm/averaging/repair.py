@@ -35,13 +35,13 @@ class Repair:
         failed = tuple(j for j in plan.owned() if j != me and j not in done)
         if not failed:
             return None
-        members = tuple(m for i, m in enumerate(group.members) if i not in failed)
-        if len(members) < 2:
+        keep = [i for i in range(len(group.members)) if i not in failed]
+        if len(keep) < 2:
             return None
         tag = b"".join(j.to_bytes(2, "big") for j in failed)
         group_id = hashlib.sha256(b"repair" + group.group_id + tag).digest()[:GROUP_ID_BYTES]
         ranges = tuple(plan.ranges[j] for j in failed)
-        return cls(GroupInfo(group_id, members, group.order), failed, ranges, _total(ranges))
+        return cls(group.subgroup(group_id, keep), failed, ranges, _total(ranges))
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
         """This member's values of the failed parts, one after the other (a new tensor)."""

@@ -12,7 +12,7 @@ class Refusal:
     """A peer whose contribution or answer this peer did not take as it came, and why."""
 
     peer: PeerID  # who
-    action: str  # clipped, weight-capped, dropped, refused, accused or excluded
+    action: str  # clipped, weight-capped, bandwidth-capped, dropped, refused, accused, excluded
     part: int  # the part concerned (-1: the whole round)
     why: str  # human-readable detail
 

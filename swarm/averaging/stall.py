@@ -50,6 +50,29 @@ class PartTiming:
         return self.bytes / max(1, self.chunks)
 
 
+@dataclass
+class StreamTiming:
+    """One sender's stream of one attempt: what arrived after its first chunk, and when."""
+
+    first: float | None = None  # when its first chunk arrived (monotonic)
+    last: float = 0.0  # when its latest chunk arrived
+    bytes_after_first: int = 0  # payload bytes of every chunk but the first
+    chunks: int = 0
+    complete: bool = False  # read to its end
+
+    def received(self, now: float, nbytes: int) -> None:
+        if self.first is None:
+            self.first = now
+        else:
+            self.bytes_after_first += nbytes
+        self.last = now
+        self.chunks += 1
+
+    @property
+    def elapsed(self) -> float:
+        return self.last - self.first if self.first is not None else 0.0
+
+
 @dataclass(frozen=True)
 class StallPolicy:
     """Stall limits: ``factor`` chunk-times at the measured rate, at least ``floor_s``."""

@@ -103,7 +103,8 @@ class NatTraversal:
         self.mapping_error: str | None = None
         self.links: list[RelayLink] = []
         self._failed: dict[PeerID, float] = {}  # relays that refused or died: when
-        self._bandwidth = float(transport.record().bandwidth)
+        self._bandwidth = float(transport.record().bandwidth)  # the offer, before reach
+        self._written: float | None = None  # the bandwidth our last record update wrote
         self._mapper: PortMapper | None = None
         self._task: asyncio.Task[None] | None = None
         self.dialback = DialbackService(transport, udp_probe)
@@ -143,6 +144,9 @@ class NatTraversal:
         extra = dict(self.transport.record().extra)
         extra[REACH_KEY] = reach.value
         extra[RELAY_KEY] = self.budget.enabled
+        current = self.transport.record().bandwidth
+        if self._written is not None and current != self._written:
+            self._bandwidth = current  # the offer was changed since: it is the new offer
         bandwidth = self._bandwidth
         if reach is Reach.RELAYED:
             bandwidth *= RELAYED_BANDWIDTH_SHARE
@@ -152,6 +156,7 @@ class NatTraversal:
         if address is not None:
             fields["address"] = address
         self.transport.update_record(**fields)
+        self._written = bandwidth
         self.reach = reach
 
     async def _publish(self, reach: Reach, address: PeerAddress | None = None) -> None:
