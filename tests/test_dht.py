@@ -30,6 +30,36 @@ async def eventually(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def test_a_newcomer_finds_the_true_k_closest_though_first_answers_are_cut():
+    # k = 40 contacts do not fit in an answer to a first-contact request (no more bytes than
+    # the request): every answer is cut to the answerer's 22 closest. Where every node knows
+    # every other, those lists all hold the same 23 nodes, which would hide ranks 24-40 from
+    # a newcomer; the lookup asks the cut answerers again (now with their cookie)
+    from swarm.dht.lookup import lookup
+
+    async with swarm_of(46, ksize=40) as nodes:
+        for node in nodes:
+            for other in nodes:
+                if other is not node:
+                    node.protocol.router.add_contact(other.protocol.source_node)
+        newcomer = await DHTNode.create(
+            Identity.generate(), Membership.open(), host=HOST, port=0, ksize=40
+        )
+        try:
+            assert await newcomer.ping_address(HOST, nodes[0].port) is not None
+            for i in range(3):
+                newcomer.protocol._cookies_held.clear()  # every answer is a first contact's
+                target = key_digest(f"target-{i}")
+                goal = int.from_bytes(target, "big")
+                truth = sorted(
+                    (n.node_id for n in nodes), key=lambda x: int.from_bytes(x, "big") ^ goal
+                )
+                found = await lookup(newcomer.protocol, target, ksize=40, alpha=3)
+                assert [c.id for c in found.closest] == truth[:40]
+        finally:
+            await newcomer.close()
+
+
 async def test_64_nodes_store_and_get_from_anywhere():
     rng = random.Random(1)
     async with swarm_of(64) as nodes:

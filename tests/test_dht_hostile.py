@@ -16,7 +16,7 @@ from dht_nodes import HOST, swarm_of
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
-from swarm.dht.protocol import MAX_ENTRIES_PER_STORE
+from swarm.dht.protocol import FIRST_CONTACT_LOOKUP_BYTES, MAX_ENTRIES_PER_STORE
 from swarm.dht.records import (
     MAX_OWNER_BYTES,
     MAX_SUBKEYS_PER_OWNER,
@@ -236,6 +236,21 @@ async def test_answers_to_an_unproved_source_are_no_larger_than_the_request():
                 cookie = auth.open(answer).body["cookie"]
             assert all(out <= sent for sent, out in sizes), sizes
             assert sum(out > 0 for _, out in sizes) >= 3, sizes
+            # a lookup's first contact pads its request: the answer, cut to that size, already
+            # holds entries and contacts (no round trip for the cookie), never more bytes
+            assert await nodes[1].store("small", b"value", time.time() + 60) == 3
+            padded = [False, b"", bytes(FIRST_CONTACT_LOOKUP_BYTES - 500)]
+            for key, useful in ((key_digest("small"), True), (key_digest(PEERS_KEY), False)):
+                request = _raw_request(auth, target, ["find_value", [key], *padded])
+                sock.sendto(request, (HOST, victim.port))
+                answer, _ = await loop.run_in_executor(None, sock.recvfrom, 65536)
+                assert len(answer) <= len(request)
+                first = auth.open(answer).body
+                assert isinstance(first["cookie"], bytes) and first["nodes"]
+                if useful:
+                    assert first["entries"] and "retry" not in first
+                else:  # the 4 KiB junk entries do not fit: ask again with the cookie
+                    assert not first["entries"] and first["retry"] is True
             # echoing the cookie proves the address: the full answer comes back
             body = ["find_value", [key_digest(PEERS_KEY)], False, cookie]
             request = _raw_request(auth, target, body)
@@ -313,11 +328,11 @@ async def test_udp_junk_flood_does_not_stop_a_client_listing():
 
 
 def test_parse_rejects_a_malformed_cursor_and_padding():
-    from swarm.dht.protocol import _parse_request
+    from swarm.dht.protocol import MAX_PADDING_BYTES, _parse_request
     from swarm.errors import DHTError
 
     for body in (
-        ["ping", [], False, b"", b"x" * 300],
+        ["ping", [], False, b"", b"x" * (MAX_PADDING_BYTES + 1)],
         ["find_value", [b"k" * 20, 1, 2]],
         ["ping", [], False, b"", b"", b""],
     ):

@@ -4,7 +4,13 @@ Unlike kademlia 2.2.3's ``SpiderCrawl``, the lookup keeps ``alpha`` requests in 
 times (a slow node does not hold up a whole round of requests), only ends when each of the k
 closest contacts it knows has answered or failed, and, for a value lookup, collects the entries
 of every node it asks instead of stopping at the first one that has any: records are
-dictionaries merged from several nodes, not single values to vote on.
+dictionaries merged from several nodes, not single values to vote on. Once one holder answered,
+the lookup is among the key's holders and asks every holder it still needs at once.
+
+A node meeting us for the first time answers no more bytes than we sent (see the protocol's
+cookies), so its list of contacts may be cut. Once every contact among the k closest has been
+asked, those whose answers were cut are asked again, all at once (they answered moments ago, and
+now hold our cookie): the lookup still ends at the true k closest.
 
 A request unanswered after ``protocol.stall_after`` (a few smoothed RTTs) counts as *stalled*, as
 in the paper: the lookup asks the next contact instead of waiting for the full timeout, and ends
@@ -68,6 +74,8 @@ async def lookup(
     own_id = protocol.source_node.id
     known: dict[bytes, Contact] = {c.id: c for c in protocol.router.closest(target, ksize)}
     answered: set[bytes] = set()
+    cut: set[bytes] = set()  # answered with part of their contacts: to ask again at the end
+    asked_again: set[bytes] = set()
     failed: set[bytes] = set()
     queried: set[bytes] = set()
     in_flight: dict[asyncio.Task[Any], tuple[Contact, float]] = {}  # task -> (contact, sent)
@@ -83,9 +91,21 @@ async def lookup(
         live = [c for c in known.values() if c.id not in failed and c.id not in waiting]
         return sorted(live, key=lambda c: c.long_id ^ goal)[:ksize]
 
+    def ask(contact: Contact) -> bool:
+        task = protocol.spawn(protocol.call(contact, method, target))
+        if task is None:  # the node is closing
+            return False
+        in_flight[task] = (contact, loop.time())
+        result.asked += 1
+        return True
+
     while True:
-        for contact in ranked():
-            if len(in_flight) - len(stalled) >= alpha:
+        closest = ranked()
+        # once a holder answered, the lookup is among the key's holders: ask all the holders
+        # still missing at once rather than alpha at a time (a round trip less per get)
+        width = max(alpha, holders - holding) if holders is not None and holding else alpha
+        for contact in closest:
+            if len(in_flight) - len(stalled) >= width:
                 break
             if contact.id in queried:
                 continue
@@ -93,11 +113,13 @@ async def lookup(
             if skip_suspects and protocol.is_suspect(contact.id):
                 failed.add(contact.id)  # failed moments ago: do not wait for it again
                 continue
-            task = protocol.spawn(protocol.call(contact, method, target))
-            if task is None:  # the node is closing
+            if not ask(contact):
                 break
-            in_flight[task] = (contact, loop.time())
-            result.asked += 1
+        if len(in_flight) == len(stalled) and all(c.id in queried for c in closest):
+            for contact in closest:  # once each: a node that always cuts is not asked forever
+                if contact.id in cut and contact.id not in asked_again:
+                    asked_again.add(contact.id)
+                    ask(contact)
         active = [t for t in in_flight if t not in stalled]
         if not active:
             # nothing left to ask; but a stalled request to a node closer than any that answered
@@ -137,6 +159,8 @@ async def lookup(
                 result.failed += 1
                 continue
             answered.add(contact.id)
+            if body.get("cut") is True:
+                cut.add(contact.id)
             for found in _contacts(body.get("nodes")):
                 if found.id != own_id and found.id not in known:
                     known[found.id] = found

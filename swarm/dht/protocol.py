@@ -26,7 +26,10 @@ RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
   most ``MAX_ENTRIES_PER_STORE`` of them); entries a node already holds are not checked again;
 - answers carry a return-routability cookie; a request without a valid one gets an answer no
   larger than itself (BEP 42, DNS cookies), and only a sender that echoed one enters the routing
-  table, so a spoofed source or a replayed first-contact ping cannot use us;
+  table, so a spoofed source or a replayed first-contact ping cannot use us. A first-contact
+  lookup request is padded to ``FIRST_CONTACT_LOOKUP_BYTES`` and its answer is cut to fit (the
+  entries first, then the closest contacts), so a lookup meeting new nodes does not pay a
+  round trip per node for the cookie;
 - ``find_value`` answers one fair page (at most one entry per owner) with a ``next`` cursor, so
   one owner's many entries never crowd the others out of an answer;
 - replication to newcomers is one bounded queue sent at ``REPLICATION_RATE``, not a task per key.
@@ -81,6 +84,10 @@ MAX_PAGES_PER_GET = 8  # answer pages a reader follows per holder
 _ENVELOPE_OVERHEAD = 400
 _COOKIE_CACHE = 8192
 COOKIE_PAD_BYTES = 96  # padding of a request without a cookie (see _request_once)
+# a lookup request without a cookie is padded to this size, so that the answer to it may hold
+# k = 20 contacts (3.3 KB) and is not cut to a few; the answer brings the cookie for the rest
+FIRST_CONTACT_LOOKUP_BYTES = 3584
+MAX_PADDING_BYTES = FIRST_CONTACT_LOOKUP_BYTES
 _METHODS = ("ping", "store", "find_node", "find_value")
 
 
@@ -181,18 +188,30 @@ class SwarmProtocol(KademliaProtocol):
         request_bytes: int,
     ) -> None:
         source = f"{sender.ip}:{sender.port}"
+        room = MAX_RESPONSE_BYTES - _ENVELOPE_OVERHEAD
+        cookie = b""
+        if not verified:
+            # BEP 42 / DNS cookies: an unproved source gets no more bytes than it sent; lookups
+            # cut their answer to what is left of that after the envelope and the cookie
+            cookie = self.cookies.issue(sender.address, sender.keys.public_key)
+            bare = self.auth.seal(RESPONSE, msg_id, _skeleton(method, cookie), sender.keys)
+            room = request_bytes - len(bare) - _ROOM_SLACK
         try:
-            result = getattr(self, f"rpc_{method}")(sender, verified, *args)
+            if method in ("find_node", "find_value"):
+                result = getattr(self, f"rpc_{method}")(sender, verified, *args, room=room)
+            else:
+                result = getattr(self, f"rpc_{method}")(sender, verified, *args)
         except (DHTError, AuthError, TypeError) as e:
             self._refusals.warn(source, "refused a DHT %s from %s: %s", method, source, e)
             result = {"error": str(e)[:200]}
         if not verified:
-            result["cookie"] = self.cookies.issue(sender.address, sender.keys.public_key)
+            result["cookie"] = cookie
+            if method == "find_value" and not result.get("entries") and result.get("next"):
+                result["retry"] = True  # not even one entry fitted: ask again with the cookie
         datagram = self.auth.seal(RESPONSE, msg_id, result, sender.keys)
         if not verified and len(datagram) > request_bytes:
-            # BEP 42 / DNS cookies: an unproved source gets no more bytes than it sent
             self.refused_amplification += 1
-            small = {"cookie": result["cookie"], "retry": True}
+            small = {"cookie": cookie, "retry": True}
             datagram = self.auth.seal(RESPONSE, msg_id, small, sender.keys)
             if len(datagram) > request_bytes:
                 return
@@ -250,17 +269,31 @@ class SwarmProtocol(KademliaProtocol):
             self.welcome_if_new(sender)
         return {"stored": stored}
 
-    def rpc_find_node(self, sender: Contact, verified: bool, target: Any) -> Any:
+    def rpc_find_node(
+        self, sender: Contact, verified: bool, target: Any, *, room: int = MAX_RESPONSE_BYTES
+    ) -> Any:
+        """The closest contacts to ``target`` that fit in ``room`` bytes, closest first."""
         _check_key(target)
         if verified:
             self.welcome_if_new(sender)
-        return {"nodes": self._neighbours(target, sender)}
+        neighbours = self._neighbours(target, sender)
+        nodes = _fit(neighbours, room)
+        return {"nodes": nodes, "cut": True} if len(nodes) < len(neighbours) else {"nodes": nodes}
 
-    def rpc_find_value(self, sender: Contact, verified: bool, key: Any, cursor: Any = None) -> Any:
+    def rpc_find_value(
+        self,
+        sender: Contact,
+        verified: bool,
+        key: Any,
+        cursor: Any = None,
+        *,
+        room: int = MAX_RESPONSE_BYTES,
+    ) -> Any:
         """Entries of ``key`` one fair page at a time (see :meth:`RecordStorage.fair_order`).
 
         ``cursor`` is ``[round, index]`` from a previous answer's ``next`` (None: the first
-        page, which also carries the closest contacts).
+        page, which also carries the closest contacts). In ``room`` bytes, the contacts get up to
+        half, the entries what is left, and the contacts again whatever the entries did not use.
         """
         _check_key(key)
         if cursor is None:
@@ -275,8 +308,9 @@ class SwarmProtocol(KademliaProtocol):
             raise DHTError("a find_value cursor is [round, index]")
         if verified:
             self.welcome_if_new(sender)
-        nodes = self._neighbours(key, sender) if cursor is None else []
-        budget = MAX_RESPONSE_BYTES - _ENVELOPE_OVERHEAD - len(msgpack.packb(nodes))
+        neighbours = self._neighbours(key, sender) if cursor is None else []
+        # the 8 bytes: list headers, so that the contacts held back still fit after the entries
+        budget = room - _packed_size(_fit(neighbours, room // 2)) - 8
         rounds = self.storage.fair_order(key)
         entries: list[Any] = []
         next_cursor: list[int] | None = None
@@ -294,12 +328,16 @@ class SwarmProtocol(KademliaProtocol):
                 next_cursor = [start_round, index]
             elif start_round + 1 < len(rounds):
                 next_cursor = [start_round + 1, 0]
-        return {
+        nodes = _fit(neighbours, room - _packed_size(entries))
+        answer = {
             "nodes": nodes,
             "entries": entries,
             "next": next_cursor,
             "truncated": next_cursor is not None,
         }
+        if len(nodes) < len(neighbours):
+            answer["cut"] = True  # more contacts than fitted: a lookup may ask again
+        return answer
 
     def _neighbours(self, target: bytes, sender: Contact) -> list[Any]:
         found = self.router.closest(target, self.router.ksize, exclude=(sender.id,))
@@ -330,8 +368,8 @@ class SwarmProtocol(KademliaProtocol):
     async def _request(
         self, address: tuple[str, int], target: SenderKeys | None, method: str, args: list[Any]
     ) -> tuple[Contact, Any] | None:
-        """One request; when the answer is a cookie (our address was not proved yet), the
-        request is sent once more with the cookie."""
+        """One request; when the answer is only a cookie (our address was not proved yet and
+        nothing useful fitted in the request's size), the request is sent once more with it."""
         for _ in range(2):
             answer = await self._request_once(address, target, method, args)
             if answer is None:
@@ -358,12 +396,18 @@ class SwarmProtocol(KademliaProtocol):
     ) -> tuple[Contact, Any] | None:
         msg_id = os.urandom(MSG_ID_BYTES)
         cookie = self._cookies_held.get(address) if target is not None else None
-        if cookie is not None:
-            body: list[Any] = [method, args, self.client, cookie]
-        else:  # room for a cookie in the answer: it may be no larger than this request
-            body = [method, args, self.client, b"", bytes(COOKIE_PAD_BYTES)]
         try:
-            datagram = self.auth.seal(REQUEST, msg_id, body, target)
+            if cookie is not None:
+                datagram = self.auth.seal(
+                    REQUEST, msg_id, [method, args, self.client, cookie], target
+                )
+            else:  # room for a cookie in the answer: it may be no larger than this request
+                body: list[Any] = [method, args, self.client, b"", bytes(COOKIE_PAD_BYTES)]
+                datagram = self.auth.seal(REQUEST, msg_id, body, target)
+                if method in ("find_node", "find_value"):  # and for a useful answer
+                    pad = COOKIE_PAD_BYTES + FIRST_CONTACT_LOOKUP_BYTES - len(datagram)
+                    body[4] = bytes(min(MAX_PADDING_BYTES, max(COOKIE_PAD_BYTES, pad)))
+                    datagram = self.auth.seal(REQUEST, msg_id, body, target)
         except AuthError as e:
             logger.debug("cannot address %s: %s", address, e)
             return None
@@ -578,8 +622,8 @@ def _parse_request(body: Any) -> tuple[str, list[Any], bool, Any]:
     method, args = body[:2]
     from_client = body[2] if len(body) >= 3 else False
     cookie = body[3] if len(body) >= 4 else None
-    if len(body) == 5 and (not isinstance(body[4], bytes) or len(body[4]) > 256):
-        raise DHTError("request padding is at most 256 bytes")
+    if len(body) == 5 and (not isinstance(body[4], bytes) or len(body[4]) > MAX_PADDING_BYTES):
+        raise DHTError(f"request padding is at most {MAX_PADDING_BYTES} bytes")
     if not isinstance(from_client, bool):
         raise DHTError("the client flag of a request is a bool")
     if method not in _METHODS:
@@ -590,6 +634,40 @@ def _parse_request(body: Any) -> tuple[str, list[Any], bool, Any]:
     if len(args) not in arity:
         raise DHTError(f"{method} takes {arity[0]} argument(s), got {len(args)}")
     return method, args, from_client, cookie
+
+
+_ROOM_SLACK = 16  # msgpack headers that grow with a list's length
+
+
+def _skeleton(method: str, cookie: bytes) -> dict[str, Any]:
+    """The answer to ``method`` with nothing in it: its envelope is what a cut answer costs."""
+    if method == "find_value":
+        return {
+            "nodes": [],
+            "entries": [],
+            "next": [0, 0],
+            "truncated": True,
+            "cookie": cookie,
+            "retry": True,
+            "cut": True,
+        }
+    if method == "find_node":
+        return {"nodes": [], "cut": True, "cookie": cookie}
+    return {"cookie": cookie}
+
+
+def _packed_size(items: list[Any]) -> int:
+    return len(msgpack.packb(items, use_bin_type=True))
+
+
+def _fit(items: list[Any], room: int) -> list[Any]:
+    """The longest prefix of ``items`` whose msgpack form fits in ``room`` bytes."""
+    used = 3  # the list's header
+    for count, item in enumerate(items):
+        used += _packed_size(item)
+        if used > room:
+            return items[:count]
+    return items
 
 
 def _check_key(key: Any) -> None:
