@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from swarm.config import PeerConfig
+from swarm.config import AveragingConfig, PeerConfig
 from swarm.peer import Peer
 
 
@@ -28,3 +28,19 @@ async def start_peers(
         await asyncio.gather(*(p.close() for p in peers))
         raise
     return peers
+
+
+def fixed_group_config(n: int, group_key: str, **overrides: object) -> AveragingConfig:
+    """Averaging in one fixed group of exactly ``n`` peers, with short test timeouts."""
+    settings: dict[str, object] = {
+        "min_group_size": n,
+        "target_group_size": n,
+        "matchmaking_timeout_s": 8.0,
+        "round_timeout_s": 38.0,
+        "gather_window_s": 0.2,
+        "group_key": group_key,
+        "grouping": "fixed",
+        "threads": 1,
+    }
+    settings.update(overrides)
+    return AveragingConfig(**settings)  # type: ignore[arg-type]

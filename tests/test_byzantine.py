@@ -17,7 +17,7 @@ import loopback_peers
 import pytest
 import torch
 
-from swarm.averaging import Averager, AveragingConfig, Fault, RoundResult
+from swarm.averaging import Averager, Fault, RoundResult
 from swarm.averaging.faults import LIARS
 from swarm.peer import Peer
 
@@ -63,17 +63,7 @@ async def run_rounds(
     """``rounds`` rounds of ``n`` peers, the last ``attackers`` of them faulty; returns every
     honest peer's results and applied values per round, the honest inputs and the peers."""
     peers = await start_peers(n, base)
-    config = AveragingConfig(
-        min_group_size=n,
-        target_group_size=n,
-        matchmaking_timeout_s=8.0,
-        round_timeout_s=38.0,
-        gather_window_s=0.2,
-        stall_timeout_min_s=1.0,
-        group_key="byz",
-        grouping="fixed",
-        threads=1,
-    )
+    config = loopback_peers.fixed_group_config(n, "byz", stall_timeout_min_s=1.0)
     faults = [Fault.NONE] * (n - attackers) + [fault] * attackers
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     inputs = [honest_values(i) for i in range(n)]
@@ -125,17 +115,7 @@ async def test_honest_peers_stay_near_the_honest_mean(n: int, attackers: int, fa
 
 async def test_plain_mean_is_one_setting_away_and_exact() -> None:
     peers = await start_peers(3, 240)
-    config = AveragingConfig(
-        min_group_size=3,
-        target_group_size=3,
-        matchmaking_timeout_s=8.0,
-        round_timeout_s=38.0,
-        gather_window_s=0.2,
-        group_key="mean",
-        grouping="fixed",
-        threads=1,
-        aggregator="mean",
-    )
+    config = loopback_peers.fixed_group_config(3, "mean", aggregator="mean")
     averagers = [Averager(p, config) for p in peers]
     try:
         inputs = [honest_values(i, 5000) for i in range(3)]
@@ -160,17 +140,7 @@ async def test_plain_mean_is_one_setting_away_and_exact() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_round_tensors_stay_on_the_gpu_and_the_clip_runs_there() -> None:
     peers = await start_peers(3, 245)
-    config = AveragingConfig(
-        codec="int8",
-        min_group_size=3,
-        target_group_size=3,
-        matchmaking_timeout_s=8.0,
-        round_timeout_s=38.0,
-        gather_window_s=0.2,
-        group_key="cuda",
-        grouping="fixed",
-        threads=1,
-    )
+    config = loopback_peers.fixed_group_config(3, "cuda", codec="int8")
     faults = [Fault.NONE, Fault.NONE, Fault.HUGE_VALUES]
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     try:

@@ -239,8 +239,10 @@ async def test_answers_to_an_unproved_source_are_no_larger_than_the_request():
             # a lookup's first contact pads its request: the answer, cut to that size, already
             # holds entries and contacts (no round trip for the cookie), never more bytes
             assert await nodes[1].store("small", b"value", time.time() + 60) == 3
+            big = junk_entries(nodes[1].identity, "big", 3)  # no small entry to fit first
+            await flood_store(nodes[1], [victim], "big", big)
             padded = [False, b"", bytes(FIRST_CONTACT_LOOKUP_BYTES - 500)]
-            for key, useful in ((key_digest("small"), True), (key_digest(PEERS_KEY), False)):
+            for key, useful in ((key_digest("small"), True), (key_digest("big"), False)):
                 request = _raw_request(auth, target, ["find_value", [key], *padded])
                 sock.sendto(request, (HOST, victim.port))
                 answer, _ = await loop.run_in_executor(None, sock.recvfrom, 65536)

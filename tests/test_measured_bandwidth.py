@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.address import PeerAddress
-from swarm.averaging import Averager, AveragingConfig, Fault
+from swarm.averaging import Averager, Fault
 from swarm.averaging.averager import unbelieved_claims
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.plan import (
@@ -190,17 +190,7 @@ async def test_an_overclaiming_peer_gets_the_part_its_link_delivers():
     peers = await loopback_peers.start_peers(range(231, 235), bandwidths=[1e12] * 4)
     # the largest PeerID never leads: an honest leader measures the overclaimer
     slow = max(range(4), key=lambda i: peers[i].peer_id.digest)
-    config = AveragingConfig(
-        min_group_size=4,
-        target_group_size=4,
-        matchmaking_timeout_s=8.0,
-        round_timeout_s=38.0,
-        gather_window_s=0.2,
-        group_key="measured",
-        grouping="fixed",
-        threads=1,
-        aggregator="mean",
-    )
+    config = loopback_peers.fixed_group_config(4, "measured", aggregator="mean")
     faults = [Fault.OVERCLAIM if i == slow else Fault.NONE for i in range(4)]
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     # every part of each member's stream spans 4 chunks: enough to time the link

@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import msgpack
@@ -89,6 +89,10 @@ COOKIE_PAD_BYTES = 96  # padding of a request without a cookie (see _request_onc
 FIRST_CONTACT_LOOKUP_BYTES = 3584
 MAX_PADDING_BYTES = FIRST_CONTACT_LOOKUP_BYTES
 _METHODS = ("ping", "store", "find_node", "find_value")
+_LOOKUPS = ("find_node", "find_value")
+_FULL_ROOM = MAX_RESPONSE_BYTES - _ENVELOPE_OVERHEAD  # room in an answer to a proved source
+_ROOM_SLACK = 16  # msgpack headers that grow with a list's length
+_LIST_HEADER = 3  # a msgpack array header, at most (up to 65,535 items)
 
 
 class SwarmProtocol(KademliaProtocol):
@@ -188,26 +192,20 @@ class SwarmProtocol(KademliaProtocol):
         request_bytes: int,
     ) -> None:
         source = f"{sender.ip}:{sender.port}"
-        room = MAX_RESPONSE_BYTES - _ENVELOPE_OVERHEAD
-        cookie = b""
-        if not verified:
+        cookie = b"" if verified else self.cookies.issue(sender.address, sender.keys.public_key)
+        kwargs: dict[str, int] = {}
+        if not verified and method in _LOOKUPS:
             # BEP 42 / DNS cookies: an unproved source gets no more bytes than it sent; lookups
             # cut their answer to what is left of that after the envelope and the cookie
-            cookie = self.cookies.issue(sender.address, sender.keys.public_key)
             bare = self.auth.seal(RESPONSE, msg_id, _skeleton(method, cookie), sender.keys)
-            room = request_bytes - len(bare) - _ROOM_SLACK
+            kwargs["room"] = request_bytes - len(bare) - _ROOM_SLACK
         try:
-            if method in ("find_node", "find_value"):
-                result = getattr(self, f"rpc_{method}")(sender, verified, *args, room=room)
-            else:
-                result = getattr(self, f"rpc_{method}")(sender, verified, *args)
+            result = getattr(self, f"rpc_{method}")(sender, verified, *args, **kwargs)
         except (DHTError, AuthError, TypeError) as e:
             self._refusals.warn(source, "refused a DHT %s from %s: %s", method, source, e)
             result = {"error": str(e)[:200]}
         if not verified:
             result["cookie"] = cookie
-            if method == "find_value" and not result.get("entries") and result.get("next"):
-                result["retry"] = True  # not even one entry fitted: ask again with the cookie
         datagram = self.auth.seal(RESPONSE, msg_id, result, sender.keys)
         if not verified and len(datagram) > request_bytes:
             self.refused_amplification += 1
@@ -270,14 +268,14 @@ class SwarmProtocol(KademliaProtocol):
         return {"stored": stored}
 
     def rpc_find_node(
-        self, sender: Contact, verified: bool, target: Any, *, room: int = MAX_RESPONSE_BYTES
+        self, sender: Contact, verified: bool, target: Any, *, room: int = _FULL_ROOM
     ) -> Any:
         """The closest contacts to ``target`` that fit in ``room`` bytes, closest first."""
         _check_key(target)
         if verified:
             self.welcome_if_new(sender)
         neighbours = self._neighbours(target, sender)
-        nodes = _fit(neighbours, room)
+        nodes = neighbours[: _fitting(neighbours.sizes, room)]
         return {"nodes": nodes, "cut": True} if len(nodes) < len(neighbours) else {"nodes": nodes}
 
     def rpc_find_value(
@@ -287,7 +285,7 @@ class SwarmProtocol(KademliaProtocol):
         key: Any,
         cursor: Any = None,
         *,
-        room: int = MAX_RESPONSE_BYTES,
+        room: int = _FULL_ROOM,
     ) -> Any:
         """Entries of ``key`` one fair page at a time (see :meth:`RecordStorage.fair_order`).
 
@@ -308,11 +306,12 @@ class SwarmProtocol(KademliaProtocol):
             raise DHTError("a find_value cursor is [round, index]")
         if verified:
             self.welcome_if_new(sender)
-        neighbours = self._neighbours(key, sender) if cursor is None else []
-        # the 8 bytes: list headers, so that the contacts held back still fit after the entries
-        budget = room - _packed_size(_fit(neighbours, room // 2)) - 8
+        neighbours = self._neighbours(key, sender) if cursor is None else _Packed()
+        held_back = sum(neighbours.sizes[: _fitting(neighbours.sizes, room // 2)])
+        budget = room - held_back - 2 * _LIST_HEADER
         rounds = self.storage.fair_order(key)
         entries: list[Any] = []
+        used = 0  # the entries' bytes
         next_cursor: list[int] | None = None
         if start_round < len(rounds):
             page = rounds[start_round]
@@ -322,14 +321,15 @@ class SwarmProtocol(KademliaProtocol):
                 if size > budget:
                     break
                 budget -= size
+                used += size
                 entries.append(page[index].to_wire())
                 index += 1
             if index < len(page):
                 next_cursor = [start_round, index]
             elif start_round + 1 < len(rounds):
                 next_cursor = [start_round + 1, 0]
-        nodes = _fit(neighbours, room - _packed_size(entries))
-        answer = {
+        nodes = neighbours[: _fitting(neighbours.sizes, room - _LIST_HEADER - used)]
+        answer: dict[str, Any] = {
             "nodes": nodes,
             "entries": entries,
             "next": next_cursor,
@@ -337,11 +337,13 @@ class SwarmProtocol(KademliaProtocol):
         }
         if len(nodes) < len(neighbours):
             answer["cut"] = True  # more contacts than fitted: a lookup may ask again
+        if not verified and not entries and next_cursor is not None:
+            answer["retry"] = True  # not even one entry fitted: ask again with the cookie
         return answer
 
-    def _neighbours(self, target: bytes, sender: Contact) -> list[Any]:
+    def _neighbours(self, target: bytes, sender: Contact) -> _Packed:
         found = self.router.closest(target, self.router.ksize, exclude=(sender.id,))
-        return [c.to_wire() for c in found]
+        return _Packed(c.to_wire() for c in found)
 
     # ---- calls out: (contact, answer) or None when it did not answer in time
 
@@ -404,7 +406,7 @@ class SwarmProtocol(KademliaProtocol):
             else:  # room for a cookie in the answer: it may be no larger than this request
                 body: list[Any] = [method, args, self.client, b"", bytes(COOKIE_PAD_BYTES)]
                 datagram = self.auth.seal(REQUEST, msg_id, body, target)
-                if method in ("find_node", "find_value"):  # and for a useful answer
+                if method in _LOOKUPS:  # and for a useful answer
                     pad = COOKIE_PAD_BYTES + FIRST_CONTACT_LOOKUP_BYTES - len(datagram)
                     body[4] = bytes(min(MAX_PADDING_BYTES, max(COOKIE_PAD_BYTES, pad)))
                     datagram = self.auth.seal(REQUEST, msg_id, body, target)
@@ -636,9 +638,6 @@ def _parse_request(body: Any) -> tuple[str, list[Any], bool, Any]:
     return method, args, from_client, cookie
 
 
-_ROOM_SLACK = 16  # msgpack headers that grow with a list's length
-
-
 def _skeleton(method: str, cookie: bytes) -> dict[str, Any]:
     """The answer to ``method`` with nothing in it: its envelope is what a cut answer costs."""
     if method == "find_value":
@@ -656,18 +655,22 @@ def _skeleton(method: str, cookie: bytes) -> dict[str, Any]:
     return {"cookie": cookie}
 
 
-def _packed_size(items: list[Any]) -> int:
-    return len(msgpack.packb(items, use_bin_type=True))
+class _Packed(list):
+    """Wire items with the msgpack size of each, measured once (``sizes``)."""
+
+    def __init__(self, items: Iterable[Any] = ()):
+        super().__init__(items)
+        self.sizes = [len(msgpack.packb(item, use_bin_type=True)) for item in self]
 
 
-def _fit(items: list[Any], room: int) -> list[Any]:
-    """The longest prefix of ``items`` whose msgpack form fits in ``room`` bytes."""
-    used = 3  # the list's header
-    for count, item in enumerate(items):
-        used += _packed_size(item)
+def _fitting(sizes: list[int], room: int) -> int:
+    """How many items, from the first, fit in ``room`` bytes as one msgpack list."""
+    used = _LIST_HEADER
+    for count, size in enumerate(sizes):
+        used += size
         if used > room:
-            return items[:count]
-    return items
+            return count
+    return len(sizes)
 
 
 def _check_key(key: Any) -> None:
