@@ -15,6 +15,8 @@ from dht_nodes import HOST, swarm_of
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
+from swarm.dht.protocol import RTT_MEMORY_S, RttEstimator
+from swarm.dht.routing import node_id_of
 from swarm.errors import AuthError, ConfigError, DHTError
 from swarm.identity import Identity
 
@@ -232,6 +234,35 @@ async def test_allow_list_admits_only_listed_keys():
             await n.close()
 
 
+def _borrowing(owner: Identity) -> Identity:
+    """An identity that claims ``owner``'s public key with an agreement key of its own."""
+    thief = Identity.generate()
+    thief.public_key = owner.public_key
+    return thief
+
+
+def test_a_borrowed_public_key_is_refused_where_it_is_a_credential():
+    member, receiver = Identity.generate(), Identity.generate()
+    allowed = Membership.allow_list({member.public_key, receiver.public_key})
+    thief = _borrowing(member)
+    ours = DatagramAuth(receiver, allowed)
+    ping = ["ping", []]
+    forged = DatagramAuth(thief, allowed).seal(REQUEST, os.urandom(16), ping, ours.keys)
+    with pytest.raises(AuthError, match="not signed by its owner"):
+        ours.open(forged)
+    with pytest.raises(AuthError, match="not signed by its owner"):  # nor is it ever asked
+        ours.seal(REQUEST, os.urandom(16), ping, DatagramAuth(thief, allowed).keys)
+    real = DatagramAuth(member, allowed).seal(REQUEST, os.urandom(16), ping, ours.keys)
+    assert ours.open(real).sender.public_key == member.public_key
+    # in an open swarm anyone can make a key pair: the borrowed key opens, but buys nothing,
+    # not even the owner's place in the DHT (a node id hashes both keys)
+    ours = DatagramAuth(receiver, Membership.open())
+    forged = DatagramAuth(thief, Membership.open()).seal(REQUEST, os.urandom(16), ping, ours.keys)
+    sender = ours.open(forged).sender
+    assert sender.public_key == member.public_key
+    assert node_id_of(sender) != node_id_of(DatagramAuth(member, Membership.open()).keys)
+
+
 def hostile_datagrams(sender: Identity, target: DHTNode) -> list[bytes]:
     auth = DatagramAuth(sender, Membership.open())
     keys = target.protocol.source_node.keys
@@ -344,6 +375,31 @@ async def test_gets_survive_a_quarter_of_the_nodes_dying():
             got = await alive[(i * 5) % len(alive)].get(f"key-{i}")
             ok += [e.value for e in got.values()] == [b"v%d" % i]
         assert ok == 10
+
+
+async def test_a_store_does_not_wait_out_the_dead_among_the_k_closest():
+    async with swarm_of(24, request_timeout=30.0) as nodes:
+        dead = nodes[16:]
+        dead_keys = {n.protocol.source_node.keys for n in dead}
+        for node in dead:
+            await node.close()
+        writer = nodes[0]
+        assert await writer.store("after-the-deaths", b"v", later()) >= writer.get_quorum
+        # it returned while its requests to the dead nodes still wait for their answer
+        waiting = {expected for _, expected in writer.protocol._pending.values()}
+        assert waiting & dead_keys
+        got = await nodes[5].get("after-the-deaths")
+        assert [e.value for e in got.values()] == [b"v"]
+
+
+def test_an_rtt_estimate_from_long_ago_restarts_from_the_next_answer():
+    rtt = RttEstimator(floor=0.01, ceiling=3.0)
+    for second in range(5):  # answers while joining a busy swarm
+        rtt.observe(0.5, now=100.0 + second)
+    rtt.observe(0.002, now=105.0)  # one fast answer is blended in, as RFC 6298 does
+    assert rtt.srtt > 0.4 and rtt.timeout > 0.5
+    rtt.observe(0.002, now=105.0 + RTT_MEMORY_S + 1)  # the next, much later, starts over
+    assert rtt.srtt == 0.002 and rtt.timeout == 0.01
 
 
 async def test_a_client_node_is_not_added_to_routing_tables():

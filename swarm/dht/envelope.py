@@ -7,7 +7,7 @@ Wire form: ``msgpack([signed, tag])`` where ``signed`` is the msgpack list::
 
 - ``kind`` is 0 for a request and 1 for a response; ``msg_id`` (16 B) pairs them.
 - ``public_key``/``agreement_key``/``agreement_signature``: the sender's Ed25519 key, its process's
-  X25519 key and the signature binding the two (checked once per sender, then cached).
+  X25519 key and the signature binding the two (see "Bindings" below).
 - ``target``: the receiver's X25519 key when the sender knows it, else empty.
 - ``timestamp`` and ``nonce`` (16 B) feed the replay guard: a seen nonce, or a timestamp outside
   the window, is refused.
@@ -23,6 +23,15 @@ neither the records nor who is talking; and a datagram from outside is refused a
 Why a pairwise MAC and not a signature per datagram: one HMAC costs ~2 us where an Ed25519 sign
 plus verify costs ~150 us, and a lookup exchanges dozens of datagrams. The X25519 agreement is
 paid once per pair of processes.
+
+Bindings: a valid MAC proves that the sender holds the private half of ``agreement_key``; the
+binding signature proves that this key speaks for ``public_key``. That matters only where the
+public key is a credential: in an allow-list swarm, where it decides admission, the binding is
+checked once per sender (then cached) before its first MAC. In an open or keyed swarm anyone (any
+member) can make a key pair, so a borrowed public key buys nothing; the node id hashes both keys,
+so it cannot be borrowed either. Checking it there cost an Ed25519 verify (~100 us, three times
+the agreement) at both ends of every new pair, the largest CPU cost of a lookup's first contacts.
+A signed first-contact ping still has its binding checked.
 """
 
 from __future__ import annotations
@@ -117,6 +126,7 @@ class DatagramAuth:
         self._swarm_aead = _swarm_aead(membership)
         self._bindings = _LRU(_CACHE_SIZE)  # (public, agreement, signature) -> True
         self._pair_keys = _LRU(_CACHE_SIZE)  # (public, agreement) -> 32 B MAC key
+        self._bindings_matter = membership.mode == "allowlist"  # see "Bindings" above
 
     @property
     def keys(self) -> SenderKeys:
@@ -249,7 +259,8 @@ class DatagramAuth:
         key = self._pair_keys.get(cache_key)
         if key is not None:
             return key
-        self._check_binding(peer)
+        if self._bindings_matter:
+            self._check_binding(peer)
         ours = self.identity.public_key + self.identity.agreement_key
         theirs = peer.public_key + peer.agreement_key
         salt = hashlib.sha256(_SALT_CONTEXT + min(ours, theirs) + max(ours, theirs)).digest()

@@ -32,7 +32,7 @@ from swarm.errors import DHTError
 
 logger = logging.getLogger(__name__)
 
-STALL_GRACE = 3.0  # stall periods a lookup may wait for stalled nodes closer than any answer
+STALL_GRACE = 3.0  # stall periods, from its request, a stalled node closer than any answer gets
 
 
 @dataclass
@@ -73,6 +73,8 @@ async def lookup(
     goal = int.from_bytes(target, "big")
     own_id = protocol.source_node.id
     known: dict[bytes, Contact] = {c.id: c for c in protocol.router.closest(target, ksize)}
+    # answers repeat contacts (and us): each is parsed once
+    known_keys = {_keys_of(c) for c in (*known.values(), protocol.source_node)}
     answered: set[bytes] = set()
     cut: set[bytes] = set()  # answered with part of their contacts: to ask again at the end
     asked_again: set[bytes] = set()
@@ -82,7 +84,6 @@ async def lookup(
     stalled: set[asyncio.Task[Any]] = set()
     result = LookupResult(closest=[])
     holding = 0
-    grace_until: float | None = None  # how long stalled closer nodes may still be awaited
     method = "find_value" if value else "find_node"
     loop = asyncio.get_running_loop()
 
@@ -125,13 +126,15 @@ async def lookup(
             # nothing left to ask; but a stalled request to a node closer than any that answered
             # may be a slow node, not a dead one, and the only way into the target's region: on
             # a busy host, ending without it put stores and gets in different places. Wait for
-            # those a little longer (a dead node must still not cost a full timeout).
+            # those a little longer, counted from when each was asked: a dead node must not cost
+            # a full timeout, nor a fresh wait once the rest of the lookup is done.
             best = min((c.long_id ^ goal for c in known.values() if c.id in answered), default=None)
             closer = [t for t in stalled if best is None or in_flight[t][0].long_id ^ goal < best]
-            if grace_until is None:
-                grace_until = loop.time() + STALL_GRACE * protocol.stall_after
-            wait_s = grace_until - loop.time()
-            if not closer or wait_s <= 0:
+            if not closer:
+                break
+            last_sent = max(in_flight[t][1] for t in closer)
+            wait_s = last_sent + STALL_GRACE * protocol.stall_after - loop.time()
+            if wait_s <= 0:
                 break
             done, _ = await asyncio.wait(
                 closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
@@ -161,9 +164,10 @@ async def lookup(
             answered.add(contact.id)
             if body.get("cut") is True:
                 cut.add(contact.id)
-            for found in _contacts(body.get("nodes")):
+            for found in _contacts(body.get("nodes"), known_keys):
                 if found.id != own_id and found.id not in known:
                     known[found.id] = found
+                    known_keys.add(_keys_of(found))
             if value and _collect(body, target, result):
                 holding += 1
                 cursor = _cursor(body.get("next"))
@@ -175,11 +179,20 @@ async def lookup(
     return result
 
 
-def _contacts(nodes: Any) -> list[Contact]:
+def _keys_of(contact: Contact) -> tuple[bytes, bytes]:
+    return (contact.keys.public_key, contact.keys.agreement_key)
+
+
+def _contacts(nodes: Any, known_keys: set[tuple[bytes, bytes]]) -> list[Contact]:
+    """The contacts in an answer, less those whose keys (hence id) are already known."""
     if not isinstance(nodes, list):
         return []
     found = []
     for obj in nodes[:64]:
+        if isinstance(obj, list) and len(obj) == 5:
+            keys = obj[0], obj[1]
+            if all(isinstance(k, bytes) for k in keys) and keys in known_keys:
+                continue
         try:
             found.append(Contact.from_wire(obj))
         except DHTError as e:

@@ -68,7 +68,8 @@ MAX_RESPONSE_BYTES = 60_000  # UDP carries up to 65,507; keep room for the envel
 MAX_ENTRIES_PER_STORE = 64
 EVICT_AFTER_FAILURES = 2
 MIN_TIMEOUT_S = 1.0
-MIN_STALL_S = 0.02  # srtt + 4 rttvar, at least this: on a LAN a dead node costs a lookup ~20 ms
+MIN_STALL_S = 0.01  # srtt + 4 rttvar, at least this: on a LAN a dead node costs a lookup ~10 ms
+RTT_MEMORY_S = 10.0  # an RTT estimate this old restarts from the next sample
 SUSPECT_FOR_S = 30.0  # a node that failed twice in a row is skipped by lookups this long
 _MAX_SUSPECTS = 4096
 MAX_EVICTED = 64  # contacts evicted lately, kept to rejoin through should the table empty
@@ -177,12 +178,12 @@ class SwarmProtocol(KademliaProtocol):
             # a first-contact ping (untargeted) never proves the address: a captured one
             # replayed to another node gets a cookie back and files nobody
             verified = msg.targeted and self.cookies.check(cookie, address, msg.sender.public_key)
-            self.spawn(self._answer(msg.msg_id, sender, method, args, verified, len(data)))
+            self._answer(msg.msg_id, sender, method, args, verified, len(data))
 
     def error_received(self, exc: Exception) -> None:
         logger.debug("DHT socket error: %s", exc)
 
-    async def _answer(
+    def _answer(
         self,
         msg_id: bytes,
         sender: Contact,
@@ -593,15 +594,26 @@ class SwarmProtocol(KademliaProtocol):
 
 
 class RttEstimator:
-    """How long to wait for an answer: smoothed RTT plus four deviations (RFC 6298), clamped."""
+    """How long to wait for an answer: smoothed RTT plus four deviations (RFC 6298), clamped.
+
+    An estimate that got no sample for ``RTT_MEMORY_S`` restarts from the next one instead of
+    blending it in: a node that last asked while joining a busy swarm had learnt RTTs of hundreds
+    of milliseconds, and with RFC 6298's gains took twenty answers to forget them, waiting that
+    long for each dead node meanwhile.
+    """
 
     def __init__(self, floor: float, ceiling: float):
         self.floor, self.ceiling = floor, ceiling
         self.srtt: float | None = None
         self.rttvar = 0.0
+        self._observed_at = 0.0
 
-    def observe(self, rtt: float) -> None:
-        if self.srtt is None:
+    def observe(self, rtt: float, now: float | None = None) -> None:
+        """Add one RTT sample (``now``: its time on the monotonic clock, default now)."""
+        now = time.monotonic() if now is None else now
+        stale = now - self._observed_at > RTT_MEMORY_S
+        self._observed_at = now
+        if self.srtt is None or stale:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
