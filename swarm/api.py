@@ -261,8 +261,9 @@ class AsyncSwarm:
         await self.wait_round()  # the slots are the round in flight's until it lands
         with e.lock:
             e.outer.load_values()
-        # a peer still in a training round averages other values: the two never group
-        plan = RoundPlan(e.outer.slots, max(e.samples_in_round, 1.0), 0.0, purpose="values")
+        # a peer still in a training round averages other values: the two never group. Equal
+        # weights: these are whole models, not the samples trained since the last round
+        plan = RoundPlan(e.outer.slots, 1.0, 0.0, purpose="values")
         outcome = await self.average_round(plan)
         if outcome.averaged:
             with e.lock:

@@ -558,6 +558,26 @@ def test_cap_weights_at_twice_the_median():
     assert cap_weights([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert cap_weights([0.0, 0.0, 5.0]) == [0.0, 0.0, 0.0]
     assert cap_weights([]) == []
+    # of two senders (or an even split) the lower median: a claim alone cannot outweigh the other
+    assert cap_weights([1.0, 1e30]) == [1.0, 2.0]
+    assert cap_weights([1.0, 1.0, 1e30, 1e30]) == [1.0, 1.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("odd", [0, 1, 3])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_centered_clip_tells_apart_values_that_barely_differ(odd, overwrite):
+    """Parameters, not their changes: three rows equal to 1e-7, one 1e-4 off. float32 norms of
+    the raw rows cannot see such differences; the clip still leaves the odd row out."""
+    from swarm.averaging.robust import centered_clip
+
+    g = torch.Generator().manual_seed(odd)
+    base = torch.randn(20_000, generator=g)
+    rows = torch.stack([base + 1e-7 * torch.randn(20_000, generator=g) for _ in range(4)])
+    rows[odd] += 1e-4 * torch.randn(20_000, generator=g)
+    cluster = torch.cat([rows[:odd], rows[odd + 1 :]]).mean(0)
+    clip = centered_clip(rows.clone(), [1.0] * 4, overwrite=overwrite)
+    assert float((clip.center - cluster).norm() / cluster.norm()) <= 1e-6
+    assert clip.scales[odd] < 0.1 and min(clip.scales[:odd] + clip.scales[odd + 1 :]) > 0.5
 
 
 @given(

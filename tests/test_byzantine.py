@@ -136,6 +136,36 @@ async def test_plain_mean_is_one_setting_away_and_exact() -> None:
         await asyncio.gather(*(p.close() for p in peers))
 
 
+async def test_parameters_that_barely_differ_average_to_one_model() -> None:
+    """Averaging model values (not their changes): three peers hold the same weights, the fourth
+    a few local steps more, which moved its small biases the most. Every peer ends with the
+    same values, near the three's, and no honest owner is accused."""
+    n, numel = 4, 20_000
+    peers = await start_peers(n, 250)
+    config = loopback_peers.fixed_group_config(n, "values", codec="none")
+    averagers = [Averager(p, config) for p in peers]
+    try:
+        weights = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+        weights[-numel // 8 :] *= 0.01  # biases near zero, last in the vector
+        drift = 1e-5 * torch.randn(numel, generator=torch.Generator().manual_seed(6))
+        drift[-numel // 8 :] *= 20  # ... which local steps moved the most
+        inputs = [weights.clone() for _ in range(n - 1)] + [weights + drift]
+        tensors = [x.clone() for x in inputs]
+        results = await asyncio.gather(
+            *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
+        )
+        for result in results:
+            assert result.averaged and len(result.parts) == n, result
+            assert not [r for r in result.refusals if r.action == "accused"], result
+        for got in tensors[1:]:
+            assert float((got - tensors[0]).abs().max()) <= 1e-6
+        assert float((tensors[0] - weights).norm()) <= 0.1 * float(drift.norm())
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_round_tensors_stay_on_the_gpu_and_the_clip_runs_there() -> None:

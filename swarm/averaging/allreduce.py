@@ -152,7 +152,14 @@ class AllReduce:
         ``check_owners`` implausible; accuse their owners. Nothing non-finite is ever applied."""
         ranges = {j: self.plan.ranges[j] for j in parts}
         deviations = await self.workers.run(_deviations, self.flat, self.result, ranges)
-        verdicts = implausible_parts(deviations) if self.check_owners else not_finite(deviations)
+        judge = self.check_owners
+        if judge and self.owner is not None and self.owner.reducer.own_clipped:
+            # Its own values are the outliers of its own part: every honest average lies far
+            # from them, by however far its values drifted in each part (which differs from part
+            # to part), so distances from them tell nothing about the owners.
+            logger.info("this member's values are the odd ones out: owners not judged this round")
+            judge = False
+        verdicts = implausible_parts(deviations) if judge else not_finite(deviations)
         accused = []
         for j, why in verdicts.items():
             if j == self.me:  # this member computed its own part: only refuse it if not finite

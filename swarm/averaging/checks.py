@@ -12,6 +12,12 @@ back (its own part included). An honest owner's robust mean lies about as far fr
 values as the other honest owners' do; an owner that returns huge, flipped or unrelated values
 does not. A part refused this way keeps the member's own values, and the owner is accused.
 
+A member whose own values are the odd ones out (the robust mean of its own part clipped them)
+does not judge: every honest average then lies as far from its values as they drifted in that
+part, which differs from part to part (a part of biases near zero drifts further, relative to its
+size, than a part of large weights), so its ``r_j`` would accuse honest owners. The members
+close to the others still judge.
+
 This is cheaper than BTARD's validators (no re-download, no recomputation: one pass over the
 vector) and needs no agreement; what it cannot see is a lie smaller than ``factor`` times the
 honest spread, whose damage is bounded by that same amount.

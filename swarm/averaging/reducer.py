@@ -104,6 +104,7 @@ class PartReducer:
         self._spare: list[torch.Tensor] = []  # buffers of reduced chunks, for the next ones
         self._pool_lock = threading.Lock()
         self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
+        self.own_clipped = False  # the owner's own values were clipped: it is the odd one out
         self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
         self.own_weight = 0.0
         self._own: torch.Tensor | None = None
@@ -191,9 +192,10 @@ class PartReducer:
                 rows = buffer[:, : end - start]
             else:
                 rows = buffer[torch.tensor(slots, device=buffer.device), : end - start]
-            clip = centered_clip(rows, weights)
+            clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
             out.copy_(clip.center)
             self._release_rows(index)
+        self.own_clipped |= clip.scales[0] < CLIPPED_BELOW
         for sender, scale in zip(live, clip.scales[1:], strict=True):
             if scale < CLIPPED_BELOW:
                 self.clipped[sender] = min(scale, self.clipped.get(sender, 1.0))

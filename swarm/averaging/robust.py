@@ -3,7 +3,8 @@
 A part owner cannot trust what the senders hand it: a weight is what a peer *says* it trained
 on, and values may be huge, sign-flipped or crafted to overflow a float32 accumulator. So:
 
-- :func:`cap_weights`: no weight counts for more than ``ratio`` times the group's median weight;
+- :func:`cap_weights`: no weight counts for more than ``ratio`` times the group's lower median
+  weight (of two senders, the smaller weight: a claim alone cannot outweigh the other);
 - :func:`centered_clip` (Karimireddy et al., 2021, as used by BTARD-SGD): start from the medoid
   (the contribution with the smallest median distance to the others) and, a few times, move the
   centre by the weighted mean of the offsets, each offset clipped to the radius ``tau`` = the
@@ -39,7 +40,7 @@ def cap_weights(weights: Sequence[float], ratio: float = 2.0) -> list[float]:
     """Each weight capped at ``ratio`` times the median of ``weights``."""
     if not weights:
         return []
-    cap = ratio * statistics.median(weights)
+    cap = ratio * statistics.median_low(weights)  # of two weights, the smaller one
     return [min(w, cap) for w in weights]
 
 
@@ -53,7 +54,10 @@ class ClipResult:
 
 
 def centered_clip(
-    rows: torch.Tensor, weights: Sequence[float], iterations: int = CLIP_ITERATIONS
+    rows: torch.Tensor,
+    weights: Sequence[float],
+    iterations: int = CLIP_ITERATIONS,
+    overwrite: bool = False,
 ) -> ClipResult:
     """CenteredClip of ``rows`` (one contribution per row) with ``weights``.
 
@@ -61,22 +65,30 @@ def centered_clip(
         rows: ``[k, n]`` float tensor, every value finite.
         weights: ``k`` weights >= 0; when they sum to 0 every row counts the same.
         iterations: clipping steps after the medoid start.
+        overwrite: ``rows`` is scratch space the call may overwrite (saves a ``k x n`` copy).
     """
     k = rows.shape[0]
-    x = rows.float()
     if k == 1:
-        return ClipResult(x[0].clone(), (1.0,), 0.0)
-    # distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
-    # matrix-vector product: no k x n temporary per iteration
+        return ClipResult(rows[0].float().clone(), (1.0,), 0.0)
+    # Distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
+    # matrix-vector product: no k x n temporary per iteration. The rows are taken relative to
+    # one of them first: |x|^2 of raw values (parameters rather than their changes) would bury
+    # every difference below float32's precision relative to the values themselves. That row
+    # is the one of median norm, never a minority's huge one, which would bury all the others.
+    norms = torch.linalg.vector_norm(rows.float(), dim=1)
+    pick = int(torch.argsort(norms)[(k - 1) // 2])
+    if bool(norms.max() < _SAFE_F32):
+        origin = rows[pick].float().clone()
+        x = rows.sub_(origin) if overwrite and rows.dtype == torch.float32 else rows - origin
+    else:  # huge norms: differences and their norms could overflow float32; exact in float64
+        origin = rows[pick].double()
+        x = rows.double() - origin
     gram = x @ x.T
-    if not bool(gram.diagonal().max() < _SAFE_F32**2):  # huge norms (or inf): exact in float64
-        x = rows.double()
-        gram = x @ x.T
     w = torch.tensor([float(v) for v in weights], dtype=x.dtype, device=x.device)
     if float(w.sum()) <= 0:
         w = torch.ones(k, dtype=x.dtype, device=x.device)
     if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
-        return ClipResult((w / w.sum()) @ x, (1.0, 1.0), 0.0)
+        return ClipResult((w / w.sum()) @ x + origin, (1.0, 1.0), 0.0)
     sq = gram.diagonal().clone()
     start, dist2 = _medoid(gram)
     v = x[start].clone()
@@ -96,7 +108,7 @@ def centered_clip(
             break
         c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v) = (1 - sum c) v + x^T c
         v = torch.addmv(v, x.T, c, beta=float(1 - c.sum()))
-    return ClipResult(v, tuple(float(s) for s in scale.cpu()), tau)
+    return ClipResult(v.add_(origin), tuple(float(s) for s in scale.cpu()), tau)
 
 
 def _medoid(gram: torch.Tensor) -> tuple[int, torch.Tensor]:
