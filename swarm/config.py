@@ -200,8 +200,9 @@ class SwarmConfig:
             averages the members' anchors (the shared weights the outer step moves), after
             the pseudo-gradients and within the same group. Groups smaller than the swarm apply
             different outer steps, so without it the peers' anchors drift apart for good; the
-            extra all-reduce costs one more vector on those rounds. 0 turns it off (sparse
-            codecs and overlapped rounds never sync: top-K or 1-bit would ruin raw weights).
+            extra all-reduce costs one more vector on those rounds. An overlapped round syncs
+            the anchors it started from, and its landing starts from their mean. 0 turns it
+            off (sparse codecs never sync: top-K or 1-bit would ruin raw weights).
         codec: compression of what is averaged: ``none``, ``fp16``, ``bf16``, ``int8``,
             ``topk:0.01``, ``1bit`` (see :mod:`swarm.compression`); error feedback is always on.
         min_group_size: a round averages only with at least this many peers (self included).

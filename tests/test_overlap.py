@@ -182,6 +182,33 @@ def test_a_landed_round_moves_every_peer_to_the_same_anchor() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def test_a_round_that_syncs_anchors_lands_peers_of_different_anchors_on_one() -> None:
+    """Peers whose anchors differ (one started rounds late): an overlapped round that also
+    averages the anchors it started from lands both on the same anchor and buffers."""
+    engines = [make(seed=0, anchor_sync_every=1), make(seed=1, anchor_sync_every=1)]
+    drivers = [Rounds(), Rounds()]
+    for step in range(1, INNER + 2):
+        for k, (e, d) in enumerate(zip(engines, drivers, strict=True)):
+            backward(e, 100 * k + step)
+            run_step(e.step(16), no_blocking_round, d.start)
+    plans = [d.started[0][0] for d in drivers]
+    assert all(p.sync is not None and p.sync_every == 1 for p in plans)
+    # the round syncs copies: the live anchors took the eager step meanwhile
+    assert all(p.sync[0] is not e.outer.anchor[0] for p, e in zip(plans, engines, strict=True))
+    synced = [(a + b) / 2 for a, b in zip(plans[0].sync, plans[1].sync, strict=True)]
+    mean = [(a + b) / 2 for a, b in zip(plans[0].tensors, plans[1].tensors, strict=True)]
+    for p, d in zip(plans, drivers, strict=True):
+        for t, value in zip(p.sync, synced, strict=True):
+            t.copy_(value)
+        d.finish(mean)
+    for k, (e, d) in enumerate(zip(engines, drivers, strict=True)):
+        backward(e, 100 * k + INNER + 2)
+        assert run_step(e.step(16), no_blocking_round, d.start).averaged
+    first, second = (e.outer.anchor + e.outer.buffer_anchor for e in engines)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_joiner_served_while_a_round_is_in_flight_gets_the_state_after_it() -> None:
     e, rounds = make(), Rounds()
     for step in range(1, INNER + 1):

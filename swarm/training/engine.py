@@ -178,12 +178,8 @@ class TrainingEngine:
         self.mode = Mode(config.mode)
         dense = config.codec.split(":")[0] not in SPARSE_CODECS
         self.tensors = ModelTensors.of(model, with_buffers=dense)
-        # raw anchors survive only a dense codec; an overlapped round moves them in flight
-        self._sync_every = (
-            config.anchor_sync_every
-            if self.mode is Mode.DILOCO and dense and not config.overlap
-            else 0
-        )
+        # raw anchors survive only a dense codec (top-K or 1-bit would ruin them)
+        self._sync_every = config.anchor_sync_every if self.mode is Mode.DILOCO and dense else 0
         self.schema = self.tensors.schema_hash()
         self.outer = OuterState(
             self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
@@ -244,9 +240,9 @@ class TrainingEngine:
         if not self.config.overlap:
             return self.finish_round(plan, (yield plan))
         local = self.launch()
-        handle = yield RoundPlan(
-            plan.tensors, plan.weight, plan.started, background=True, order=plan.order
-        )
+        # the anchors move in flight (eager step): a sync averages the ones the round started from
+        sync = self.overlap.launch_anchors if self._sync_every else None
+        handle = yield dataclasses.replace(plan, background=True, sync=sync)
         self._flight = Flight(handle, plan.started, plan.weight, local)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
             return (yield from self.land())
@@ -287,7 +283,9 @@ class TrainingEngine:
             self.outer.slots,
             max(self.samples_in_round, 1e-6),
             time.perf_counter(),
-            sync=self.outer.anchor + self.outer.buffer_anchor if self._sync_every else None,
+            sync=self.outer.anchor + self.outer.buffer_anchor
+            if self._sync_every and not self.config.overlap
+            else None,
             sync_every=self._sync_every,
             order=self.round,
         )

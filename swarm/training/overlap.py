@@ -71,21 +71,32 @@ class Overlap:
     def __init__(self, outer: OuterState):
         self.outer = outer
         self._local: list[torch.Tensor] = []  # Δ_local of the round in flight
-        self._anchor0: list[torch.Tensor] = []  # the anchor it started from
+        self._anchor0: list[torch.Tensor] = []  # the anchors (parameters, buffers) it started from
         self._momentum0: list[torch.Tensor] = []  # the momentum it started from
+
+    @property
+    def launch_anchors(self) -> list[torch.Tensor]:
+        """The anchors (parameters, then floating buffers) the round in flight started from.
+
+        Nothing but the round touches them until it lands, so a round that also syncs anchors
+        averages these in place (see ``anchor_sync_every``): the landing then starts from the
+        group's mean anchor, which pulls peers that missed rounds back to the others.
+        """
+        return self._anchor0
 
     @torch.no_grad()
     def keep_local(self) -> list[torch.Tensor]:
         """Copy the slots (``Δ_local``, just loaded) before the averager overwrites them, and
-        the anchor and momentum the round starts from."""
+        the anchors and momentum the round starts from."""
         outer = self.outer
+        anchors = outer.anchor + outer.buffer_anchor
         if not self._local:
             self._local = [outer.new_like(s) for s in outer.slots]
-            self._anchor0 = [outer.new_like(a) for a in outer.anchor]
+            self._anchor0 = [outer.new_like(a) for a in anchors]
             self._momentum0 = [outer.new_like(m) for m in outer.momentum]
         for copies, sources in (
             (self._local, outer.slots),
-            (self._anchor0, outer.anchor),
+            (self._anchor0, anchors),
             (self._momentum0, outer.momentum),
         ):
             for mine, source in zip(copies, sources, strict=True):
@@ -125,7 +136,7 @@ class Overlap:
         outer, n, local = self.outer, len(self.outer.anchor), self._local
         for m, m0 in zip(outer.momentum, self._momentum0, strict=True):
             m.copy_(m0)
-        params = zip(outer.anchor, self._anchor0, local[:n], outer.tensors.params, strict=True)
+        params = zip(outer.anchor, self._anchor0[:n], local[:n], outer.tensors.params, strict=True)
         if step.solitary:
             for m in outer.momentum:
                 m.mul_(step.beta)  # fades unapplied, as in a blocking lone round
@@ -137,8 +148,8 @@ class Overlap:
         for anchor, a0, progress, p in params:
             progress.copy_(p).sub_(anchor)  # θ - θ_eager: the progress made in flight
             anchor.copy_(a0)
-        for anchor, delta in zip(outer.buffer_anchor, local[n:], strict=True):
-            anchor.add_(delta)  # back to the buffers' anchor the round started from
+        for anchor, a0 in zip(outer.buffer_anchor, self._anchor0[n:], strict=True):
+            anchor.copy_(a0)  # back to the buffers' anchor the round started from
         norm = outer.pseudo_grad_norm()
         scale = outer.apply_outer(step, nesterov=nesterov, norm=norm)
         for p, progress in zip(outer.tensors.params, local[:n], strict=True):
