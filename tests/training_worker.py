@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,6 +50,16 @@ def full_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
     return loss
 
 
+def barrier(folder: str, name: str, rank: int, peers: int) -> None:
+    """Wait until ``peers`` processes reached the barrier ``name`` in ``folder``."""
+    Path(folder, f"{name}-{rank}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(Path(folder).glob(f"{name}-*"))) < peers:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the other peers never reached the {name} barrier")
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, default=0)
@@ -71,6 +82,7 @@ def main() -> None:
     p.add_argument("--save-at-round", type=int, default=-1)
     p.add_argument("--load", default=None)
     p.add_argument("--final-average", action="store_true")
+    p.add_argument("--barrier", default=None, help="a folder: start and end with --wait-peers")
     p.add_argument("--linger", type=float, default=0.0, help="stay up to serve state/averaging")
     p.add_argument("--out", default=None)
     p.add_argument("--wait-peers", type=int, default=1, help="train once this many peers are up")
@@ -112,6 +124,8 @@ def main() -> None:
             if sum(r in ("direct", "mapped", "relayed") for r in reach) >= args.wait_reachable:
                 break
             time.sleep(0.2)
+        if args.barrier:  # the last to start finds the others a moment later than they find it
+            barrier(args.barrier, "start", args.rank, args.wait_peers)
         print(f"START {swarm.round} {full_loss(model, x, y)}", flush=True)
 
         def print_round(report) -> None:
@@ -153,12 +167,15 @@ def main() -> None:
                     if args.out:
                         torch.save(model.state_dict(), args.out + ".saved")
                     print(f"SAVED {swarm.round}", flush=True)
+        if args.barrier:  # peers on busy cores finish apart: the final average waits for all
+            barrier(args.barrier, "end", args.rank, args.wait_peers)
         if args.final_average:
             outcome = swarm.average_parameters()
             final = {
                 "averaged": outcome.averaged,
                 "group": outcome.group_size,
                 "reason": outcome.reason,
+                "refusals": list(outcome.refusals),
             }
             print(f"FINAL {json.dumps(final)}", flush=True)
         if args.out:
