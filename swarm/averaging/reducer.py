@@ -215,6 +215,7 @@ class PartReducer:
             torch.mul(self._own, self.own_weight, out=self.acc)
         self.expected = self.contributors()
         self._senders = {}
+        self.own_clipped = False  # judged again from the new attempt's rows
         self.attempt += 1
         self.tainted = False
         return self.expected

@@ -37,7 +37,7 @@ _SAFE_F32 = 1e18  # row norm below which float32 norms of differences cannot ove
 
 
 def cap_weights(weights: Sequence[float], ratio: float = 2.0) -> list[float]:
-    """Each weight capped at ``ratio`` times the median of ``weights``."""
+    """Each weight capped at ``ratio`` times the lower median of ``weights``."""
     if not weights:
         return []
     cap = ratio * statistics.median_low(weights)  # of two weights, the smaller one

@@ -240,8 +240,9 @@ class TrainingEngine:
         if not self.config.overlap:
             return self.finish_round(plan, (yield plan))
         local = self.launch()
-        # the anchors move in flight (eager step): a sync averages the ones the round started from
-        sync = self.overlap.launch_anchors if self._sync_every else None
+        # the live anchors move in flight (eager step): a sync averages those the round started
+        # from, kept for the landing
+        sync = self.overlap.launch_anchors if plan.sync is not None else None
         handle = yield dataclasses.replace(plan, background=True, sync=sync)
         self._flight = Flight(handle, plan.started, plan.weight, local)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
@@ -283,9 +284,7 @@ class TrainingEngine:
             self.outer.slots,
             max(self.samples_in_round, 1e-6),
             time.perf_counter(),
-            sync=self.outer.anchor + self.outer.buffer_anchor
-            if self._sync_every and not self.config.overlap
-            else None,
+            sync=self.outer.anchor + self.outer.buffer_anchor if self._sync_every else None,
             sync_every=self._sync_every,
             order=self.round,
         )
