@@ -62,6 +62,42 @@ async def test_a_newcomer_finds_the_true_k_closest_though_first_answers_are_cut(
             await newcomer.close()
 
 
+async def test_a_lookup_through_nodes_slower_than_its_rtt_estimate_ends_at_the_true_k_closest():
+    # the newcomer's RTT estimate comes from one quick ping, then every node answers 50 ms late
+    # (a busy host): each request stalls before its answer comes. The lookup must neither end
+    # with nothing (no node had answered yet) nor drop the nodes whose cut answers it asked
+    # again (they answered moments ago)
+    from swarm.dht.lookup import lookup
+
+    async with swarm_of(30, ksize=24) as nodes:
+        for node in nodes:
+            for other in nodes:
+                if other is not node:
+                    node.protocol.router.add_contact(other.protocol.source_node)
+        newcomer = await DHTNode.create(
+            Identity.generate(), Membership.open(), host=HOST, port=0, ksize=24
+        )
+        try:
+            assert await newcomer.ping_address(HOST, nodes[0].port) is not None
+            loop = asyncio.get_running_loop()
+            for node in nodes:
+                handle = node.protocol.datagram_received
+                node.protocol.datagram_received = lambda data, addr, handle=handle: loop.call_later(
+                    0.05, handle, data, addr
+                )
+            newcomer.protocol._rtt.observe(0.0005)
+            newcomer.protocol._cookies_held.clear()
+            target = key_digest("slow")
+            goal = int.from_bytes(target, "big")
+            truth = sorted(
+                (n.node_id for n in nodes), key=lambda x: int.from_bytes(x, "big") ^ goal
+            )
+            found = await lookup(newcomer.protocol, target, ksize=24, alpha=3)
+            assert [c.id for c in found.closest] == truth[:24]
+        finally:
+            await newcomer.close()
+
+
 async def test_64_nodes_store_and_get_from_anywhere():
     rng = random.Random(1)
     async with swarm_of(64) as nodes:

@@ -88,7 +88,8 @@ async def lookup(
     loop = asyncio.get_running_loop()
 
     def ranked() -> list[Contact]:
-        waiting = {in_flight[t][0].id for t in stalled}
+        # a node asked again after it answered (its answer was cut) stays a result meanwhile
+        waiting = {in_flight[t][0].id for t in stalled} - answered
         live = [c for c in known.values() if c.id not in failed and c.id not in waiting]
         return sorted(live, key=lambda c: c.long_id ^ goal)[:ksize]
 
@@ -127,17 +128,26 @@ async def lookup(
             # may be a slow node, not a dead one, and the only way into the target's region: on
             # a busy host, ending without it put stores and gets in different places. Wait for
             # those a little longer, counted from when each was asked: a dead node must not cost
-            # a full timeout, nor a fresh wait once the rest of the lookup is done.
+            # a full timeout, nor a fresh wait once the rest of the lookup is done. Requests to
+            # nodes that answered moments ago (cut answers asked again) and, until anyone
+            # answered, all requests are waited for until their own timeout: the former are
+            # alive and hold the ranks a cut answer hid, and without the latter the lookup has
+            # nothing to end with (on a busy host, both ended lookups with a few or no nodes).
             best = min((c.long_id ^ goal for c in known.values() if c.id in answered), default=None)
-            closer = [t for t in stalled if best is None or in_flight[t][0].long_id ^ goal < best]
-            if not closer:
-                break
-            last_sent = max(in_flight[t][1] for t in closer)
-            wait_s = last_sent + STALL_GRACE * protocol.stall_after - loop.time()
-            if wait_s <= 0:
-                break
+            patient = [t for t in stalled if best is None or in_flight[t][0].id in answered]
+            closer = [
+                t for t in stalled if t not in patient and in_flight[t][0].long_id ^ goal < best
+            ]
+            wait_s = None
+            if not patient:
+                if not closer:
+                    break
+                last_sent = max(in_flight[t][1] for t in closer)
+                wait_s = last_sent + STALL_GRACE * protocol.stall_after - loop.time()
+                if wait_s <= 0:
+                    break
             done, _ = await asyncio.wait(
-                closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+                patient + closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
                 break
