@@ -18,6 +18,9 @@ once with ``overlap=False`` and once with ``overlap=True`` for the same number o
 - ``utilization``: compute time / wall time over the timed rounds (after ``--warmup`` rounds),
   i.e. 1 - time blocked on the swarm / wall time, mean over peers;
 - ``final_loss``: the mean over peers of the full-data loss after the last round has landed;
+- ``averaged_share``: share of the peers' timed rounds that averaged with another peer, and
+  ``mean_group_size`` their mean group size (0 counted for a round not averaged): overlapped
+  peers that drift out of step find fewer partners;
 - ``drain_s``: mean seconds a peer waited at the end for its last round to land
   (``wait_round()``). It is counted in ``utilization``, and a run pays it once; the 30 timed
   rounds of the default keep it a few percent of the run (with 8 it was a tenth).
@@ -28,7 +31,7 @@ namespace behind 100 Mbit/s ``tc tbf`` links both ways, the setting of ``allredu
 namespace code is reused, not copied).
 
     python benchmarks/utilization.py [--peers 4] [--width 1024] [--inner-steps 20]
-        [--rounds 30] [--settings loopback tbf100] [--codec int8]
+        [--rounds 30] [--settings loopback tbf100] [--codec int8] [--min-group 2]
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def peer_main(args: argparse.Namespace) -> None:
         inner_steps=args.inner_steps,
         codec=args.codec,
         overlap=args.overlap == "on",
-        min_group_size=args.peers,
+        min_group_size=args.min_group or args.peers,
         target_group_size=args.peers,
         matchmaking_timeout_s=30.0,
         round_timeout_s=300.0,
@@ -93,6 +96,7 @@ def peer_main(args: argparse.Namespace) -> None:
         warmup_steps = args.warmup * args.inner_steps
         total = (args.warmup + args.rounds) * args.inner_steps
         step_times, round_times, waited, start = [], [], 0.0, 0.0
+        groups: list[int] = []  # group size of each timed round (0: not averaged)
         for step in range(1, total + 1):
             if step == warmup_steps + 1:
                 start, waited = time.perf_counter(), 0.0
@@ -106,12 +110,14 @@ def peer_main(args: argparse.Namespace) -> None:
                 waited += report.wait_s
             if report.round_due and step > warmup_steps:
                 round_times.append(report.round_s)
+                groups.append(report.group_size)
         t0 = time.perf_counter()
         last = swarm.wait_round()
         drain = time.perf_counter() - t0
         waited += drain
         if last is not None:
             round_times.append(last.round_s)
+            groups.append(last.group_size)
         wall = time.perf_counter() - start
         with torch.no_grad():
             loss = torch.nn.functional.mse_loss(model(x), y).item()
@@ -124,6 +130,7 @@ def peer_main(args: argparse.Namespace) -> None:
                     "utilization": max(0.0, 1 - waited / wall),
                     "final_loss": loss,
                     "drain_s": drain,
+                    "groups": groups,
                 }
             ),
             flush=True,
@@ -142,6 +149,7 @@ def run(args: argparse.Namespace, setting: str, overlap: str, places) -> list[di
     common += ["--peers", str(args.peers), "--width", str(args.width), "--codec", args.codec]
     common += ["--inner-steps", str(args.inner_steps), "--rounds", str(args.rounds)]
     common += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
+    common += ["--min-group", str(args.min_group)]
     procs: list[subprocess.Popen] = []
     address = ""
     try:
@@ -186,6 +194,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--codec", default="int8")
+    p.add_argument("--min-group", type=int, default=0, help="min_group_size (default: every peer)")
     p.add_argument("--settings", nargs="+", default=["loopback", "tbf100"])
     args = p.parse_args()
     if args.peer:
@@ -206,6 +215,7 @@ def main() -> None:
             final = statistics.mean(r["final_loss"] for r in rows)
             blocking = final if overlap == "off" else blocking
             rounds = [r["round_s"] for r in rows if r["round_s"] is not None]
+            groups = [g for r in rows for g in r["groups"]]
             print(
                 json.dumps(
                     {
@@ -223,6 +233,8 @@ def main() -> None:
                         "blocking_final_loss": float(f"{blocking:.4g}"),
                         "gpu_mem_overhead_bytes_per_param": None,
                         "drain_s": round(statistics.mean(r["drain_s"] for r in rows), 3),
+                        "averaged_share": round(sum(g > 0 for g in groups) / len(groups), 3),
+                        "mean_group_size": round(statistics.mean(groups), 2),
                     }
                 ),
                 flush=True,
