@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import time
+from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
@@ -15,6 +16,7 @@ from dht_nodes import HOST, swarm_of
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
+from swarm.dht.lookup import lookup
 from swarm.dht.protocol import RTT_MEMORY_S, RttEstimator
 from swarm.dht.routing import node_id_of
 from swarm.errors import AuthError, ConfigError, DHTError
@@ -32,34 +34,42 @@ async def eventually(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_a_newcomer_finds_the_true_k_closest_though_first_answers_are_cut():
-    # k = 40 contacts do not fit in an answer to a first-contact request (no more bytes than
-    # the request): every answer is cut to the answerer's 22 closest. Where every node knows
-    # every other, those lists all hold the same 23 nodes, which would hide ranks 24-40 from
-    # a newcomer; the lookup asks the cut answerers again (now with their cookie)
-    from swarm.dht.lookup import lookup
+def by_distance(ids, target: bytes) -> list[bytes]:
+    """Node ids, closest to ``target`` first (the true ranking a lookup must end at)."""
+    goal = int.from_bytes(target, "big")
+    return sorted(ids, key=lambda x: int.from_bytes(x, "big") ^ goal)
 
-    async with swarm_of(46, ksize=40) as nodes:
+
+@asynccontextmanager
+async def meshed_with_newcomer(count: int, ksize: int):
+    """``count`` nodes that all know each other, and a newcomer that pinged only the first."""
+    async with swarm_of(count, ksize=ksize) as nodes:
         for node in nodes:
             for other in nodes:
                 if other is not node:
                     node.protocol.router.add_contact(other.protocol.source_node)
         newcomer = await DHTNode.create(
-            Identity.generate(), Membership.open(), host=HOST, port=0, ksize=40
+            Identity.generate(), Membership.open(), host=HOST, port=0, ksize=ksize
         )
         try:
             assert await newcomer.ping_address(HOST, nodes[0].port) is not None
-            for i in range(3):
-                newcomer.protocol._cookies_held.clear()  # every answer is a first contact's
-                target = key_digest(f"target-{i}")
-                goal = int.from_bytes(target, "big")
-                truth = sorted(
-                    (n.node_id for n in nodes), key=lambda x: int.from_bytes(x, "big") ^ goal
-                )
-                found = await lookup(newcomer.protocol, target, ksize=40, alpha=3)
-                assert [c.id for c in found.closest] == truth[:40]
+            yield nodes, newcomer
         finally:
             await newcomer.close()
+
+
+async def test_a_newcomer_finds_the_true_k_closest_though_first_answers_are_cut():
+    # k = 40 contacts do not fit in an answer to a first-contact request (no more bytes than
+    # the request): every answer is cut to the answerer's 22 closest. Where every node knows
+    # every other, those lists all hold the same 23 nodes, which would hide ranks 24-40 from
+    # a newcomer; the lookup asks the cut answerers again (now with their cookie)
+    async with meshed_with_newcomer(46, ksize=40) as (nodes, newcomer):
+        for i in range(3):
+            newcomer.protocol._cookies_held.clear()  # every answer is a first contact's
+            target = key_digest(f"target-{i}")
+            found = await lookup(newcomer.protocol, target, ksize=40, alpha=3)
+            truth = by_distance((n.node_id for n in nodes), target)
+            assert [c.id for c in found.closest] == truth[:40]
 
 
 async def test_a_lookup_through_nodes_slower_than_its_rtt_estimate_ends_at_the_true_k_closest():
@@ -67,35 +77,19 @@ async def test_a_lookup_through_nodes_slower_than_its_rtt_estimate_ends_at_the_t
     # (a busy host): each request stalls before its answer comes. The lookup must neither end
     # with nothing (no node had answered yet) nor drop the nodes whose cut answers it asked
     # again (they answered moments ago)
-    from swarm.dht.lookup import lookup
-
-    async with swarm_of(30, ksize=24) as nodes:
+    async with meshed_with_newcomer(30, ksize=24) as (nodes, newcomer):
+        loop = asyncio.get_running_loop()
         for node in nodes:
-            for other in nodes:
-                if other is not node:
-                    node.protocol.router.add_contact(other.protocol.source_node)
-        newcomer = await DHTNode.create(
-            Identity.generate(), Membership.open(), host=HOST, port=0, ksize=24
-        )
-        try:
-            assert await newcomer.ping_address(HOST, nodes[0].port) is not None
-            loop = asyncio.get_running_loop()
-            for node in nodes:
-                handle = node.protocol.datagram_received
-                node.protocol.datagram_received = lambda data, addr, handle=handle: loop.call_later(
-                    0.05, handle, data, addr
-                )
-            newcomer.protocol._rtt.observe(0.0005)
-            newcomer.protocol._cookies_held.clear()
-            target = key_digest("slow")
-            goal = int.from_bytes(target, "big")
-            truth = sorted(
-                (n.node_id for n in nodes), key=lambda x: int.from_bytes(x, "big") ^ goal
+            handle = node.protocol.datagram_received
+            node.protocol.datagram_received = lambda data, addr, handle=handle: loop.call_later(
+                0.05, handle, data, addr
             )
-            found = await lookup(newcomer.protocol, target, ksize=24, alpha=3)
-            assert [c.id for c in found.closest] == truth[:24]
-        finally:
-            await newcomer.close()
+        newcomer.protocol._rtt.observe(0.0005)
+        newcomer.protocol._cookies_held.clear()
+        target = key_digest("slow")
+        found = await lookup(newcomer.protocol, target, ksize=24, alpha=3)
+        truth = by_distance((n.node_id for n in nodes), target)
+        assert [c.id for c in found.closest] == truth[:24]
 
 
 async def test_64_nodes_store_and_get_from_anywhere():
@@ -112,13 +106,10 @@ async def test_64_nodes_store_and_get_from_anywhere():
 
 async def test_lookup_returns_the_true_k_closest_nodes():
     async with swarm_of(48, ksize=8) as nodes:
-        from swarm.dht.lookup import lookup
-
         ids = {n.node_id for n in nodes}
         for i in range(20):
             target = key_digest(f"target-{i}")
-            goal = int.from_bytes(target, "big")
-            truth = sorted(ids, key=lambda x: int.from_bytes(x, "big") ^ goal)
+            truth = by_distance(ids, target)
             searcher = nodes[i % len(nodes)]
             found = await lookup(searcher.protocol, target, ksize=8, alpha=3)
             found_ids = [c.id for c in found.closest]
