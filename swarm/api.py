@@ -384,8 +384,8 @@ class Swarm:
     def step(self, samples: float | None = None, loss: Any = None) -> StepReport:
         """Use instead of ``optimizer.step()``; does not zero gradients.
 
-        Every ``inner_steps`` steps an averaging round starts. With ``overlap=True``
-        (``diloco`` only; off by default) it runs in the background on the swarm's loop thread
+        Every ``inner_steps`` steps an averaging round starts. With ``overlap`` (the
+        default in ``diloco``) it runs in the background on the swarm's loop thread
         and lands at a later step; a step blocks only when the next round is due before the
         last one finished (the report's ``wait_s``). Otherwise the step blocks for the round
         (at most ``round_timeout_s``). A failed round is reported (``averaged=False``,

@@ -216,13 +216,11 @@ class SwarmConfig:
         state_timeout_s: upper bound on that download.
         max_state_bytes: largest state a joiner accepts from others (protects its memory).
         state_parts: largest number of providers a joiner downloads parts from at once.
-        overlap: ``diloco`` only: a due round runs in the background while the next inner
-            steps go on, and its outer update lands one or more steps late (see
-            :mod:`swarm.training.overlap`); a slow link then costs bandwidth, not compute.
-            False (the default; None means the same) blocks ``step()`` for the whole round.
-            Off by default for now: blocking rounds keep the peers' schedules in step, while
-            with overlap they drift apart and fewer rounds find a group (measured with 6
-            peers on 2 shared cores: 57% of rounds averaged, against 96% blocking).
+        overlap: a due round runs in the background while the next inner steps go on, and its
+            outer update lands one or more steps late (see :mod:`swarm.training.overlap`); a
+            slow link then costs bandwidth, not compute. None (the default) means True for
+            ``diloco`` and False for the other modes, whose rounds always block; False blocks
+            ``step()`` for the whole round, as DiLoCo's Algorithm 1.
         outer_device: where the fp32 outer state (anchor, momentum, averaging slots and the
             error-feedback residuals) lives; None = the model's device. ``"cpu"`` with a CUDA
             model keeps it in pinned host memory: 12 bytes of GPU memory per parameter saved
@@ -287,7 +285,7 @@ class SwarmConfig:
         if self.max_state_bytes < 1 or self.state_parts < 1:
             raise ConfigError("max_state_bytes and state_parts must be >= 1")
         if self.overlap is None:
-            object.__setattr__(self, "overlap", False)
+            object.__setattr__(self, "overlap", mode.has_outer_step)
         elif not isinstance(self.overlap, bool):
             raise ConfigError("overlap must be True, False or None")
         elif self.overlap and not mode.has_outer_step:

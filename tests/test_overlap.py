@@ -83,8 +83,9 @@ def no_blocking_round(plan: RoundPlan) -> RoundOutcome:
     raise AssertionError("an overlapped engine asked for a blocking round")
 
 
-def test_overlap_is_opt_in_and_for_diloco_only() -> None:
-    assert SwarmConfig().overlap is False  # opt-in: blocking keeps the peers in step
+def test_overlap_is_the_default_of_diloco_and_for_diloco_only() -> None:
+    assert SwarmConfig().overlap is True
+    assert SwarmConfig(overlap=False).overlap is False
     assert SwarmConfig(mode="local_sgd").overlap is False
     assert SwarmConfig(mode="gradients").overlap is False
     with pytest.raises(ConfigError, match="diloco"):

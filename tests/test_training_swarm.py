@@ -127,11 +127,10 @@ def test_four_peers_reach_single_process_loss_blocking_or_overlapped(workers, tm
         assert reached is not None, (overlap, losses)
         swarm_samples = reached * batch * peers
         assert swarm_samples <= 1.1 * baseline, (overlap, swarm_samples, baseline, rounds)
-    # Same steps, same rounds. Both end far below the target; overlapped ends higher (measured
-    # 5.4e-4 against 3.8e-4 for blocking with the outer rule's momentum cap): the goal of
-    # ending within 2% of blocking is not reached yet, so this guards against regressions only.
+    # Same steps, same rounds: overlapped ends within 2% of blocking (measured 3.6e-4 against
+    # 3.8e-4; the landing's CORRECTION share keeps the progress made in flight).
     assert final["off"] < target / 2 and final["on"] < target / 2, final
-    assert final["on"] <= 2.0 * final["off"], final
+    assert final["on"] <= 1.02 * final["off"], final
 
 
 @pytest.mark.flaky(reruns=1)  # real processes on 2 shared cores: a late group or slow join

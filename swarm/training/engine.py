@@ -356,7 +356,9 @@ class TrainingEngine:
             )
         with self._landed:
             norm, scale = self.overlap.land(
-                self._outer_rule(outcome), nesterov=self.config.nesterov
+                self._outer_rule(outcome),
+                nesterov=self.config.nesterov,
+                steps_in_flight=self.steps_in_round,
             )
             self.round += 1
             self._flight = None

@@ -12,12 +12,14 @@ later step, or at the next due round at the latest, which then waits for it):
 
 - averaged with ``k`` peers: anchor and momentum go back to where the round started and take
   blocking DiLoCo's outer step with ``Δ̄`` (the same rule for ``k``, the same norm bound), so
-  they end exactly where a blocking round would; the model restarts from that anchor plus a
-  share ``MERGE`` of the progress made while the round ran (Streaming DiLoCo's merge). A round
-  that lands before any inner step ran gives blocking DiLoCo bit for bit;
+  they end exactly where a blocking round would;
 - not averaged (alone, failed, timed out): anchor and momentum become what a blocking lone round
-  gives (no outer step: the anchor is the model at launch; the momentum fades), and the model
-  keeps all the progress made in flight, shifted by the same amount: plain local training.
+  gives (no outer step: the anchor is the model at launch; the momentum fades).
+
+Either way the eager anchor ``θ_eager`` was a guess, off by ``e = θ_eager - θ_anchor``, and the
+model trained from it. The model keeps all its progress and follows a share of the anchor's
+correction: ``θ ← θ - CORRECTION · e`` (see :data:`CORRECTION`). A round that lands before any
+inner step ran follows all of it, which gives blocking DiLoCo bit for bit.
 
 Merely delaying the outer step by one round (the naive delayed update) lets the outer momentum
 overshoot; measured on the 4-peer test task it oscillates and never reaches the blocking loss.
@@ -59,10 +61,21 @@ class Flight:
     local: list[torch.Tensor] = field(default_factory=list)  # Δ_local, kept for the landing
 
 
-MERGE = 0.75
-"""Share of a peer's own displacement from the anchor that a landing keeps (Streaming DiLoCo's
-mixing factor, alpha; measured on the 4-peer test task: 0.5 trains slower, 0.85 diverges when the
-round takes the whole inner loop, 0.75 ends at the blocking loss)."""
+CORRECTION = 0.5
+"""Share of the anchor's correction ``e`` that the model follows at a landing after inner steps.
+
+Inner steps from ``θ_eager`` already undid part of ``e``: in a direction the inner loop shrinks
+by a factor ``c`` (0: a stiff direction, forgotten at once; 1: a flat one, untouched), the model
+is off by ``c · e`` from where it would be had it started at the true anchor. Following the
+share ``s`` leaves ``(c - s) · e``. ``e`` grows with this peer's own pseudo-gradient minus the
+group's, which the eager step amplified by about ``lr (1 + β)``, so an error left at one round
+comes back at the next one multiplied by ``|c - s| · lr (1 + β)`` (about 1.3 with lr 0.7, β
+0.9). Following all of it (``s = 1``, moving the progress made in flight onto the true anchor)
+diverges when the round takes the whole inner loop (stiff directions, ``c ≈ 0``); following
+none fails in flat ones. 1/2 bounds the factor by 0.66 for every ``c``. On the 4-peer test
+tasks (3 seeds, rounds landing 1 to ``inner_steps`` steps late) the averaged model ends at
+0.77-1.01 times blocking DiLoCo's loss at the same steps; ``s = 1`` ended at 1.01-1.15 when a
+round lands early and diverged when it took the whole loop."""
 
 
 class Overlap:
@@ -126,14 +139,22 @@ class Overlap:
             b.copy_(anchor)
 
     @torch.no_grad()
-    def land(self, step: OuterStep, *, nesterov: bool) -> tuple[float | None, float]:
+    def land(
+        self, step: OuterStep, *, nesterov: bool, steps_in_flight: int
+    ) -> tuple[float | None, float]:
         """Apply the round's outcome (see the module docstring).
+
+        Args:
+            step: the outer rule of the group the round averaged with (solitary: none).
+            nesterov: Nesterov look-ahead (else heavy-ball).
+            steps_in_flight: inner steps taken since the round's launch.
 
         Returns:
             ``(norm, scale)`` of the averaged pseudo-gradient, as
             :meth:`OuterState.apply_outer` reports them; ``(None, 1.0)`` for a lone round.
         """
         outer, n, local = self.outer, len(self.outer.anchor), self._local
+        share = CORRECTION if steps_in_flight else 1.0
         for m, m0 in zip(outer.momentum, self._momentum0, strict=True):
             m.copy_(m0)
         params = zip(outer.anchor, self._anchor0[:n], local[:n], outer.tensors.params, strict=True)
@@ -142,16 +163,17 @@ class Overlap:
                 m.mul_(step.beta)  # fades unapplied, as in a blocking lone round
             for anchor, a0, delta, p in params:
                 launch = a0.sub_(delta)  # θ at launch: the anchor of a lone round
-                p.add_((launch - anchor).to(p.device, non_blocking=True))
+                p.add_((launch - anchor).to(p.device, non_blocking=True), alpha=share)
                 anchor.copy_(launch)
             return None, 1.0
-        for anchor, a0, progress, p in params:
-            progress.copy_(p).sub_(anchor)  # θ - θ_eager: the progress made in flight
+        for anchor, a0, kept, p in params:
+            # θ - s·θ_eager: the model is then θ - s·(θ_eager - θ_anchor) = kept + s·θ_anchor
+            kept.copy_(p).sub_(anchor, alpha=share)
             anchor.copy_(a0)
         for anchor, a0 in zip(outer.buffer_anchor, self._anchor0[n:], strict=True):
             anchor.copy_(a0)  # back to the buffers' anchor the round started from
         norm = outer.pseudo_grad_norm()
-        scale = outer.apply_outer(step, nesterov=nesterov, norm=norm)
-        for p, progress in zip(outer.tensors.params, local[:n], strict=True):
-            p.add_(progress.to(p.device, non_blocking=True), alpha=MERGE)
+        scale = outer.apply_outer(step, nesterov=nesterov, norm=norm)  # the model = θ_anchor
+        for p, kept in zip(outer.tensors.params, local[:n], strict=True):
+            p.mul_(share).add_(kept.to(p.device, non_blocking=True))
         return norm, scale
