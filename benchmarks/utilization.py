@@ -197,6 +197,8 @@ def main() -> None:
     p.add_argument("--min-group", type=int, default=0, help="min_group_size (default: every peer)")
     p.add_argument("--settings", nargs="+", default=["loopback", "tbf100"])
     args = p.parse_args()
+    if args.rounds < 1 or args.inner_steps < 1 or args.warmup < 0:
+        p.error("--rounds and --inner-steps must be >= 1, --warmup >= 0")
     if args.peer:
         peer_main(args)
         return

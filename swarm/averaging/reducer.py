@@ -195,7 +195,8 @@ class PartReducer:
             clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
             out.copy_(clip.center)
             self._release_rows(index)
-        self.own_clipped |= clip.scales[0] < CLIPPED_BELOW
+        if clip.scales[0] < CLIPPED_BELOW:  # only ever set here: chunks reduce in parallel
+            self.own_clipped = True
         for sender, scale in zip(live, clip.scales[1:], strict=True):
             if scale < CLIPPED_BELOW:
                 self.clipped[sender] = min(scale, self.clipped.get(sender, 1.0))

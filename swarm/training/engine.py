@@ -239,12 +239,12 @@ class TrainingEngine:
         plan = self.begin_round()
         if not self.config.overlap:
             return self.finish_round(plan, (yield plan))
-        local = self.launch()
+        self.launch()
         # the live anchors move in flight (eager step): a sync averages those the round started
         # from, kept for the landing
         sync = self.overlap.launch_anchors if plan.sync is not None else None
         handle = yield dataclasses.replace(plan, background=True, sync=sync)
-        self._flight = Flight(handle, plan.started, plan.weight, local)
+        self._flight = Flight(handle, plan.started)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
             return (yield from self.land())
         return dataclasses.replace(landed, in_flight=True) if landed else self.local_report()
@@ -323,18 +323,17 @@ class TrainingEngine:
         return outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
 
     # -- overlapped rounds (diloco) -----------------------------------------------------------
-    def launch(self) -> list[torch.Tensor]:
+    def launch(self) -> None:
         """Keep ``Δ_local`` (just loaded) for the landing, take the eager outer step with it
         (the rule of the group size this peer averaged with last time) and start the next
         round's count."""
         cfg = self.config
         guess = outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
         with self.lock:
-            local = self.overlap.keep_local()
+            self.overlap.keep_local()
             self.overlap.eager_step(guess, nesterov=cfg.nesterov)
             self.steps_in_round = 0
             self.samples_in_round = 0.0
-        return local
 
     def land(self) -> Generator[RoundWait, Any, StepReport]:
         """Apply the round in flight (waiting for it if still running), one step or more late."""

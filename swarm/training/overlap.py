@@ -27,7 +27,7 @@ overshoot; measured on the 4-peer test task it oscillates and never reaches the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,14 +51,12 @@ class RoundWait:
     timeout: float  # seconds; past it the driver cancels the round and reports a timeout
 
 
-@dataclass
+@dataclass(frozen=True)
 class Flight:
-    """The round in flight: its handle, when it started, and this peer's weight in it."""
+    """The round in flight: its handle and when it started."""
 
     handle: RoundHandle
     started: float  # perf_counter() at launch
-    weight: float
-    local: list[torch.Tensor] = field(default_factory=list)  # Δ_local, kept for the landing
 
 
 CORRECTION = 0.5
@@ -99,7 +97,7 @@ class Overlap:
         return self._anchor0
 
     @torch.no_grad()
-    def keep_local(self) -> list[torch.Tensor]:
+    def keep_local(self) -> None:
         """Copy the slots (``Δ_local``, just loaded) before the averager overwrites them, and
         the anchors and momentum the round starts from."""
         outer = self.outer
@@ -115,7 +113,6 @@ class Overlap:
         ):
             for mine, source in zip(copies, sources, strict=True):
                 mine.copy_(source)
-        return self._local
 
     @torch.no_grad()
     def eager_step(self, step: OuterStep, *, nesterov: bool) -> None:
