@@ -30,8 +30,17 @@ through a veth pair on one bridge; both directions of each veth are limited by `
 100 Mbit/s, like a home connection with a symmetric 100 Mbit/s line. The namespaces are removed
 afterwards, also on errors.
 
+``raw`` (a codec name only this script knows) is the ceiling of the setting, not swarm: every
+peer opens two plain TCP connections to every other (as many as a butterfly's streams and
+replies) and writes, on all of them at once, as many bytes as ``none`` streams in a round,
+spread evenly; ``allreduce_s`` is the slowest peer's time until it has read everything, with no
+encryption, no reduction and no waiting for anyone's average. Swarm adds those and the coupling
+of a butterfly (an owner's average goes out only as fast as its slowest sender), while its
+replies start before its streams end, which can put it above ``raw`` on short rounds.
+
     python benchmarks/allreduce.py [--n 2 4 8] [--numel 4M 25M] [--rounds 5]
-        [--codecs none fp16 int8 topk 1bit] [--settings loopback tbf100] [--configs 4:25M:none]
+        [--codecs none fp16 int8 topk 1bit raw] [--settings loopback tbf100]
+        [--configs 4:25M:none 4:25M:raw]
 """
 
 from __future__ import annotations
@@ -111,6 +120,76 @@ def parse_numel(text: str) -> int:
 
 
 # ---- one peer process
+
+RAW_PORT = 47_311
+RAW_WRITE = 1 << 20
+
+
+def raw_bytes_per_link(n: int, numel: int) -> int:
+    """What ``raw`` writes on each of a peer's 2 (n - 1) connections: the float32 bytes a
+    ``none`` butterfly streams per peer, 2 (n - 1) / n x 4 numel, spread evenly."""
+    return 4 * numel // n
+
+
+async def raw_peer_main(args: argparse.Namespace) -> None:
+    """``raw``: plain TCP all-to-all rounds; a line on stdin starts each (the barrier)."""
+    peers = args.initial_peers  # every peer's host, in rank order (this one included)
+    me, per_link = args.seed, raw_bytes_per_link(args.n, args.numel)
+    expected = per_link * 2 * (args.n - 1)  # per round
+    # counted over all rounds: a faster peer's bytes may arrive before this one's round starts
+    received, target, everything = 0, expected, asyncio.Event()
+
+    async def read_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal received
+        while data := await reader.read(RAW_WRITE):
+            received += len(data)
+            if received >= target:
+                everything.set()
+        writer.close()
+
+    server = await asyncio.start_server(read_all, peers[me], RAW_PORT)
+    block = bytes(RAW_WRITE)
+
+    async def write_all(host: str) -> None:
+        for _ in range(50):  # the others' servers may start a moment later
+            try:
+                _, writer = await asyncio.open_connection(host, RAW_PORT)
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(f"cannot connect to {host}")
+        left = per_link
+        while left > 0:
+            writer.write(block[: min(left, RAW_WRITE)])
+            left -= min(left, RAW_WRITE)
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    loop = asyncio.get_running_loop()
+    others = [host for i, host in enumerate(peers) if i != me]
+    cpu_start = 0.0
+    for rnd in range(args.rounds + 1):
+        if rnd == 1:  # after the warm-up round
+            cpu_start = time.process_time()
+        print(json.dumps({"ready": rnd}), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        target = expected * (rnd + 1)
+        if received < target:
+            everything.clear()
+        started = time.perf_counter()
+        await asyncio.gather(*(write_all(host) for host in others for _ in range(2)))
+        await everything.wait()
+        row = {"round": rnd, "averaged": True, "reason": "", "matchmaking_s": 0.0}
+        row.update(allreduce_s=time.perf_counter() - started, bytes_sent=per_link * len(others) * 2)
+        print(json.dumps(row), flush=True)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cpu = (time.process_time() - cpu_start) / max(args.rounds, 1)
+    print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
+    await asyncio.sleep(0.5)  # the others' last connections end
+    server.close()
+    await server.wait_closed()
 
 
 async def peer_main(args: argparse.Namespace) -> None:
@@ -239,6 +318,9 @@ def _run_config(
         *("--gather-window", str(gather_window)),
         *extra,
     ]
+    if codec == "raw":
+        outputs = _run_raw(n, numel, rounds, places, env)
+        return _summary(n, numel, codec, setting, rounds, outputs)
     procs: list[subprocess.Popen] = []
     try:
         first = subprocess.Popen(
@@ -274,6 +356,49 @@ def _run_config(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return _summary(n, numel, codec, setting, rounds, outputs)
+
+
+def _run_raw(
+    n: int, numel: int, rounds: int, places: list[tuple[list[str], str]], env: dict[str, str]
+) -> list[str]:
+    """The ``raw`` ceiling's peer processes; this process is their barrier between rounds."""
+    hosts = [host for _, host in places]
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, (prefix, _) in enumerate(places):
+            cmd = [*prefix, sys.executable, __file__, "--peer", "--codec", "raw"]
+            cmd += ["--n", str(n), "--numel", str(numel), "--rounds", str(rounds)]
+            cmd += ["--seed", str(i), "--initial-peers", *hosts]
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+                )
+            )
+        lines: list[list[str]] = [[] for _ in procs]
+        for _ in range(rounds + 1):
+            for i, p in enumerate(procs):  # everyone finished the last round and is ready
+                assert p.stdout is not None
+                while '"ready"' not in (line := p.stdout.readline()):
+                    if not line:
+                        raise RuntimeError("a raw peer process exited")
+                    lines[i].append(line)
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+        return [
+            "".join(done) + p.communicate(timeout=600)[0]
+            for done, p in zip(lines, procs, strict=True)
+        ]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs: list[str]) -> dict:
     rows = [
         [json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outputs
     ]
@@ -339,7 +464,7 @@ def main() -> None:
     os.environ["SWARM_BENCH_AGGREGATOR"] = args.aggregator  # for the peer processes
     if args.peer:
         args.n, args.numel = args.n[0], parse_numel(args.numel[0])
-        asyncio.run(peer_main(args))
+        asyncio.run(raw_peer_main(args) if args.codec == "raw" else peer_main(args))
         return
     settings = [x for x in args.settings if x in ("loopback", "tbf100")]
     for unknown in set(args.settings) - set(settings):

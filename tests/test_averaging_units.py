@@ -21,7 +21,16 @@ from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.feedback import FlatFeedback
 from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
 from swarm.averaging.intake import PartIntake
-from swarm.averaging.plan import CHUNK_ALIGN, PartPlan, chunk_elems_for, schema_hash, split_parts
+from swarm.averaging.plan import (
+    CHUNK_ALIGN,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    PartPlan,
+    chunk_bytes_for,
+    chunk_elems_for,
+    schema_hash,
+    split_parts,
+)
 from swarm.averaging.reducer import PartReducer, SenderState, check_weight
 from swarm.averaging.repair import Repair
 from swarm.averaging.result import RoundResult
@@ -79,13 +88,31 @@ def test_part_plan_chunks_tile_each_part(numel, bws, chunk):
     assert set(plan.owned()) == {j for j in range(len(plan)) if plan.size(j) > 0}
 
 
+@pytest.mark.parametrize("max_bytes", [MAX_CHUNK_BYTES, MIN_CHUNK_BYTES])
 @pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8", "topk:0.01", "1bit"])
-def test_chunks_fit_one_frame(spec):
+def test_chunks_fit_one_frame(spec, max_bytes):
     codec = get_codec(spec)
-    n = chunk_elems_for(codec)
+    n = chunk_elems_for(codec, max_bytes)
     assert n % CHUNK_ALIGN == 0
-    assert codec.estimate_size(n) <= 1 << 20
-    assert len(codec.encode(torch.randn(n))) <= 1 << 20
+    assert codec.estimate_size(n) <= max_bytes
+    assert len(codec.encode(torch.randn(n))) <= max_bytes
+
+
+def test_chunks_shrink_to_what_the_slowest_measured_link_moves():
+    mbit = 1e6 / 8
+    assert chunk_bytes_for((), 4) == MAX_CHUNK_BYTES  # nobody measured yet
+    assert chunk_bytes_for((0.0, 0.0), 2) == MAX_CHUNK_BYTES
+    assert chunk_bytes_for((100 * mbit,) * 4, 4) == 256 << 10  # 6 streams at 100 Mbit/s
+    assert chunk_bytes_for((1000 * mbit,) * 4, 4) == MAX_CHUNK_BYTES  # fast links: the maximum
+    # the slowest measured member decides; unmeasured ones (0) do not count
+    assert chunk_bytes_for((1000 * mbit, 0.0, 100 * mbit, 1000 * mbit), 4) == 256 << 10
+    # a leader's tiny or absurd figures cost at most the smallest chunk, never less
+    assert chunk_bytes_for((1e-300, 1e300), 2) == MIN_CHUNK_BYTES
+    assert chunk_bytes_for((1e300,), 2) == MAX_CHUNK_BYTES
+    assert chunk_bytes_for((100 * mbit,), 1) == MAX_CHUNK_BYTES  # a lone member streams nothing
+    for rate in (1e5, 3e6, 12.5e6, 40e6, 1e9):
+        size = chunk_bytes_for((rate, 2 * rate), 3)
+        assert size % MIN_CHUNK_BYTES == 0 and MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES
 
 
 def test_schema_hash_separates_shapes_dtypes_and_codecs():

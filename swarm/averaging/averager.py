@@ -35,7 +35,13 @@ from swarm.averaging.flat import FlatStaging, check_tensors, scatter
 from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
 from swarm.averaging.liveness import Liveness
 from swarm.averaging.matchmaking import Matchmaker
-from swarm.averaging.plan import PartPlan, chunk_elems_for, effective_bandwidths, schema_hash
+from swarm.averaging.plan import (
+    PartPlan,
+    chunk_bytes_for,
+    chunk_elems_for,
+    effective_bandwidths,
+    schema_hash,
+)
 from swarm.averaging.planner import GroupPlanner, RoundKey
 from swarm.averaging.prober import Prober
 from swarm.averaging.rates import PeerRates
@@ -109,7 +115,7 @@ class Averager:
         # owners this peer accused of returning implausible averages: they own no part in this
         # peer's plans and their part streams are refused, for the rest of the run
         self.excluded: dict[PeerID, str] = {}
-        self._chunk_elems = chunk_elems_for(self.codec)
+        self._chunk_elems: dict[int, int] = {}  # chunk bytes -> elements, for this codec
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.threads, thread_name_prefix="swarm-avg"
         )
@@ -367,7 +373,11 @@ class Averager:
         for i, m in enumerate(group.members):
             if m.peer_id in self.excluded:
                 bandwidths[i] = 0.0
-        return PartPlan.create(numel, bandwidths, self._chunk_elems, self.config.max_share)
+        chunk_bytes = chunk_bytes_for(group.measured, len(group.members))
+        chunk_elems = self._chunk_elems.get(chunk_bytes)
+        if chunk_elems is None:
+            chunk_elems = self._chunk_elems[chunk_bytes] = chunk_elems_for(self.codec, chunk_bytes)
+        return PartPlan.create(numel, bandwidths, chunk_elems, self.config.max_share)
 
     def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
         return frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded)
