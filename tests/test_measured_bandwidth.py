@@ -24,6 +24,7 @@ from swarm.averaging.plan import (
     MEASURED_FLOOR,
     PartPlan,
     cap_shares,
+    chunk_bytes_for,
     chunk_elems_for,
     effective_bandwidths,
 )
@@ -231,6 +232,41 @@ async def test_an_overclaiming_peer_gets_the_part_its_link_delivers():
             capped = [r for r in rounds[1][i].refusals if r.peer == slow_id]
             assert [r.action for r in capped] == ["bandwidth-capped"], rounds[1][i].refusals
             assert "(measured)" in capped[0].why
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+@pytest.mark.timeout(120)
+async def test_a_group_its_leader_measured_slow_averages_in_small_chunks():
+    """Three real peers whose leader measured every link at 100 KB/s: each member derives the
+    same smaller chunks from the group's figures (nothing else says how to cut the parts), and
+    the round still averages exactly."""
+    import torch
+
+    peers = await loopback_peers.start_peers(range(236, 239))
+    config = loopback_peers.fixed_group_config(3, "small-chunks", aggregator="mean")
+    averagers = [Averager(p, config) for p in peers]
+    leader = averagers[min(range(3), key=lambda i: peers[i].peer_id.digest)]
+    for p in peers:
+        leader.rates.observe(p.peer_id, 1e5)
+    codec = get_codec("none")
+    part = chunk_elems_for(codec)  # one 1 MB chunk per part, unless the plan cuts it smaller
+    small = chunk_elems_for(codec, chunk_bytes_for([1e5] * 3, 3))
+    assert small < part
+    try:
+        tensors = [torch.full((3 * part,), float(i)) for i in range(3)]
+        results = await asyncio.gather(
+            *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
+        )
+        header = len(codec.encode(torch.zeros(small))) - 4 * small
+        # a member streams the 2 other parts and sends its own part back to both
+        chunks = 4 * math.ceil(part / small)
+        for result, t in zip(results, tensors, strict=True):
+            assert result.averaged, result
+            assert torch.equal(t, torch.full_like(t, 1.0))
+            assert result.bytes_sent == 4 * 4 * part + chunks * header, result.bytes_sent
     finally:
         for a in averagers:
             await a.close()
