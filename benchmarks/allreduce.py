@@ -121,6 +121,14 @@ def parse_numel(text: str) -> int:
 
 # ---- one peer process
 
+
+def print_usage(cpu_start: float, rounds: int) -> None:
+    """This peer process's last line: its peak resident set and CPU seconds per timed round."""
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cpu = (time.process_time() - cpu_start) / max(rounds, 1)
+    print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
+
+
 RAW_PORT = 47_311
 RAW_WRITE = 1 << 20
 
@@ -176,7 +184,9 @@ async def raw_peer_main(args: argparse.Namespace) -> None:
         print(json.dumps({"ready": rnd}), flush=True)
         await loop.run_in_executor(None, sys.stdin.readline)
         target = expected * (rnd + 1)
-        if received < target:
+        if received >= target:  # already here (or nothing to receive: a single peer)
+            everything.set()
+        else:
             everything.clear()
         started = time.perf_counter()
         await asyncio.gather(*(write_all(host) for host in others for _ in range(2)))
@@ -184,9 +194,7 @@ async def raw_peer_main(args: argparse.Namespace) -> None:
         row = {"round": rnd, "averaged": True, "reason": "", "matchmaking_s": 0.0}
         row.update(allreduce_s=time.perf_counter() - started, bytes_sent=per_link * len(others) * 2)
         print(json.dumps(row), flush=True)
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    cpu = (time.process_time() - cpu_start) / max(args.rounds, 1)
-    print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
+    print_usage(cpu_start, args.rounds)
     await asyncio.sleep(0.5)  # the others' last connections end
     server.close()
     await server.wait_closed()
@@ -253,9 +261,7 @@ async def peer_main(args: argparse.Namespace) -> None:
                 "bytes_sent": result.bytes_sent,
             }
             print(json.dumps(row), flush=True)
-        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        cpu = (time.process_time() - cpu_start) / max(args.rounds, 1)
-        print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
+        print_usage(cpu_start, args.rounds)
         await asyncio.sleep(0.5)  # let the others read their last replies
     finally:
         if scraper is not None:
@@ -310,6 +316,9 @@ def _run_config(
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+    if codec == "raw":
+        outputs = _run_raw(n, numel, rounds, places, env)
+        return _summary(n, numel, codec, setting, rounds, outputs)
     common = [
         sys.executable,
         __file__,
@@ -318,9 +327,6 @@ def _run_config(
         *("--gather-window", str(gather_window)),
         *extra,
     ]
-    if codec == "raw":
-        outputs = _run_raw(n, numel, rounds, places, env)
-        return _summary(n, numel, codec, setting, rounds, outputs)
     procs: list[subprocess.Popen] = []
     try:
         first = subprocess.Popen(
@@ -352,11 +358,15 @@ def _run_config(
             )
         outputs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_all(procs)
     return _summary(n, numel, codec, setting, rounds, outputs)
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def _run_raw(
@@ -392,10 +402,7 @@ def _run_raw(
             for done, p in zip(lines, procs, strict=True)
         ]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_all(procs)
 
 
 def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs: list[str]) -> dict:
