@@ -3,14 +3,16 @@
 Prints one JSON object per line and configuration::
 
     {"setting": "loopback"|"tbf100", "peers": N, "params": P, "codec": ..., "overlap": bool,
-     "fragments": 1, "inner_steps": H, "step_s": ..., "round_s": ..., "utilization": ...,
+     "fragments": F, "inner_steps": H, "step_s": ..., "round_s": ..., "utilization": ...,
      "final_loss": ..., "blocking_final_loss": ..., "gpu_mem_overhead_bytes_per_param": null}
 
 Every peer is its own process (this script with ``--peer``) training an MLP on a fixed synthetic
 regression task (its own shard) with ``Swarm``; the width is chosen so that one round's transfer
-takes about as long as the ``inner_steps`` of compute between rounds. Each configuration runs
-once with ``overlap=False`` and once with ``overlap=True`` for the same number of steps;
-``blocking_final_loss`` is the first run's loss.
+takes about as long as the ``inner_steps`` of compute between rounds. Each setting runs once
+with ``overlap=False`` and then with ``overlap=True`` once per ``--fragments`` count (Streaming
+DiLoCo: ``F`` fragments take turns, a round of ``1/F`` of the model every ``inner_steps / F``
+steps), all for the same number of steps; ``blocking_final_loss`` is the first run's loss
+(whole-model blocking DiLoCo).
 
 - ``step_s``: median compute seconds of one step (forward, backward, ``swarm.step()`` minus
   the time it blocked on the swarm), median over peers;
@@ -32,6 +34,7 @@ namespace code is reused, not copied).
 
     python benchmarks/utilization.py [--peers 4] [--width 1024] [--inner-steps 20]
         [--rounds 30] [--settings loopback tbf100] [--codec int8] [--min-group 2]
+        [--fragments 1 2]
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ def peer_main(args: argparse.Namespace) -> None:
         inner_steps=args.inner_steps,
         codec=args.codec,
         overlap=args.overlap == "on",
+        fragments=args.fragments[0],
         min_group_size=args.min_group or args.peers,
         target_group_size=args.peers,
         matchmaking_timeout_s=30.0,
@@ -140,7 +144,7 @@ def peer_main(args: argparse.Namespace) -> None:
         swarm.close()
 
 
-def run(args: argparse.Namespace, setting: str, overlap: str, places) -> list[dict]:
+def run(args: argparse.Namespace, setting: str, overlap: str, fragments: int, places) -> list[dict]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace, setting: str, overlap: str, places) -> list[di
     common += ["--peers", str(args.peers), "--width", str(args.width), "--codec", args.codec]
     common += ["--inner-steps", str(args.inner_steps), "--rounds", str(args.rounds)]
     common += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
-    common += ["--min-group", str(args.min_group)]
+    common += ["--min-group", str(args.min_group), "--fragments", str(fragments)]
     procs: list[subprocess.Popen] = []
     address = ""
     try:
@@ -175,7 +179,7 @@ def run(args: argparse.Namespace, setting: str, overlap: str, places) -> list[di
     ]
     if len(rows) != args.peers:
         raise RuntimeError(
-            f"{args.peers - len(rows)} peer(s) did not report ({setting}, {overlap})"
+            f"{args.peers - len(rows)} peer(s) did not report ({setting}, {overlap}, {fragments})"
         )
     return rows
 
@@ -196,9 +200,14 @@ def main() -> None:
     p.add_argument("--codec", default="int8")
     p.add_argument("--min-group", type=int, default=0, help="min_group_size (default: every peer)")
     p.add_argument("--settings", nargs="+", default=["loopback", "tbf100"])
+    p.add_argument(
+        "--fragments", type=int, nargs="+", default=[1], help="overlapped runs' fragment counts"
+    )
     args = p.parse_args()
     if args.rounds < 1 or args.inner_steps < 1 or args.warmup < 0:
         p.error("--rounds and --inner-steps must be >= 1, --warmup >= 0")
+    if any(f < 1 or args.inner_steps % f for f in args.fragments):
+        p.error("every --fragments count must be >= 1 and divide --inner-steps")
     if args.peer:
         peer_main(args)
         return
@@ -207,13 +216,13 @@ def main() -> None:
             print(f"skipping tbf100: {why}", file=sys.stderr)
             continue
         blocking = None
-        for overlap in ("off", "on"):
+        for overlap, fragments in [("off", 1), *(("on", f) for f in args.fragments)]:
             if setting == "tbf100":
                 with rate_limited_namespaces(args.peers, 100_000_000) as places:
-                    rows = run(args, setting, overlap, places)
+                    rows = run(args, setting, overlap, fragments, places)
             else:
                 places = [([], f"127.0.0.{i + 1}") for i in range(args.peers)]
-                rows = run(args, setting, overlap, places)
+                rows = run(args, setting, overlap, fragments, places)
             final = statistics.mean(r["final_loss"] for r in rows)
             blocking = final if overlap == "off" else blocking
             rounds = [r["round_s"] for r in rows if r["round_s"] is not None]
@@ -226,7 +235,7 @@ def main() -> None:
                         "params": rows[0]["params"],
                         "codec": args.codec,
                         "overlap": overlap == "on",
-                        "fragments": 1,
+                        "fragments": fragments,
                         "inner_steps": args.inner_steps,
                         "step_s": round(statistics.median(r["step_s"] for r in rows), 4),
                         "round_s": round(statistics.median(rounds), 3) if rounds else None,

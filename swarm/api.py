@@ -198,6 +198,7 @@ class AsyncSwarm:
                     sync_every=plan.sync_every,
                     order=plan.order,
                     purpose=plan.purpose,
+                    fragment=plan.fragment,
                 ),
                 self.config.round_timeout_s,
             )

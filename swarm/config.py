@@ -226,6 +226,12 @@ class SwarmConfig:
             model keeps it in pinned host memory: 12 bytes of GPU memory per parameter saved
             (anchor, momentum, averaging slots), 16 with overlap (its in-flight copy), for two
             copies between host and GPU per round. Error-feedback residuals follow the slots.
+        fragments: ``diloco``: cut the model into this many fragments of equal size (in the
+            model's order; see :mod:`swarm.training.fragments`) whose rounds take turns
+            (Streaming DiLoCo, Douillard et al. 2025): a round every ``inner_steps / fragments``
+            steps averages the next fragment's pseudo-gradient, so each fragment still averages
+            every ``inner_steps`` steps while one round moves ``1 / fragments`` of the bytes. 1
+            (the default) averages the whole model at once. ``inner_steps`` must be a multiple.
     """
 
     peer: PeerConfig = field(default_factory=PeerConfig)
@@ -246,6 +252,7 @@ class SwarmConfig:
     state_parts: int = 4
     overlap: bool | None = None
     outer_device: str | None = None
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer, PeerConfig):
@@ -295,6 +302,25 @@ class SwarmConfig:
             )
         if self.outer_device not in (None, "cpu"):
             raise ConfigError("outer_device must be None (the model's device) or 'cpu'")
+        if not isinstance(self.fragments, int) or isinstance(self.fragments, bool):
+            raise ConfigError("fragments must be an integer >= 1")
+        if self.fragments < 1:
+            raise ConfigError("fragments must be an integer >= 1")
+        if self.fragments > 1 and not mode.has_outer_step:
+            raise ConfigError(
+                f"fragments stagger DiLoCo's outer rounds, which only mode='diloco' has; "
+                f"{mode.value} averages the whole model"
+            )
+        if self.inner_steps % self.fragments:
+            raise ConfigError(
+                f"inner_steps ({self.inner_steps}) must be a multiple of fragments "
+                f"({self.fragments}): a fragment's round comes every inner_steps / fragments steps"
+            )
+
+    @property
+    def round_interval(self) -> int:
+        """Local steps between two rounds: ``inner_steps / fragments``."""
+        return self.inner_steps // self.fragments
 
     @property
     def averaging(self) -> AveragingConfig:

@@ -184,7 +184,7 @@ def test_a_landed_round_moves_every_peer_to_the_same_anchor() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def _lockstep_loss(overlap: bool, delay: int) -> float:
+def _lockstep_loss(overlap: bool, delay: int, fragments: int = 1) -> float:
     """4 engines on disjoint shards of a regression task, 24 rounds of 10 SGD steps, averaging
     exactly in memory; an overlapped round lands ``delay`` steps after its launch (a round due
     while the last one runs waits for it). Returns the loss of the mean of the final models."""
@@ -199,7 +199,13 @@ def _lockstep_loss(overlap: bool, delay: int) -> float:
             torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        config = SwarmConfig(inner_steps=inner, codec="none", overlap=overlap, anchor_sync_every=0)
+        config = SwarmConfig(
+            inner_steps=inner,
+            codec="none",
+            overlap=overlap,
+            anchor_sync_every=0,
+            fragments=fragments,
+        )
         engines.append(TrainingEngine(model, opt, config))
     samplers = [torch.Generator().manual_seed(100 + r) for r in range(peers)]
     in_flight: list[tuple[int, list[RoundPlan], list[concurrent.futures.Future]]] = []

@@ -9,6 +9,7 @@ import torch
 
 from swarm.api import AsyncSwarm
 from swarm.errors import TrainingError
+from swarm.training.checkpoint import read_checkpoint
 from swarm.training.transfer import Fault
 
 OPTIONS = {
@@ -158,3 +159,61 @@ async def test_anchor_sync_brings_apart_peers_to_one_model(sync_every: int) -> N
             await b.close()
     finally:
         await a.close()
+
+
+async def test_fragments_take_turns_over_the_network_each_with_its_own_residuals(
+    tmp_path,
+) -> None:
+    """Two peers, two fragments, int8: the rounds alternate fragments, each moves about half of
+    the model's bytes, anchors agree after every fragment's round, each fragment keeps its own
+    error feedback, and a checkpoint restores the residuals of both."""
+    kw = {"inner_steps": 4, "fragments": 2, "codec": "int8", "anchor_sync_every": 0}
+    a = await start(bn_model(0), "frag", **kw)
+    try:
+        b = await start(bn_model(1), "frag", [a.address], **kw)
+        try:
+            reports = await asyncio.gather(_reports(a, 0.0, 8), _reports(b, 2.0, 8))
+            for rounds in reports:
+                assert [r.averaged and r.group_size == 2 for r in rounds] == [True] * 4, rounds
+            # every round sent one fragment: 79 of the 158 elements, in int8
+            sent = [r.bytes_sent for r in reports[0]]
+            assert len(set(sent)) == 1, sent
+            assert a.engine.round == b.engine.round == 4
+            for x, y in zip(
+                a.engine.outer.anchor + a.engine.outer.buffer_anchor,
+                b.engine.outer.anchor + b.engine.outer.buffer_anchor,
+                strict=True,
+            ):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+            kinds = {k for k, synced in a.averager._feedbacks if not synced}
+            assert kinds == {"1/2", "2/2"}, kinds
+            await a.save(tmp_path / "a.pt")
+            saved = read_checkpoint(tmp_path / "a.pt")["averager"]
+            assert saved["feedback"] is None and set(saved["fragments"]) == {"1/2", "2/2"}
+            residual = saved["fragments"]["2/2"]["sender"]
+            assert residual.numel() == 79 and residual.abs().max() > 0
+            c = await start(bn_model(0), "frag-resumed", sync_on_join=False, **kw)
+            try:
+                await c.load(tmp_path / "a.pt")
+                restored = c.averager._feedback_for(79, torch.device("cpu"), "2/2", False)
+                assert torch.equal(restored._sender, residual)
+            finally:
+                await c.close()
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+
+
+async def _reports(swarm: AsyncSwarm, shift: float, steps: int) -> list:
+    """The reports of the rounds of ``steps`` training steps (the last one landed at the end)."""
+    g = torch.Generator().manual_seed(int(shift * 10))
+    rounds = []
+    for _ in range(steps):
+        x = torch.randn(32, 6, generator=g) * (1 + shift) + shift
+        swarm.model(x).pow(2).mean().backward()
+        report = await swarm.step(samples=32)
+        swarm.optimizer.zero_grad()
+        rounds.append(report)
+    landed = await swarm.wait_round()
+    return [r for r in rounds if r.round_due] + ([landed] if landed is not None else [])

@@ -121,10 +121,12 @@ class Averager:
         )
         self._lock = asyncio.Lock()
         self._rounds = RoundRegistry()
-        self._staging = FlatStaging()
-        # error feedback of the averaged tensors (False) and of the synced ones (True)
-        self._feedbacks: dict[bool, FlatFeedback] = {}
-        self._saved_feedback: dict[str, Any] | None = None
+        # Per kind of round (see _kind: training rounds of each fragment, other purposes) and
+        # per vector (the averaged tensors: False, the synced ones: True): staging buffers and
+        # error feedback, so rounds that take turns keep their own residuals.
+        self._stagings: dict[tuple[str, bool], FlatStaging] = {}
+        self._feedbacks: dict[tuple[str, bool], FlatFeedback] = {}
+        self._saved_feedback: dict[str, dict[str, Any]] = {}  # by fragment label, until used
         self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
         self._own_prober = prober is None and config.grouping != "fixed"
         if self._own_prober:
@@ -148,6 +150,7 @@ class Averager:
         sync_every: int = 0,
         order: int | None = None,
         purpose: str = "",
+        fragment: str = "",
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -169,6 +172,9 @@ class Averager:
             purpose: what the tensors are, when peers average several kinds of the same shapes
                 (e.g. "values" for the parameters themselves, "" for training rounds): rounds
                 of different purposes never group.
+            fragment: which fragment of the model the tensors are (Streaming DiLoCo: rounds
+                take turns over fragments); rounds of different fragments never group, and each
+                fragment keeps its own error feedback.
             sync / sync_every: more tensors (e.g. DiLoCo anchors) that about one group in
                 ``sync_every`` averages as well, in a second all-reduce right after the first
                 (its own error feedback; the choice comes from the group id, so every member
@@ -197,6 +203,8 @@ class Averager:
             spec = f"{self.codec.spec}|share={self.config.max_share:g}"
             if purpose:
                 spec += f"|for={purpose}"
+            if fragment:
+                spec += f"|fragment={fragment}"
             if syncing:
                 spec += f"|sync={sync_every}:{schema_hash(syncing, '')}"
             key = matchmaking_key(self.peer.run_id, planned.key, schema_hash(tensors, spec))
@@ -218,7 +226,10 @@ class Averager:
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
             self.planner.joined(group)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
-            result = await self._allreduce(tensors, numel, weight, group, matchmaking_s, deadline)
+            kind = _kind(purpose, fragment)
+            result = await self._allreduce(
+                tensors, numel, weight, group, matchmaking_s, deadline, kind
+            )
             if not syncing or not syncs(group, sync_every):
                 return result
             # the same members average the synced tensors under a derived group id
@@ -232,6 +243,7 @@ class Averager:
                 derived,
                 0.0,
                 deadline,
+                kind,
                 synced=True,
             )
             return dataclasses.replace(
@@ -253,17 +265,28 @@ class Averager:
         self.planner.adopt(order, base)
 
     def state_dict(self) -> dict[str, Any]:
-        """Error-feedback state, for checkpoints."""
-        fb = self._feedbacks.get(False)
-        return {"feedback": fb.state_dict() if fb is not None else None}
+        """Error-feedback state of the training rounds (of every fragment), for checkpoints."""
+        saved = {
+            kind: fb.state_dict()
+            for (kind, synced), fb in self._feedbacks.items()
+            if not synced and not kind.startswith(_PURPOSE)
+        }
+        whole = saved.pop("", None)
+        return {"feedback": whole, "fragments": saved} if saved else {"feedback": whole}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (applied when the tensors' size is known)."""
-        saved = state.get("feedback") if isinstance(state, dict) else None
-        self._saved_feedback = saved if isinstance(saved, dict) else None
-        fb = self._feedbacks.get(False)
-        if fb is not None and self._saved_feedback is not None:
-            fb.load_state_dict(self._saved_feedback)
+        if not isinstance(state, dict):
+            return
+        fragments = state.get("fragments")
+        saved = dict(fragments) if isinstance(fragments, dict) else {}
+        saved[""] = state.get("feedback")
+        self._saved_feedback = {
+            k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, dict)
+        }
+        for (kind, synced), fb in self._feedbacks.items():
+            if not synced and kind in self._saved_feedback:
+                fb.load_state_dict(self._saved_feedback[kind])
 
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
@@ -290,19 +313,21 @@ class Averager:
         group: GroupInfo,
         matchmaking_s: float,
         deadline: float,
+        kind: str,
         synced: bool = False,
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
         plan = self._plan(group, numel)
-        flat, result = await loop.run_in_executor(self._pool, self._staging.gather, tensors, numel)
+        staging = self._stagings.setdefault((kind, synced), FlatStaging())
+        flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
         ctx = RoundContext(
             group=group,
             me=me,
             weight=weight,
-            feedback=self._feedback_for(numel, flat.device, synced),
+            feedback=self._feedback_for(numel, flat.device, kind, synced),
             workers=Workers(self._pool),
             stall=self.stall,
             deadline=deadline,
@@ -441,13 +466,16 @@ class Averager:
             outcome.bytes_received + fixed.bytes_received,
         )
 
-    def _feedback_for(self, numel: int, device: torch.device, synced: bool) -> FlatFeedback:
-        """The error feedback of the averaged (or synced) tensors, new when their size moved."""
-        fb = self._feedbacks.get(synced)
+    def _feedback_for(
+        self, numel: int, device: torch.device, kind: str, synced: bool
+    ) -> FlatFeedback:
+        """The error feedback of one kind of round's averaged (or synced) tensors, new when
+        their size moved."""
+        fb = self._feedbacks.get((kind, synced))
         if fb is None or fb.numel != numel or fb.device != device:
-            fb = self._feedbacks[synced] = FlatFeedback(self.codec, numel, device)
-            if not synced and self._saved_feedback is not None:
-                fb.load_state_dict(self._saved_feedback)
+            fb = self._feedbacks[kind, synced] = FlatFeedback(self.codec, numel, device)
+            if not synced and kind in self._saved_feedback:
+                fb.load_state_dict(self._saved_feedback[kind])
         return fb
 
     # ---- serving part streams
@@ -489,6 +517,15 @@ def unbelieved_claims(group: GroupInfo) -> list[Refusal]:
         for m, bw, rate in zip(group.members, planned, measured, strict=True)
         if bw < m.bandwidth / 2
     ]
+
+
+_PURPOSE = "for="
+
+
+def _kind(purpose: str, fragment: str) -> str:
+    """The kind of a round, which keys its staging and error feedback: the fragment label of a
+    training round ("" for a whole model), ``for=`` and the purpose of any other."""
+    return f"{_PURPOSE}{purpose}" if purpose else fragment
 
 
 def syncs(group: GroupInfo, every: int) -> bool:

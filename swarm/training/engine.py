@@ -1,9 +1,11 @@
 """The training loop's state machine, shared by the sync and async facades.
 
 ``step()`` = (``gradients``: average the gradients) → ``optimizer.step()`` → (every
-``inner_steps``: an averaging round). :meth:`TrainingEngine.step` writes that sequence once, as a
-generator that yields what it needs from the network; the facades differ only in how they wait
-(:func:`run_step` blocks on the loop thread, :func:`arun_step` awaits). It yields
+``inner_steps``: an averaging round; with ``fragments`` F, every ``inner_steps / F`` steps a round
+of the next fragment, :mod:`swarm.training.fragments`). :meth:`TrainingEngine.step` writes that
+sequence once, as a generator that yields what it needs from the network; the facades differ
+only in how they wait (:func:`run_step` blocks on the loop thread, :func:`arun_step` awaits). It
+yields
 
 - a :class:`RoundPlan` with ``background`` False: run the round now, send its outcome back;
 - a :class:`RoundPlan` with ``background`` True (``diloco`` with ``overlap``): start the round
@@ -34,6 +36,7 @@ from swarm.config import SPARSE_CODECS, Mode, SwarmConfig
 from swarm.errors import CheckpointError, TrainingError
 from swarm.training.checkpoint import check_checkpoint
 from swarm.training.divergence import DivergenceMonitor, as_loss
+from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait
 from swarm.training.progress import StepReport, Utilization
@@ -70,6 +73,7 @@ class RoundPlan:
     sync_every: int = 0  # about one group in this many averages ``sync`` too
     order: int | None = None  # this peer's round: orders the planned groups (see Averager)
     purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
+    fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
 
 
 StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
@@ -184,13 +188,20 @@ class TrainingEngine:
         self.outer = OuterState(
             self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
         )
-        self.overlap = Overlap(self.outer)
+        # Streaming DiLoCo: round r averages fragment r mod F, each with its own outer state
+        self.fragments = split(self.tensors, config.fragments)
+        self._outers = (
+            [self.outer.view(f.pieces) for f in self.fragments]
+            if len(self.fragments) > 1
+            else [self.outer]
+        )
+        self._overlaps = [Overlap(o) for o in self._outers]
         self._flight: Flight | None = None  # the round running in the background (overlap)
         # what a round averages: written into the fp32 slots before it
-        self._load_slots = {
-            Mode.DILOCO: self.outer.load_pseudo_grads,
-            Mode.LOCAL_SGD: self.outer.load_values,
-            Mode.GRADIENTS: self.outer.load_grads,
+        self._slots_loader = {
+            Mode.DILOCO: OuterState.load_pseudo_grads,
+            Mode.LOCAL_SGD: OuterState.load_values,
+            Mode.GRADIENTS: OuterState.load_grads,
         }[self.mode]
         self.step_count = 0  # local optimizer steps
         self.round = 0  # completed averaging rounds (attempted ones count; see finish_round)
@@ -239,12 +250,13 @@ class TrainingEngine:
         plan = self.begin_round()
         if not self.config.overlap:
             return self.finish_round(plan, (yield plan))
+        fragment = self.fragment
         self.launch()
         # the live anchors move in flight (eager step): a sync averages those the round started
         # from, kept for the landing
-        sync = self.overlap.launch_anchors if plan.sync is not None else None
+        sync = self._overlaps[fragment].launch_anchors if plan.sync is not None else None
         handle = yield dataclasses.replace(plan, background=True, sync=sync)
-        self._flight = Flight(handle, plan.started)
+        self._flight = Flight(handle, plan.started, fragment)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
             return (yield from self.land())
         return dataclasses.replace(landed, in_flight=True) if landed else self.local_report()
@@ -270,23 +282,33 @@ class TrainingEngine:
         self.steps_in_round += 1
         self.samples_in_round += 1.0 if samples is None else float(samples)
         self.samples_seen += 1.0 if samples is None else float(samples)
-        return self.steps_in_round >= self.config.inner_steps
+        return self.steps_in_round >= self.config.round_interval
+
+    @property
+    def fragment(self) -> int:
+        """The fragment the next round (or the round in flight) averages: round mod F."""
+        return self.round % len(self.fragments)
+
+    def _load_slots(self) -> None:
+        self._slots_loader(self._outers[self.fragment])
 
     def inner_step(self) -> None:
         with self.lock:
             self.optimizer.step()
 
     def begin_round(self) -> RoundPlan:
-        """Fill the fp32 slots with what this mode averages."""
+        """Fill the fp32 slots (of this round's fragment) with what this mode averages."""
         with self.lock:
             self._load_slots()
+        outer = self._outers[self.fragment]
         return RoundPlan(
-            self.outer.slots,
+            outer.slots,
             max(self.samples_in_round, 1e-6),
             time.perf_counter(),
-            sync=self.outer.anchor + self.outer.buffer_anchor if self._sync_every else None,
+            sync=outer.anchor + outer.buffer_anchor if self._sync_every else None,
             sync_every=self._sync_every,
             order=self.round,
+            fragment=self.fragments[self.fragment].label,
         )
 
     def finish_round(self, plan: RoundPlan, outcome: RoundOutcome) -> StepReport:
@@ -294,13 +316,14 @@ class TrainingEngine:
         waited = time.perf_counter() - plan.started
         self.utilization.add_wait(waited)
         cfg = self.config
+        outer = self._outers[self.fragment]
         with self.lock:
             norm, scale = None, 1.0
             if self.mode.averages_values:
                 if outcome.averaged:
-                    self.outer.apply_values()
+                    outer.apply_values()
                 else:
-                    self.outer.reset_anchor()
+                    outer.reset_anchor()
             else:
                 if not outcome.averaged:
                     # A cut round may have half-written the slots: use our own values again.
@@ -308,10 +331,10 @@ class TrainingEngine:
                 if self.mode.has_outer_step:
                     # Alone: plain local training; small groups: capped momentum (outer_rule).
                     step = self._outer_rule(outcome)
-                    norm = None if step.solitary else self.outer.pseudo_grad_norm()
-                    scale = self.outer.apply_outer(step, nesterov=cfg.nesterov, norm=norm)
+                    norm = None if step.solitary else outer.pseudo_grad_norm()
+                    scale = outer.apply_outer(step, nesterov=cfg.nesterov, norm=norm)
                 else:
-                    self.outer.apply_grads()
+                    outer.apply_grads()
             self.round += 1
             self.steps_in_round = 0
             self.samples_in_round = 0.0
@@ -329,9 +352,10 @@ class TrainingEngine:
         round's count."""
         cfg = self.config
         guess = outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        overlap = self._overlaps[self.fragment]
         with self.lock:
-            self.overlap.keep_local()
-            self.overlap.eager_step(guess, nesterov=cfg.nesterov)
+            overlap.keep_local()
+            overlap.eager_step(guess, nesterov=cfg.nesterov)
             self.steps_in_round = 0
             self.samples_in_round = 0.0
 
@@ -354,7 +378,7 @@ class TrainingEngine:
                 waited,
             )
         with self._landed:
-            norm, scale = self.overlap.land(
+            norm, scale = self._overlaps[flight.fragment].land(
                 self._outer_rule(outcome),
                 nesterov=self.config.nesterov,
                 steps_in_flight=self.steps_in_round,
@@ -497,7 +521,7 @@ class TrainingEngine:
             self.outer.reset_anchor()
             self.round = snap.round
             # Align with the provider's phase so our next round meets theirs.
-            self.steps_in_round = max(0, min(steps_in_round, self.config.inner_steps - 1))
+            self.steps_in_round = max(0, min(steps_in_round, self.config.round_interval - 1))
             self.samples_in_round = 0.0
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ one peer. :func:`outer_rule` adapts it (see the README's "Fidelity to the papers
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections import deque
@@ -118,6 +119,27 @@ class OuterState:
         self.buffer_anchor = [self.new_like(b).copy_(b.detach()) for b in tensors.buffers]
         self.momentum = [self.new_like(a) for a in self.anchor] if keep_momentum else []
         self.norms: deque[float] = deque(maxlen=NORM_HISTORY)  # recent averaged ‖Δ‖
+
+    def view(self, pieces: tuple[tuple[int, int, int], ...]) -> OuterState:
+        """The state of pieces of the tensors (a fragment: ``(index into tensors.all, start,
+        end)`` of each flattened tensor, in order): views of the same slots, anchors and
+        momentum, not copies, with a norm history of its own (each fragment's pseudo-gradient
+        has its own scale)."""
+        n = len(self.anchor)
+
+        def cut(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+            return t if (start, end) == (0, t.numel()) else t.view(-1)[start:end]
+
+        params = [(i, s, e) for i, s, e in pieces if i < n]
+        buffers = [(i - n, s, e) for i, s, e in pieces if i >= n]
+        part = copy.copy(self)
+        part.tensors = self.tensors.pieces(pieces)
+        part.slots = [cut(self.slots[i], s, e) for i, s, e in pieces]
+        part.anchor = [cut(self.anchor[i], s, e) for i, s, e in params]
+        part.buffer_anchor = [cut(self.buffer_anchor[j], s, e) for j, s, e in buffers]
+        part.momentum = [cut(self.momentum[i], s, e) for i, s, e in params] if self.momentum else []
+        part.norms = deque(maxlen=NORM_HISTORY)
+        return part
 
     def new_like(self, t: torch.Tensor) -> torch.Tensor:
         """A zero fp32 tensor shaped like ``t`` where this state lives (pinned when offloaded)."""

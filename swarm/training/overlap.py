@@ -57,6 +57,7 @@ class Flight:
 
     handle: RoundHandle
     started: float  # perf_counter() at launch
+    fragment: int = 0  # the model fragment it averages (see ``fragments`` in SwarmConfig)
 
 
 CORRECTION = 0.5

@@ -46,6 +46,27 @@ class ModelTensors:
             tuple(b for _, b in floating),
         )
 
+    def pieces(self, pieces: tuple[tuple[int, int, int], ...]) -> ModelTensors:
+        """Views of pieces of the tensors: ``(index into all, start, end)`` of each flattened
+        tensor, in the order of ``all`` (a whole tensor keeps its shape; a cut one must be
+        contiguous). Writing to a view writes to the model."""
+        n, views = len(self.params), []
+        for i, start, end in pieces:
+            name, t = self.names[i], self.all[i].detach()
+            views.append(
+                (name, t)
+                if (start, end) == (0, t.numel())
+                else (f"{name}[{start}:{end}]", t.view(-1)[start:end])
+            )
+        params = [v for (i, _, _), v in zip(pieces, views, strict=True) if i < n]
+        buffers = [v for (i, _, _), v in zip(pieces, views, strict=True) if i >= n]
+        return ModelTensors(
+            tuple(name for name, _ in params),
+            tuple(t for _, t in params),
+            tuple(name for name, _ in buffers),
+            tuple(t for _, t in buffers),
+        )
+
     @property
     def all(self) -> tuple[torch.Tensor, ...]:
         return self.params + self.buffers
@@ -56,7 +77,7 @@ class ModelTensors:
 
     @property
     def device(self) -> torch.device:
-        return self.params[0].device
+        return self.all[0].device
 
     @property
     def numel(self) -> int:
