@@ -20,6 +20,9 @@ steps), all for the same number of steps; ``blocking_final_loss`` is the first r
 - ``utilization``: compute time / wall time over the timed rounds (after ``--warmup`` rounds),
   i.e. 1 - time blocked on the swarm / wall time, mean over peers;
 - ``final_loss``: the mean over peers of the full-data loss after the last round has landed;
+- ``agreed_loss``: the same at the peers' anchors, the state they agree on (what a joiner
+  downloads). Equal to ``final_loss`` for whole-model rounds; with fragments every fragment but
+  the last one averaged still carries the local steps taken since its round;
 - ``averaged_share``: share of the peers' timed rounds that averaged with another peer, and
   ``mean_group_size`` their mean group size (0 counted for a round not averaged): overlapped
   peers that drift out of step find fewer partners;
@@ -40,6 +43,7 @@ namespace code is reused, not copied).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -125,6 +129,10 @@ def peer_main(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - start
         with torch.no_grad():
             loss = torch.nn.functional.mse_loss(model(x), y).item()
+            agreed = copy.deepcopy(model)  # at the anchors: the state the peers agree on
+            for p, anchor in zip(agreed.parameters(), swarm.engine.outer.anchor, strict=True):
+                p.copy_(anchor)
+            agreed_loss = torch.nn.functional.mse_loss(agreed(x), y).item()
         print(
             json.dumps(
                 {
@@ -133,6 +141,7 @@ def peer_main(args: argparse.Namespace) -> None:
                     "round_s": statistics.median(round_times) if round_times else None,
                     "utilization": max(0.0, 1 - waited / wall),
                     "final_loss": loss,
+                    "agreed_loss": agreed_loss,
                     "drain_s": drain,
                     "groups": groups,
                 }
@@ -241,6 +250,9 @@ def main() -> None:
                         "round_s": round(statistics.median(rounds), 3) if rounds else None,
                         "utilization": round(statistics.mean(r["utilization"] for r in rows), 3),
                         "final_loss": float(f"{final:.4g}"),
+                        "agreed_loss": float(
+                            f"{statistics.mean(r['agreed_loss'] for r in rows):.4g}"
+                        ),
                         "blocking_final_loss": float(f"{blocking:.4g}"),
                         "gpu_mem_overhead_bytes_per_param": None,
                         "drain_s": round(statistics.mean(r["drain_s"] for r in rows), 3),
