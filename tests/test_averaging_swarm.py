@@ -23,11 +23,11 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from loopback_peers import start_peers
+from loopback_peers import fixed_group_config, start_peers
 from processes import OutputProcess
 
 from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
-from swarm.averaging import Averager, AveragingConfig, PartPlan, RoundResult
+from swarm.averaging import Averager, AveragingConfig, Fault, PartPlan, RoundResult
 from swarm.averaging.group import GroupInfo
 from swarm.averaging.matchmaking import Matchmaker
 from swarm.errors import TransportError
@@ -543,3 +543,49 @@ async def test_a_group_brings_its_members_round_orders_and_synced_tensors_togeth
     finally:
         await asyncio.gather(*(a.close() for a in avgs))
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_a_member_alone_in_a_repair_does_not_wait_for_members_that_settled_the_round():
+    """One owner breaks its reply to one member only (a connection lost at the verdict): that
+    member alone plans a repair of the part. The third member settled the round without one:
+    it answers the repair's streams at once (they name the round they repair), and the lone
+    member's repair drops it for that reason, not after a stall limit or the deadline."""
+    peers = await start_peers([111, 112, 113])
+    config = fixed_group_config(3, "lone-repair", stall_timeout_min_s=5.0, aggregator="mean")
+    faults = [Fault.NONE, Fault.NONE, Fault.CUT_ONE_REPLY]
+    avgs = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        inputs = (0.0, 1.0, 5.0)  # mean 2, equal to no input
+        values = [torch.full((30_000,), x) for x in inputs]
+        results = await asyncio.gather(*(a.average([v]) for a, v in zip(avgs, values, strict=True)))
+        assert avgs[2].faults.triggered.is_set()
+        lone = [i for i, r in enumerate(results) if len(r.parts) < 3]
+        assert len(lone) == 1 and lone[0] != 2, results
+        other = 1 - lone[0]
+        assert len(results[other].parts) == 3 and len(results[2].parts) == 3, results
+        mine = results[lone[0]]
+        assert "kept local values" in mine.reason, mine
+        why = {r.peer: r.why for r in mine.refusals if r.action == "dropped"}
+        assert "the group is over there" in why[peers[other].peer_id], mine.refusals
+        # the part that failed kept this member's own values, the others hold the mean
+        got = values[lone[0]]
+        kept = int((got == inputs[lone[0]]).sum())
+        assert 0 < kept < got.numel() and int((got == 2.0).sum()) == got.numel() - kept
+        # the parent a repair stream names is checked like the rest of its header
+        owner = peers[other].transport.record()
+        base = {"g": bytes(16), "p": 0, "a": 0, "w": 1.0}
+        for parent, status in (("text", 400), (b"short", 400), (results[other].group_id, 404)):
+            with pytest.raises(TransportError) as refused:
+                async with peers[2].transport.stream(
+                    owner, "avg.part", {**base, "r": parent}, _nothing(), timeout=10
+                ):
+                    pass
+            assert refused.value.status == status, (parent, refused.value)
+    finally:
+        await asyncio.gather(*(a.close() for a in avgs))
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""

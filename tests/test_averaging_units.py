@@ -529,7 +529,7 @@ def test_stall_policy_drops_in_order_deadline_gone_stalled_then_start_by():
     assert at_deadline == [(1, "all-reduce deadline"), (2, "all-reduce deadline")]
     # a pending sender whose address refuses connections goes first, alone
     gone = policy.drops(5.0, timing, {}, [2, 3], deadline=10.0, gone={3}, start_by=1.0)
-    assert gone == [(3, "its address refuses connections")]
+    assert gone == [(3, "its address refused us, or the group is over there")]
     # from start_by on, every pending sender goes when nothing else was found
     late = policy.drops(5.0, timing, {1: 4.9}, [2, 3], deadline=10.0, start_by=5.0)
     assert [s for s, _ in late] == [2, 3] and "never started" in late[0][1]
@@ -869,3 +869,29 @@ async def test_a_refused_chunk_is_never_ready_with_its_sender_live(records):
     finally:
         await ctx.workers.drain()
         pool.shutdown()
+
+
+async def test_a_repair_that_never_starts_here_is_refused_once_its_round_settled() -> None:
+    """Streams of a repair name the round they repair: once that round settled here, a repair
+    that did not start here never will, so waiting and later streams hear "over" at once; a
+    repair that did start is still found, and nothing is left behind."""
+    from swarm.averaging.registry import RoundRegistry
+
+    registry = RoundRegistry()
+    parent, child, other = b"p" * 16, b"c" * 16, b"o" * 16
+    waiting = asyncio.create_task(registry.find(child, parent))
+    unrelated = asyncio.create_task(registry.find(other, b"x" * 16))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    registry.settle(parent)
+    for _ in range(5):  # a few turns of the loop, far from the 5 s a stream waits otherwise
+        await asyncio.sleep(0)
+    assert waiting.done() and waiting.result() is None
+    assert not unrelated.done()  # another round's repair still waits for its start
+    assert await registry.find(child, parent) is None  # later: at once
+    started = object()
+    registry.start(other, started)  # type: ignore[arg-type]
+    assert await unrelated is started
+    registry.settle(b"x" * 16)
+    assert await registry.find(other, b"x" * 16) is started  # it started here: found
+    assert registry._children == {}

@@ -346,6 +346,7 @@ class Averager:
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:
             outcome = await self._repair(repair, ctx, outcome, flat, result, started)
+        self._rounds.settle(group.group_id)  # a repair that did not start here never will
         self.planner.forget(self.liveness.gone)
         parts_idx, notes = outcome.parts, outcome.notes
         refusals = [
@@ -448,6 +449,7 @@ class Averager:
             feedback=FlatFeedback(self.codec, repair.numel, sub.device),
             deadline=deadline,
             excluded=self._excluded_in(repair.group),
+            parent=ctx.group.group_id,
             gone=set(),
             suspected={},
         )
@@ -485,7 +487,10 @@ class Averager:
         group_id = header.get("g")
         if not isinstance(group_id, bytes) or len(group_id) != GROUP_ID_BYTES:
             raise TransportError("part stream without a valid group id", status=400)
-        round_ = await self._rounds.find(group_id)
+        parent = header.get("r")
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != GROUP_ID_BYTES):
+            raise TransportError("part stream with an invalid parent group id", status=400)
+        round_ = await self._rounds.find(group_id, parent)
         if round_ is None:
             raise TransportError("unknown or finished group", status=404)
         try:

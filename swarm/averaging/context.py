@@ -34,7 +34,9 @@ class RoundContext:
     excluded: frozenset[int] = frozenset()  # members this peer accused: neither owner nor sender
     liveness: Liveness | None = None  # checks members that keep us waiting (None: never)
     rates: PeerRates | None = None  # where this member's owner side files senders' rates
-    # members whose address refused our connection this round: gone, so the owner side stops
+    parent: bytes | None = None  # a repair's: the group id of the round it repairs
+    # members whose address refused our connection this round, or that answered that the
+    # group is not theirs (over there, or never started): gone, so the owner side stops
     # waiting for their part at once (a killed peer costs no stall limit)
     gone: set[int] = field(default_factory=set)
     suspected: dict[int, float] = field(default_factory=dict)  # member -> when last checked

@@ -39,6 +39,8 @@ class Fault(enum.Enum):
     HUGE_BANDWIDTH = "huge-bandwidth"  # announce 1e300 bytes/s, then lie as owner
     NAN_OWNER = "nan-owner"  # return a NaN in every averaged chunk (crafted bytes, as NAN)
     OVERCLAIM = "overclaim"  # announce 1e300 bytes/s, upload on a slow link (honest values)
+    CUT_ONE_REPLY = "cut-one-reply"  # as an owner, break the reply to one sender before its
+    # verdict (a connection lost at the end): the only member whose part fails
 
 
 _CONTRIBUTIONS = {
@@ -108,6 +110,14 @@ class FaultInjector:
         if self.fault is Fault.OVERCLAIM:
             self.triggered.set()
             await asyncio.sleep(OVERCLAIM_DELAY_S)
+
+    def cuts_reply(self, sender: int, owner: int) -> bool:
+        """Owner side: break the reply to ``sender`` after its chunks, before the verdict (the
+        lowest-indexed other member's)."""
+        if self.fault is not Fault.CUT_ONE_REPLY or sender != (1 if owner == 0 else 0):
+            return False
+        self.triggered.set()
+        return True
 
     @property
     def owner_silent(self) -> bool:

@@ -136,6 +136,9 @@ class PartOwner:
             # also when the reply broke before the read began: nobody waits for the stall limit
             self.intake.fail(sender)
             raise
+        if writer is not None and self.faults.cuts_reply(sender, self.me):
+            await asyncio.gather(writer, return_exceptions=True)
+            raise TransportError("the reply broke before its verdict (fault injected)")
         await self.replies.finish(reply, writer, attempt)
 
     async def close(self) -> None:

@@ -3,6 +3,10 @@
 A member may start streaming to us before we heard that its group closed, so a stream for an
 unknown group waits (a bounded time) for the round to start here. Finished groups are
 remembered, so a late stream hears "over" at once; both kinds are bounded in number.
+
+A repair's streams name the round it repairs (its *parent*). Once that round is settled here
+(over, with its own repair if this member planned one), a repair that did not start here never
+will: its streams, waiting or later, hear "over" at once instead of after the wait.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class RoundRegistry:
         # when it is over; at most RECENT_GROUPS of either kind are kept
         self._rounds: dict[bytes, asyncio.Future[AllReduce | None]] = {}
         self._finished: deque[bytes] = deque()
+        self._settled: deque[bytes] = deque(maxlen=RECENT_GROUPS)  # parents whose rounds ended
+        self._children: dict[bytes, set[bytes]] = {}  # parent -> groups awaited in its name
         self.closed = False
 
     def start(self, group_id: bytes, round_: AllReduce) -> None:
@@ -41,12 +47,26 @@ class RoundRegistry:
         while len(self._finished) > RECENT_GROUPS - 1:
             self._rounds.pop(self._finished.popleft(), None)
 
-    async def find(self, group_id: bytes) -> AllReduce | None:
-        """The round of ``group_id``: waits (a bounded time) for it to start; None when it is
-        over or never starts here."""
+    def settle(self, parent: bytes) -> None:
+        """The round of ``parent`` and its repair (if any) are over here: repairs of it that
+        did not start here never will."""
+        self._settled.append(parent)
+        for group_id in self._children.pop(parent, ()):
+            fut = self._rounds.get(group_id)
+            if fut is not None and not fut.done():
+                del self._rounds[group_id]
+                fut.set_result(None)
+
+    async def find(self, group_id: bytes, parent: bytes | None = None) -> AllReduce | None:
+        """The round of ``group_id`` (a repair of ``parent``'s, when given): waits (a bounded
+        time) for it to start; None when it is over or never starts here."""
         if self.closed:
             return None
+        if group_id not in self._rounds and parent is not None and parent in self._settled:
+            return None
         fut = self._future(group_id)
+        if parent is not None and not fut.done():
+            self._children.setdefault(parent, set()).add(group_id)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), UNKNOWN_GROUP_WAIT_S)
         except asyncio.TimeoutError:
@@ -54,6 +74,12 @@ class RoundRegistry:
                 del self._rounds[group_id]
                 fut.set_result(None)
             return None
+        finally:
+            children = self._children.get(parent) if parent is not None else None
+            if children is not None:
+                children.discard(group_id)
+                if not children:
+                    del self._children[parent]
 
     def close(self) -> None:
         """Streams still waiting hear "over"; later ones too."""

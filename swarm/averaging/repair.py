@@ -4,8 +4,10 @@ After the butterfly, a part whose owner lied (its average was refused), froze or
 member's own values. Every honest member sees the same failure, so each one plans the same
 *repair*: one more all-reduce over those parts only, among the group minus their owners, under a
 group id derived from the round's and from the failed parts. A member that saw no failure never
-joins; the repair parts it would have owned fail after a short deadline, and the parts they
-overlap keep local values, as without a repair.
+joins: the repair's streams name the round they repair, so once its round is over it refuses
+them at once, the repairing members drop it at once, and the parts it would have owned keep
+local values, as without a repair (a member that does not answer at all costs a short
+deadline).
 """
 
 from __future__ import annotations

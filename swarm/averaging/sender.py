@@ -83,6 +83,8 @@ class PartSender:
         try:
             for attempt in range(MAX_ATTEMPTS):
                 header = {"g": self.group.group_id, "p": self.part, "a": attempt, "w": self.weight}
+                if self.ctx.parent is not None:
+                    header["r"] = self.ctx.parent  # a repair: owners that settled it answer now
                 exchange = self._exchange(owner, header, self._body(attempt))
                 contributors = await self._watched(exchange)
                 if contributors is not None:
@@ -99,6 +101,8 @@ class PartSender:
         except (*FAILURES, asyncio.TimeoutError) as e:
             if isinstance(e, TransportError) and e.refused:
                 self.ctx.mark_gone(self.part)
+            elif isinstance(e, TransportError) and e.status == 404:
+                self.ctx.gone.add(self.part)  # the group is not the owner's: it will not send
             elif not isinstance(e, asyncio.TimeoutError):
                 self.ctx.suspect(self.part, now=True)  # the owner may have died mid-round
             reason = str(e) or type(e).__name__

@@ -138,7 +138,9 @@ class StallPolicy:
         pending = list(pending)
         if now >= deadline:
             return [(s, "all-reduce deadline") for s in (*streaming, *pending)]
-        refused = [(s, "its address refuses connections") for s in pending if s in gone]
+        refused = [
+            (s, "its address refused us, or the group is over there") for s in pending if s in gone
+        ]
         found = refused or self.stalled(now, timing, streaming, pending)
         if not found and start_by is not None and now >= start_by:
             found = [(s, "never started; the rest of the round is over") for s in pending]
