@@ -29,6 +29,8 @@ steps), all for the same number of steps; ``blocking_final_loss`` is the first r
 - ``drain_s``: mean seconds a peer waited at the end for its last round to land
   (``wait_round()``). It is counted in ``utilization``, and a run pays it once; the 30 timed
   rounds of the default keep it a few percent of the run (with 8 it was a tenth).
+  ``steady_utilization`` leaves it out: the utilization of the training itself, which a run of
+  thousands of rounds approaches;
 
 On loopback all peers share this machine's cores, so a background round also slows the compute
 of the steps it overlaps. ``tbf100`` (Linux, as root) puts every peer in its own network
@@ -140,6 +142,7 @@ def peer_main(args: argparse.Namespace) -> None:
                     "step_s": statistics.median(step_times),
                     "round_s": statistics.median(round_times) if round_times else None,
                     "utilization": max(0.0, 1 - waited / wall),
+                    "steady_utilization": max(0.0, 1 - (waited - drain) / (wall - drain)),
                     "final_loss": loss,
                     "agreed_loss": agreed_loss,
                     "drain_s": drain,
@@ -249,6 +252,9 @@ def main() -> None:
                         "step_s": round(statistics.median(r["step_s"] for r in rows), 4),
                         "round_s": round(statistics.median(rounds), 3) if rounds else None,
                         "utilization": round(statistics.mean(r["utilization"] for r in rows), 3),
+                        "steady_utilization": round(
+                            statistics.mean(r["steady_utilization"] for r in rows), 3
+                        ),
                         "final_loss": float(f"{final:.4g}"),
                         "agreed_loss": float(
                             f"{statistics.mean(r['agreed_loss'] for r in rows):.4g}"
