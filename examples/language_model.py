@@ -7,9 +7,11 @@ The corpus is every ``*.py`` file of this Python installation's standard library
 download), read as bytes (a 256-symbol vocabulary). Each peer trains on its own shard of the
 text with AdamW, gradient accumulation and, on a GPU, ``torch.autocast`` in bfloat16; every
 ``--inner-steps`` optimizer steps the peers average their pseudo-gradients (int8 + error
-feedback) in the background while training goes on (overlapped DiLoCo). Peer 0 prints one line
-per round with its held-out loss. On several machines, run one peer per machine with
-``initial_peers=["HOST:PORT"]`` and ``listen="0.0.0.0:7000"``.
+feedback) in the background while training goes on (overlapped DiLoCo); with ``--fragments 2``
+each round averages half of the model, every ``--inner-steps`` / 2 steps (Streaming DiLoCo: half
+the peak bandwidth). Peer 0 prints one line per round with its held-out loss. On several
+machines, run one peer per machine with ``initial_peers=["HOST:PORT"]`` and
+``listen="0.0.0.0:7000"``.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
         initial_peers=peers,
         listen="127.0.0.1:0",
         inner_steps=args.inner_steps,
+        fragments=args.fragments,
         codec="int8",
         matchmaking_timeout_s=5.0,
         round_timeout_s=120.0,
@@ -131,6 +134,9 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=2)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per peer")
     p.add_argument("--inner-steps", type=int, default=25)
+    p.add_argument(
+        "--fragments", type=int, default=1, help="Streaming DiLoCo fragments (divide inner steps)"
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
     p.add_argument("--context", type=int, default=64)
