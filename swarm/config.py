@@ -302,9 +302,7 @@ class SwarmConfig:
             )
         if self.outer_device not in (None, "cpu"):
             raise ConfigError("outer_device must be None (the model's device) or 'cpu'")
-        if not isinstance(self.fragments, int) or isinstance(self.fragments, bool):
-            raise ConfigError("fragments must be an integer >= 1")
-        if self.fragments < 1:
+        if type(self.fragments) is not int or self.fragments < 1:
             raise ConfigError("fragments must be an integer >= 1")
         if self.fragments > 1 and not mode.has_outer_step:
             raise ConfigError(

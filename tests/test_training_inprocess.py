@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from swarm.api import AsyncSwarm
+from swarm.averaging.averager import RoundKind
 from swarm.errors import TrainingError
 from swarm.training.checkpoint import read_checkpoint
 from swarm.training.transfer import Fault
@@ -185,17 +186,22 @@ async def test_fragments_take_turns_over_the_network_each_with_its_own_residuals
                 strict=True,
             ):
                 torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
-            kinds = {k for k, synced in a.averager._feedbacks if not synced}
+            kinds = {k.fragment for k in a.averager._feedbacks if k.saved}
             assert kinds == {"1/2", "2/2"}, kinds
             await a.save(tmp_path / "a.pt")
             saved = read_checkpoint(tmp_path / "a.pt")["averager"]
             assert saved["feedback"] is None and set(saved["fragments"]) == {"1/2", "2/2"}
             residual = saved["fragments"]["2/2"]["sender"]
             assert residual.numel() == 79 and residual.abs().max() > 0
+            # a round of the parameters themselves keeps its own residual, not a fragment's
+            values = await asyncio.gather(a.average_parameters(), b.average_parameters())
+            assert all(v.averaged for v in values), values
+            assert RoundKind("values", "") in a.averager._feedbacks
+            assert torch.equal(a.averager.state_dict()["fragments"]["2/2"]["sender"], residual)
             c = await start(bn_model(0), "frag-resumed", sync_on_join=False, **kw)
             try:
                 await c.load(tmp_path / "a.pt")
-                restored = c.averager._feedback_for(79, torch.device("cpu"), "2/2", False)
+                restored = c.averager._feedback_for(79, torch.device("cpu"), RoundKind("", "2/2"))
                 assert torch.equal(restored._sender, residual)
             finally:
                 await c.close()

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,11 +122,10 @@ class Averager:
         )
         self._lock = asyncio.Lock()
         self._rounds = RoundRegistry()
-        # Per kind of round (see _kind: training rounds of each fragment, other purposes) and
-        # per vector (the averaged tensors: False, the synced ones: True): staging buffers and
-        # error feedback, so rounds that take turns keep their own residuals.
+        # error feedback per kind of round, so that rounds taking turns keep their own
+        # residuals; staging buffers per fragment (see RoundKind)
+        self._feedbacks: dict[RoundKind, FlatFeedback] = {}
         self._stagings: dict[tuple[str, bool], FlatStaging] = {}
-        self._feedbacks: dict[tuple[str, bool], FlatFeedback] = {}
         self._saved_feedback: dict[str, dict[str, Any]] = {}  # by fragment label, until used
         self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
         self._own_prober = prober is None and config.grouping != "fixed"
@@ -226,7 +226,7 @@ class Averager:
                 return RoundResult(False, group, matchmaking_s=matchmaking_s)
             self.planner.joined(group)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
-            kind = _kind(purpose, fragment)
+            kind = RoundKind(purpose, fragment)
             result = await self._allreduce(
                 tensors, numel, weight, group, matchmaking_s, deadline, kind
             )
@@ -243,8 +243,7 @@ class Averager:
                 derived,
                 0.0,
                 deadline,
-                kind,
-                synced=True,
+                dataclasses.replace(kind, synced=True),
             )
             return dataclasses.replace(
                 result,
@@ -267,9 +266,7 @@ class Averager:
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state of the training rounds (of every fragment), for checkpoints."""
         saved = {
-            kind: fb.state_dict()
-            for (kind, synced), fb in self._feedbacks.items()
-            if not synced and not kind.startswith(_PURPOSE)
+            kind.fragment: fb.state_dict() for kind, fb in self._feedbacks.items() if kind.saved
         }
         whole = saved.pop("", None)
         return {"feedback": whole, "fragments": saved} if saved else {"feedback": whole}
@@ -284,9 +281,9 @@ class Averager:
         self._saved_feedback = {
             k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, dict)
         }
-        for (kind, synced), fb in self._feedbacks.items():
-            if not synced and kind in self._saved_feedback:
-                fb.load_state_dict(self._saved_feedback[kind])
+        for kind, fb in self._feedbacks.items():
+            if kind.saved and kind.fragment in self._saved_feedback:
+                fb.load_state_dict(self._saved_feedback[kind.fragment])
 
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
@@ -313,13 +310,12 @@ class Averager:
         group: GroupInfo,
         matchmaking_s: float,
         deadline: float,
-        kind: str,
-        synced: bool = False,
+        kind: RoundKind,
     ) -> RoundResult:
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
         plan = self._plan(group, numel)
-        staging = self._stagings.setdefault((kind, synced), FlatStaging())
+        staging = self._stagings.setdefault(kind.staging, FlatStaging())
         flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
         started = time.monotonic()
@@ -327,7 +323,7 @@ class Averager:
             group=group,
             me=me,
             weight=weight,
-            feedback=self._feedback_for(numel, flat.device, kind, synced),
+            feedback=self._feedback_for(numel, flat.device, kind),
             workers=Workers(self._pool),
             stall=self.stall,
             deadline=deadline,
@@ -354,7 +350,7 @@ class Averager:
             for m in group.members
             if m.peer_id in self.excluded
         ]
-        if not synced:
+        if not kind.synced:
             refusals.extend(unbelieved_claims(group))
         for r in outcome.refusals:
             refusals.append(r)
@@ -468,27 +464,23 @@ class Averager:
             outcome.bytes_received + fixed.bytes_received,
         )
 
-    def _feedback_for(
-        self, numel: int, device: torch.device, kind: str, synced: bool
-    ) -> FlatFeedback:
-        """The error feedback of one kind of round's averaged (or synced) tensors, new when
-        their size moved."""
-        fb = self._feedbacks.get((kind, synced))
+    def _feedback_for(self, numel: int, device: torch.device, kind: RoundKind) -> FlatFeedback:
+        """The error feedback of one kind of round, new when its size moved."""
+        fb = self._feedbacks.get(kind)
         if fb is None or fb.numel != numel or fb.device != device:
-            fb = self._feedbacks[kind, synced] = FlatFeedback(self.codec, numel, device)
-            if not synced and kind in self._saved_feedback:
-                fb.load_state_dict(self._saved_feedback[kind])
+            fb = self._feedbacks[kind] = FlatFeedback(self.codec, numel, device)
+            if kind.saved and kind.fragment in self._saved_feedback:
+                fb.load_state_dict(self._saved_feedback[kind.fragment])
         return fb
 
     # ---- serving part streams
 
     async def _handle_part(self, request: InboundStream, reply: ReplyStream) -> None:
         header = request.header
-        group_id = header.get("g")
-        if not isinstance(group_id, bytes) or len(group_id) != GROUP_ID_BYTES:
+        group_id, parent = header.get("g"), header.get("r")
+        if not _is_group_id(group_id):
             raise TransportError("part stream without a valid group id", status=400)
-        parent = header.get("r")
-        if parent is not None and (not isinstance(parent, bytes) or len(parent) != GROUP_ID_BYTES):
+        if parent is not None and not _is_group_id(parent):
             raise TransportError("part stream with an invalid parent group id", status=400)
         round_ = await self._rounds.find(group_id, parent)
         if round_ is None:
@@ -524,13 +516,28 @@ def unbelieved_claims(group: GroupInfo) -> list[Refusal]:
     ]
 
 
-_PURPOSE = "for="
+def _is_group_id(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == GROUP_ID_BYTES
 
 
-def _kind(purpose: str, fragment: str) -> str:
-    """The kind of a round, which keys its staging and error feedback: the fragment label of a
-    training round ("" for a whole model), ``for=`` and the purpose of any other."""
-    return f"{_PURPOSE}{purpose}" if purpose else fragment
+@dataclass(frozen=True)
+class RoundKind:
+    """What an all-reduce averages; it keys the error feedback and staging buffers."""
+
+    purpose: str  # "" for training rounds (see ``average``)
+    fragment: str  # the model fragment ("" for a whole model)
+    synced: bool = False  # the synced tensors (anchors) rather than the averaged ones
+
+    @property
+    def saved(self) -> bool:
+        """Checkpoints keep its residuals: a training round's averaged tensors."""
+        return not self.purpose and not self.synced
+
+    @property
+    def staging(self) -> tuple[str, bool]:
+        """Its staging buffers: one-off rounds of another purpose reuse the training rounds'
+        (the same tensors, so the same sizes)."""
+        return self.fragment, self.synced
 
 
 def syncs(group: GroupInfo, every: int) -> bool:

@@ -15,6 +15,8 @@ every peer of a run (same schema) cuts the same way.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from swarm.errors import TrainingError
@@ -51,12 +53,12 @@ def split(tensors: ModelTensors, count: int) -> list[Fragment]:
     if count < 1:
         raise TrainingError("fragments must be >= 1")
     sizes = [t.numel() for t in tensors.all]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
     total = sum(sizes)
     bounds = [0]
     for k in range(1, count):
         target = round(k * total / count)
-        i = max(j for j in range(len(sizes)) if starts[j] <= target)
+        i = bisect.bisect_right(starts, target) - 1  # the tensor the cut falls in
         if not tensors.all[i].is_contiguous() and target != starts[i]:
             low, high = starts[i], starts[i] + sizes[i]
             target = low if target - low <= high - target and low > bounds[-1] else high

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.errors import CheckpointError
-from swarm.training.tensors import ModelTensors
+from swarm.training.tensors import ModelTensors, piece
 
 
 @torch.no_grad()
@@ -126,18 +126,16 @@ class OuterState:
         momentum, not copies, with a norm history of its own (each fragment's pseudo-gradient
         has its own scale)."""
         n = len(self.anchor)
-
-        def cut(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-            return t if (start, end) == (0, t.numel()) else t.view(-1)[start:end]
-
         params = [(i, s, e) for i, s, e in pieces if i < n]
         buffers = [(i - n, s, e) for i, s, e in pieces if i >= n]
         part = copy.copy(self)
         part.tensors = self.tensors.pieces(pieces)
-        part.slots = [cut(self.slots[i], s, e) for i, s, e in pieces]
-        part.anchor = [cut(self.anchor[i], s, e) for i, s, e in params]
-        part.buffer_anchor = [cut(self.buffer_anchor[j], s, e) for j, s, e in buffers]
-        part.momentum = [cut(self.momentum[i], s, e) for i, s, e in params] if self.momentum else []
+        part.slots = [piece(self.slots[i], s, e) for i, s, e in pieces]
+        part.anchor = [piece(self.anchor[i], s, e) for i, s, e in params]
+        part.buffer_anchor = [piece(self.buffer_anchor[j], s, e) for j, s, e in buffers]
+        part.momentum = (
+            [piece(self.momentum[i], s, e) for i, s, e in params] if self.momentum else []
+        )
         part.norms = deque(maxlen=NORM_HISTORY)
         return part
 

@@ -18,6 +18,12 @@ import torch
 from swarm.errors import TrainingError
 
 
+def piece(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements ``start:end`` of ``t`` flattened, as a view: ``t`` itself when that is all of
+    it (any layout, its own shape), else a 1-D slice (``t`` must then be contiguous)."""
+    return t if (start, end) == (0, t.numel()) else t.view(-1)[start:end]
+
+
 @dataclass(frozen=True)
 class ModelTensors:
     """Named views of a model's averaged tensors (the model's own storage, not copies)."""
@@ -53,11 +59,8 @@ class ModelTensors:
         n, views = len(self.params), []
         for i, start, end in pieces:
             name, t = self.names[i], self.all[i].detach()
-            views.append(
-                (name, t)
-                if (start, end) == (0, t.numel())
-                else (f"{name}[{start}:{end}]", t.view(-1)[start:end])
-            )
+            whole = (start, end) == (0, t.numel())
+            views.append((name if whole else f"{name}[{start}:{end}]", piece(t, start, end)))
         params = [v for (i, _, _), v in zip(pieces, views, strict=True) if i < n]
         buffers = [v for (i, _, _), v in zip(pieces, views, strict=True) if i >= n]
         return ModelTensors(
