@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "swarm"
 # floor -> the top-level units on it (a unit is a module of swarm/ or a subpackage)
 FLOORS: dict[int, tuple[str, ...]] = {
     0: ("errors",),
-    1: ("version", "address", "strict_msgpack"),  # import nothing of swarm but errors
+    1: ("version", "address", "strict_msgpack", "hosts"),  # import nothing of swarm but errors
     2: ("identity",),
     3: ("auth",),
     4: ("compression", "net", "dht", "peer_config"),

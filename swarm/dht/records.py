@@ -53,6 +53,9 @@ class DHTEntry:
     expiration: float  # wall-clock time.time() after which the entry is gone
     public_key: bytes  # 32 B Ed25519 of the owner
     signature: bytes = field(repr=False)  # 64 B: owner's signature of the fields above
+    # how long the DHT has held this slot, as its holders report it (their median): set by a
+    # reader, never signed, never compared; what an outsider cannot buy but with time
+    age_s: float = field(default=0.0, repr=False, compare=False)
 
     @classmethod
     def create(

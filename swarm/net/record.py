@@ -57,6 +57,9 @@ class PeerRecord:
     extra: dict[str, Any] = field(hash=False)  # small msgpack-able values (coordinates, progress)
     timestamp: float  # time.time() when signed; newer records replace older ones
     signature: bytes = field(repr=False)  # 64 B Ed25519 over CONTEXT + body
+    # how long the DHT has held this record's slot, as a reader was told (DHTEntry.age_s); not
+    # signed, not compared, 0.0 where unknown
+    age_s: float = field(default=0.0, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for name, size in (
