@@ -40,8 +40,8 @@ import statistics
 import torch
 
 from swarm.averaging import Averager, AveragingConfig, Fault, RoundResult
+from swarm.averaging.butterfly.parts import chunk_elems_for
 from swarm.averaging.faults import LIARS
-from swarm.averaging.plan import chunk_elems_for
 from swarm.compression import get_codec
 from swarm.config import PeerConfig
 from swarm.peer import Peer

@@ -4,8 +4,8 @@ Runs in-process peers behind tests/wan.py (one-way delay 2 ms inside a region, t
 between regions, ``--wan-rate`` bytes/s on links between regions), lets their Vivaldi
 coordinates settle, then for each grouping starts every peer from its own random tensor and runs
 numbered rounds until every peer is within ``--tolerance`` (relative) of the global mean. Both
-groupings use the same group sizes (:func:`swarm.averaging.regions.random_plan` keeps the sizes
-of the latency-aware plan).
+groupings use the same group sizes (:func:`swarm.averaging.groups.regions.random_plan` keeps the
+sizes of the latency-aware plan).
 
 Prints one JSON line per (configuration, grouping) with ``regions``, ``peers``, ``grouping``,
 ``consensus_s``, ``single_region_group_fraction`` (regular rounds for ``latency``, all rounds for

@@ -108,7 +108,7 @@ class AveragingConfig:
         max_share: no member owns more than ``max_share / N`` of the vector, whatever
             bandwidth it announces.
         check_owners: a member refuses a part whose returned average lies implausibly far from
-            its own values compared with the other parts (:mod:`swarm.averaging.checks`),
+            its own values compared with the other parts (:mod:`swarm.averaging.butterfly.checks`),
             accuses its owner in the round report and excludes it from its later rounds.
     """
 

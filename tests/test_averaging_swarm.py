@@ -28,8 +28,8 @@ from processes import OutputProcess
 
 from swarm.auth import AUTH_HEADER, RequestAuth, derive_stream_key
 from swarm.averaging import Averager, AveragingConfig, Fault, PartPlan, RoundResult
-from swarm.averaging.group import GroupInfo
-from swarm.averaging.matchmaking import Matchmaker
+from swarm.averaging.groups.group import GroupInfo
+from swarm.averaging.groups.matchmaking import Matchmaker
 from swarm.errors import TransportError
 from swarm.net import wire
 from swarm.net.frames import DATA, END, ERROR, HEADER, PREFIX_BYTES, TO_SERVER, Sealer, make_aead

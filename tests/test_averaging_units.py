@@ -16,12 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.address import PeerAddress
-from swarm.averaging.context import RoundContext
-from swarm.averaging.faults import Fault, FaultInjector
-from swarm.averaging.feedback import FlatFeedback
-from swarm.averaging.group import Declaration, GroupInfo, choose_leader, matchmaking_key
-from swarm.averaging.intake import PartIntake
-from swarm.averaging.plan import (
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.intake import PartIntake
+from swarm.averaging.butterfly.parts import (
     CHUNK_ALIGN,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -31,11 +28,14 @@ from swarm.averaging.plan import (
     schema_hash,
     split_parts,
 )
-from swarm.averaging.reducer import PartReducer, SenderState, check_weight
-from swarm.averaging.repair import Repair
+from swarm.averaging.butterfly.reducer import PartReducer, SenderState, check_weight
+from swarm.averaging.butterfly.repair import Repair
+from swarm.averaging.butterfly.residuals import FlatFeedback
+from swarm.averaging.butterfly.stall import StallPolicy
+from swarm.averaging.butterfly.workers import Workers
+from swarm.averaging.faults import Fault, FaultInjector
+from swarm.averaging.groups.group import Declaration, GroupInfo, choose_leader, matchmaking_key
 from swarm.averaging.result import RoundResult
-from swarm.averaging.stall import StallPolicy
-from swarm.averaging.workers import Workers
 from swarm.compression import decode, get_codec
 from swarm.errors import AveragingError, CompressionError, TransportError
 from swarm.identity import Identity, PeerID
@@ -306,7 +306,7 @@ def test_reducer_centered_clip_chunk_by_chunk_in_any_arrival_order(n, chunk, sen
     """Each chunk is CenteredClip of its own rows, whatever order chunks arrive and finish in
     (chunks are reduced as soon as ready, so row buffers are reused while others are in flight),
     also after a sender broke off and the part restarted without it."""
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     rng = random.Random(seed)
     codec = get_codec("none")
@@ -486,7 +486,7 @@ def test_round_result_text():
 
 
 def test_stall_policy_limits_follow_the_measured_rate():
-    from swarm.averaging.stall import PartTiming, StallPolicy
+    from swarm.averaging.butterfly.stall import PartTiming, StallPolicy
 
     policy = StallPolicy(floor_s=1.0, factor=8.0)
     timing = PartTiming(start=0.0)
@@ -519,7 +519,7 @@ def test_stall_policy_limits_follow_the_measured_rate():
 
 
 def test_stall_policy_drops_in_order_deadline_gone_stalled_then_start_by():
-    from swarm.averaging.stall import PartTiming, StallPolicy
+    from swarm.averaging.butterfly.stall import PartTiming, StallPolicy
 
     policy = StallPolicy(floor_s=1.0, factor=8.0)
     timing = PartTiming(start=0.0)
@@ -579,7 +579,7 @@ def test_averaging_config_validates_and_derives_one_timeout():
 
 
 def test_cap_weights_at_twice_the_median():
-    from swarm.averaging.robust import cap_weights
+    from swarm.averaging.butterfly.robust import cap_weights
 
     assert cap_weights([1.0, 1.0, 1.0, 1e30]) == [1.0, 1.0, 1.0, 2.0]
     assert cap_weights([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
@@ -595,7 +595,7 @@ def test_cap_weights_at_twice_the_median():
 def test_centered_clip_tells_apart_values_that_barely_differ(odd, overwrite):
     """Parameters, not their changes: three rows equal to 1e-7, one 1e-4 off. float32 norms of
     the raw rows cannot see such differences; the clip still leaves the odd row out."""
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     g = torch.Generator().manual_seed(odd)
     base = torch.randn(20_000, generator=g)
@@ -615,7 +615,7 @@ def test_centered_clip_tells_apart_values_that_barely_differ(odd, overwrite):
 )
 @settings(max_examples=40, deadline=None)
 def test_centered_clip_bounds_one_outlier(k, n, scale, seed):
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     g = torch.Generator().manual_seed(seed)
     honest = torch.randn(k, n, generator=g) * 0.1 + 1.0
@@ -630,7 +630,7 @@ def test_centered_clip_bounds_one_outlier(k, n, scale, seed):
 
 def test_centered_clip_leaves_blatant_outliers_out():
     """Far beyond ten radii a contribution pulls nothing, whatever its size or claimed weight."""
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     honest = torch.randn(5, 500, generator=torch.Generator().manual_seed(3)) * 0.1 + 1.0
     mean = honest.double().mean(0)
@@ -646,7 +646,7 @@ def test_centered_clip_leaves_blatant_outliers_out():
 
 
 def test_centered_clip_where_only_outliers_claim_a_weight_stays_finite():
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     rows = torch.cat((torch.zeros(3, 50), torch.full((2, 50), 1e6)))
     clip = centered_clip(rows, [0.0, 0.0, 0.0, 1.0, 1.0])
@@ -654,7 +654,7 @@ def test_centered_clip_where_only_outliers_claim_a_weight_stays_finite():
 
 
 def test_centered_clip_is_exact_when_nobody_is_clipped():
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     rows = torch.tensor([[1.0, 2.0], [1.5, 2.5], [2.0, 3.0]])
     out = centered_clip(rows, [1.0, 2.0, 1.0], iterations=5)
@@ -665,7 +665,7 @@ def test_centered_clip_is_exact_when_nobody_is_clipped():
 
 def test_centered_clip_averages_two_contributions():
     """Two rows: no majority, both count, weighted (the owner's own row used to win)."""
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
     out = centered_clip(rows, [1.0, 3.0])
@@ -677,7 +677,7 @@ def test_centered_clip_averages_two_contributions():
 @settings(max_examples=30, deadline=None)
 def test_centered_clip_stays_near_the_mean_of_honest_noise(k, seed):
     """Honest rows are clipped at most mildly: the medoid's own zero distance is not a radius."""
-    from swarm.averaging.robust import centered_clip
+    from swarm.averaging.butterfly.robust import centered_clip
 
     rows = torch.randn(k, 2000, generator=torch.Generator().manual_seed(seed))
     out = centered_clip(rows, [1.0] * k)
@@ -709,7 +709,7 @@ def test_reducer_centered_clip_refuses_to_be_dragged():
 
 
 def test_cap_shares_bounds_every_owner():
-    from swarm.averaging.plan import cap_shares
+    from swarm.averaging.butterfly.parts import cap_shares
 
     shares = cap_shares([1e300, 1.0, 1.0, 1.0], 2.0)
     assert shares[0] == pytest.approx(0.5) and shares[1:] == pytest.approx([1 / 6] * 3)
@@ -727,7 +727,7 @@ def test_cap_shares_bounds_every_owner():
     share=st.floats(1.0, 4.0),
 )
 def test_cap_shares_property(bws, share):
-    from swarm.averaging.plan import cap_shares
+    from swarm.averaging.butterfly.parts import cap_shares
 
     shares = cap_shares(bws, share)
     owners = [b for b in bws if b > 0]
@@ -737,7 +737,7 @@ def test_cap_shares_property(bws, share):
 
 
 def test_implausible_parts_names_the_outlier_only():
-    from swarm.averaging.checks import implausible_parts
+    from swarm.averaging.butterfly.checks import implausible_parts
 
     assert set(implausible_parts({0: 0.5, 1: 0.6, 2: 0.55, 3: 1e29})) == {3}
     assert set(implausible_parts({0: 0.5, 1: 0.6, 2: 0.55, 3: float("inf")})) == {3}
@@ -751,8 +751,8 @@ def test_implausible_parts_names_the_outlier_only():
 
 
 def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
-    from swarm.averaging.allreduce import _deviations
-    from swarm.averaging.checks import not_finite
+    from swarm.averaging.butterfly.allreduce import _deviations
+    from swarm.averaging.butterfly.checks import not_finite
 
     flat = torch.ones(6)
     result = torch.tensor([1.0, 1.1, float("inf"), 1.0, float("nan"), 1.0])
@@ -769,7 +769,7 @@ def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
 def test_a_round_order_far_ahead_is_not_followed():
     """A hostile member claiming a huge round order cannot drag the others to MAX_ORDER (where
     their joins would be refused as malformed); honest orders a few rounds apart are followed."""
-    from swarm.averaging.group import MAX_ORDER, ORDER_SLACK, next_order
+    from swarm.averaging.groups.group import MAX_ORDER, ORDER_SLACK, next_order
 
     assert next_order(5, [3, 17]) == 17
     assert next_order(5, [5 + ORDER_SLACK]) == 5 + ORDER_SLACK
@@ -875,7 +875,7 @@ async def test_a_repair_that_never_starts_here_is_refused_once_its_round_settled
     """Streams of a repair name the round they repair: once that round settled here, a repair
     that did not start here never will, so waiting and later streams hear "over" at once; a
     repair that did start is still found, and nothing is left behind."""
-    from swarm.averaging.registry import RoundRegistry
+    from swarm.averaging.butterfly.rounds import RoundRegistry
 
     registry = RoundRegistry()
     parent, child, other = b"p" * 16, b"c" * 16, b"o" * 16

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm.averaging.coordinates import (
+from swarm.averaging.groups.coordinates import (
     MAX_COMPONENT,
     MAX_DIMS,
     MAX_ERROR,

@@ -15,11 +15,11 @@ import torch
 from loopback_peers import start_peers
 
 from swarm.averaging import Averager, AveragingConfig
-from swarm.averaging.context import RoundContext
-from swarm.averaging.group import GroupInfo
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.matchmaking import Matchmaker
-from swarm.averaging.prober import (
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.groups.group import GroupInfo
+from swarm.averaging.groups.liveness import Liveness
+from swarm.averaging.groups.matchmaking import Matchmaker
+from swarm.averaging.groups.prober import (
     GONE_FIELD,
     GONE_TAG_CHARS,
     MAX_GONE_LISTED,

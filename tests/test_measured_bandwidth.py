@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from swarm.address import PeerAddress
 from swarm.averaging import Averager, Fault
 from swarm.averaging.averager import unbelieved_claims
-from swarm.averaging.group import GroupInfo
-from swarm.averaging.plan import (
+from swarm.averaging.butterfly.parts import (
     MEASURED_FLOOR,
     PartPlan,
     cap_shares,
@@ -28,8 +27,9 @@ from swarm.averaging.plan import (
     chunk_elems_for,
     effective_bandwidths,
 )
-from swarm.averaging.rates import MIN_MEASURED_CHUNKS, PeerRates, stream_upload_rate
-from swarm.averaging.repair import Repair
+from swarm.averaging.butterfly.repair import Repair
+from swarm.averaging.groups.group import GroupInfo
+from swarm.averaging.groups.rates import MIN_MEASURED_CHUNKS, PeerRates, stream_upload_rate
 from swarm.compression import get_codec
 from swarm.errors import AveragingError
 from swarm.identity import Identity, PeerID

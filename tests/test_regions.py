@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.averaging.coordinates import Coordinate, Vivaldi, predict_rtt
-from swarm.averaging.regions import (
+from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, predict_rtt
+from swarm.averaging.groups.regions import (
     CROSS,
     NEAR,
     RANDOM,

@@ -19,9 +19,9 @@ import torch
 from wan import WanEmulator, WanNode
 
 from swarm.averaging import Averager, AveragingConfig, RoundResult
-from swarm.averaging.coordinates import predict_rtt
-from swarm.averaging.prober import Prober
-from swarm.averaging.regions import find_regions
+from swarm.averaging.groups.coordinates import predict_rtt
+from swarm.averaging.groups.prober import Prober
+from swarm.averaging.groups.regions import find_regions
 from swarm.config import PeerConfig
 from swarm.identity import PeerID
 from swarm.peer import Peer

@@ -28,30 +28,30 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.allreduce import AllReduce, RoundParts
-from swarm.averaging.context import RoundContext
-from swarm.averaging.faults import Fault, FaultInjector
-from swarm.averaging.feedback import FlatFeedback
-from swarm.averaging.flat import FlatStaging, check_tensors, scatter
-from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.matchmaking import Matchmaker
-from swarm.averaging.plan import (
+from swarm.averaging.butterfly.allreduce import AllReduce, RoundParts
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.flat import FlatStaging, check_tensors, scatter
+from swarm.averaging.butterfly.parts import (
     PartPlan,
     chunk_bytes_for,
     chunk_elems_for,
     effective_bandwidths,
     schema_hash,
 )
-from swarm.averaging.planner import GroupPlanner, RoundKey
-from swarm.averaging.prober import Prober
-from swarm.averaging.rates import PeerRates
-from swarm.averaging.reducer import check_weight
-from swarm.averaging.registry import RoundRegistry
-from swarm.averaging.repair import Repair
+from swarm.averaging.butterfly.reducer import check_weight
+from swarm.averaging.butterfly.repair import Repair
+from swarm.averaging.butterfly.residuals import FlatFeedback
+from swarm.averaging.butterfly.rounds import RoundRegistry
+from swarm.averaging.butterfly.stall import StallPolicy
+from swarm.averaging.butterfly.workers import Workers
+from swarm.averaging.faults import Fault, FaultInjector
+from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
+from swarm.averaging.groups.liveness import Liveness
+from swarm.averaging.groups.matchmaking import Matchmaker
+from swarm.averaging.groups.planner import GroupPlanner, RoundKey
+from swarm.averaging.groups.prober import Prober
+from swarm.averaging.groups.rates import PeerRates
 from swarm.averaging.result import Refusal, RoundResult
-from swarm.averaging.stall import StallPolicy
-from swarm.averaging.workers import Workers
 from swarm.compression import get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
@@ -427,7 +427,7 @@ class Averager:
         started: float,
     ) -> RoundParts:
         """Average the round's failed parts again among the members left (see
-        :mod:`swarm.averaging.repair`); the outcome with the parts that it averaged."""
+        :mod:`swarm.averaging.butterfly.repair`); the outcome with the parts that it averaged."""
         now = time.monotonic()
         # it moves less than the round did; a member that never joins must not hold it long
         deadline = min(ctx.deadline, now + 2 * (now - started) + 4 * self.stall.floor_s)

@@ -14,10 +14,10 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from swarm.averaging import regions
-from swarm.averaging.group import GroupInfo, next_order
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.prober import Prober
+from swarm.averaging.groups import regions
+from swarm.averaging.groups.group import GroupInfo, next_order
+from swarm.averaging.groups.liveness import Liveness
+from swarm.averaging.groups.prober import Prober
 from swarm.config import AveragingConfig
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.averaging.group import GROUP_ID_BYTES, GroupInfo
-from swarm.averaging.plan import PartPlan
+from swarm.averaging.butterfly.parts import PartPlan
+from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ senders for their values again (:meth:`PartReducer.restart`); receivers stage av
 and apply a part only once its owner confirmed it, so nothing half-received reaches the result.
 
 With ``aggregator="centered_clip"`` (the default) the senders' chunks are decoded into one row
-each instead of being added, and a chunk is reduced by :func:`~swarm.averaging.robust.
+each instead of being added, and a chunk is reduced by :func:`~swarm.averaging.butterfly.robust.
 centered_clip` with weights capped at ``weight_cap`` times the group's median once every sender
 delivered it (or was dropped); ``aggregator="mean"`` is the plain weighted mean above, for
 swarms whose peers are all trusted. The rows of a chunk live in a buffer of their own, taken
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.averaging.robust import cap_weights, centered_clip
+from swarm.averaging.butterfly.robust import cap_weights, centered_clip
 from swarm.compression import decode_into, read_header
 from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError

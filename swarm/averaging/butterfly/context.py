@@ -6,13 +6,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from swarm.averaging.butterfly.residuals import FlatFeedback
+from swarm.averaging.butterfly.stall import StallPolicy
+from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
-from swarm.averaging.feedback import FlatFeedback
-from swarm.averaging.group import GroupInfo
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.rates import PeerRates
-from swarm.averaging.stall import StallPolicy
-from swarm.averaging.workers import Workers
+from swarm.averaging.groups.group import GroupInfo
+from swarm.averaging.groups.liveness import Liveness
+from swarm.averaging.groups.rates import PeerRates
 
 RECHECK_S = 1.0  # a member that keeps us waiting is checked for life again this often
 

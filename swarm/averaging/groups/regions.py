@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from swarm.averaging.coordinates import Coordinate, predict_rtt
+from swarm.averaging.groups.coordinates import Coordinate, predict_rtt
 from swarm.errors import AveragingError, ConfigError
 from swarm.identity import PeerID
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarm.averaging.context import RoundContext
-from swarm.averaging.outcome import FAILURES, MAX_ATTEMPTS, SentPart
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.outcome import FAILURES, MAX_ATTEMPTS, SentPart
 from swarm.averaging.result import Refusal
 from swarm.compression import decode_into, read_header
 from swarm.errors import AveragingError, CompressionError, TransportError

@@ -1,10 +1,11 @@
 """Butterfly all-reduce of one group: reduce-scatter, then all-gather, on the same streams.
 
-Member ``i`` owns part ``i`` of the flat vector (:class:`~swarm.averaging.plan.PartPlan`): its
-:class:`~swarm.averaging.owner.PartOwner` reduces what the others stream to it and streams the
-average back chunk by chunk, while one :class:`~swarm.averaging.sender.PartSender` per other
-part streams this member's share to that part's owner and stages the average it returns. All of
-a member's streams are in flight at once; tensor work runs in worker threads. A part whose owner
+Member ``i`` owns part ``i`` of the flat vector
+(:class:`~swarm.averaging.butterfly.parts.PartPlan`): its
+:class:`~swarm.averaging.butterfly.owner.PartOwner` reduces what the others stream to it and streams
+the average back chunk by chunk, while one :class:`~swarm.averaging.butterfly.sender.PartSender` per
+other part streams this member's share to that part's owner and stages the average it returns. All
+of a member's streams are in flight at once; tensor work runs in worker threads. A part whose owner
 fails keeps this member's own values: nothing half-received is ever applied.
 """
 
@@ -19,14 +20,14 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.checks import NOT_FINITE, implausible_parts, not_finite
-from swarm.averaging.context import RoundContext
-from swarm.averaging.outcome import OwnedPart, SentPart
-from swarm.averaging.owner import PartOwner
-from swarm.averaging.plan import PartPlan
-from swarm.averaging.rates import stream_upload_rate
+from swarm.averaging.butterfly.checks import NOT_FINITE, implausible_parts, not_finite
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.outcome import OwnedPart, SentPart
+from swarm.averaging.butterfly.owner import PartOwner
+from swarm.averaging.butterfly.parts import PartPlan
+from swarm.averaging.butterfly.sender import PartSender
+from swarm.averaging.groups.rates import stream_upload_rate
 from swarm.averaging.result import Refusal
-from swarm.averaging.sender import PartSender
 from swarm.errors import TransportError
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import StreamTransport
@@ -57,7 +58,7 @@ class AllReduce:
         flat: this peer's values (float32, contiguous, any device); read-only during the round.
         result: staging buffer of the same size; part ``j`` is valid when :meth:`run` says so.
         check_owners: refuse parts whose average is implausibly far from this member's values
-            (:mod:`swarm.averaging.checks`) and accuse their owners.
+            (:mod:`swarm.averaging.butterfly.checks`) and accuse their owners.
     """
 
     def __init__(
@@ -191,8 +192,8 @@ def _deviations(
     flat: torch.Tensor, result: torch.Tensor, ranges: dict[int, tuple[int, int]]
 ) -> dict[int, float]:
     """Per part, ``||result - flat|| / ||flat||`` (NaN when the result holds NaN or inf: see
-    :func:`swarm.averaging.checks.not_finite`). Norms that overflow float32 (values near its
-    limit) are taken again in float64, so huge own values do not read as a bad average."""
+    :func:`swarm.averaging.butterfly.checks.not_finite`). Norms that overflow float32 (values near
+    its limit) are taken again in float64, so huge own values do not read as a bad average."""
     out = {}
     for j, (start, end) in ranges.items():
         mine, got = flat[start:end], result[start:end]

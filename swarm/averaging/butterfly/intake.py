@@ -1,10 +1,11 @@
 """What a part owner receives: every sender's stream read into the reducer, stalled ones dropped.
 
 Each chunk a sender streams is added into the part's accumulator in a worker thread as it arrives
-(:class:`~swarm.averaging.reducer.PartReducer`); a chunk is ready to average once every sender
-delivered it and no add into it is still running. The :class:`~swarm.averaging.stall.
-StallPolicy` decides when a silent sender is dropped; a pending sender is checked for life first,
-so a killed peer is dropped at once instead of after the stall limit.
+(:class:`~swarm.averaging.butterfly.reducer.PartReducer`); a chunk is ready to average once every
+sender delivered it and no add into it is still running. The
+:class:`~swarm.averaging.butterfly.stall.StallPolicy` decides when a silent sender is dropped; a
+pending sender is checked for life first, so a killed peer is dropped at once instead of after the
+stall limit.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from swarm.averaging.context import RoundContext
-from swarm.averaging.outcome import FAILURES
-from swarm.averaging.reducer import PartReducer, SenderState
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.outcome import FAILURES
+from swarm.averaging.butterfly.reducer import PartReducer, SenderState
+from swarm.averaging.butterfly.stall import PartTiming, StreamTiming
 from swarm.averaging.result import Refusal
-from swarm.averaging.stall import PartTiming, StreamTiming
 from swarm.errors import AuthError, AveragingError, TransportError
 from swarm.net.streams import InboundStream
 

@@ -1,6 +1,6 @@
 """Matchmaking: find partners in the DHT and agree on one group (leader-based).
 
-One round (see :mod:`swarm.averaging.group` for why stale views cannot split a group):
+One round (see :mod:`swarm.averaging.groups.group` for why stale views cannot split a group):
 
 1. declare ``Declaration(record, deadline)`` under the matchmaking key, expiring at the deadline;
 2. after a short gather window, read the key; join the leader (:func:`choose_leader`) with the
@@ -30,9 +30,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.averaging.group import Declaration, GroupInfo, choose_leader, is_order, next_order
-from swarm.averaging.liveness import Liveness
-from swarm.averaging.rates import PeerRates
+from swarm.averaging.groups.group import Declaration, GroupInfo, choose_leader, is_order, next_order
+from swarm.averaging.groups.liveness import Liveness
+from swarm.averaging.groups.rates import PeerRates
 from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord

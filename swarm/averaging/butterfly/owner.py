@@ -1,11 +1,11 @@
 """The owner's side of one part: reduce the senders' streams, stream the average back.
 
 Every other member streams its compressed values of this part in chunks, which the
-:class:`~swarm.averaging.intake.PartIntake` adds into the accumulator as they arrive. As soon as
-every sender delivered chunk ``c`` (or was dropped), chunk ``c`` is divided by its weight,
+:class:`~swarm.averaging.butterfly.intake.PartIntake` adds into the accumulator as they arrive. As
+soon as every sender delivered chunk ``c`` (or was dropped), chunk ``c`` is divided by its weight,
 compressed with the owner's error feedback, and written back on the reply of every stream while
-later chunks still arrive (:class:`~swarm.averaging.replies.PartReplies`, which also ends each
-reply with the attempt's :class:`PartOutcome`).
+later chunks still arrive (:class:`~swarm.averaging.butterfly.replies.PartReplies`, which also ends
+each reply with the attempt's :class:`PartOutcome`).
 
 A dropped sender whose chunks were already added *taints* the part: the owner stops, resets the
 part and answers ``retry`` to the complete senders, which send again (once).
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.context import RoundContext
-from swarm.averaging.intake import PartIntake
-from swarm.averaging.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
-from swarm.averaging.reducer import PartReducer
-from swarm.averaging.replies import PartReplies
+from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.intake import PartIntake
+from swarm.averaging.butterfly.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
+from swarm.averaging.butterfly.reducer import PartReducer
+from swarm.averaging.butterfly.replies import PartReplies
 from swarm.averaging.result import Refusal
 from swarm.errors import CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from swarm.averaging.outcome import PartOutcome
+from swarm.averaging.butterfly.outcome import PartOutcome
 from swarm.net.streams import ReplyStream
 
 

@@ -7,7 +7,7 @@ uploaded (:func:`stream_upload_rate`). It is a lower bound of its link: our down
 sides' CPU and slow starts only ever make a stream slower.
 
 A group's leader hands its measurements to the members in the group's answer, and every member
-plans the parts with ``min(announced, measured)`` (:func:`~swarm.averaging.plan.
+plans the parts with ``min(announced, measured)`` (:func:`~swarm.averaging.butterfly.parts.
 effective_bandwidths`), so a peer cannot buy a larger part by announcing more than it delivers.
 """
 

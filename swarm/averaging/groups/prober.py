@@ -2,7 +2,7 @@
 
 Every ``period`` seconds the :class:`Prober` reads the peer records of the run (one DHT read),
 sends one ``/ping`` (:meth:`swarm.net.transport.Transport.ping`) to each of at most ``probes``
-peers, feeds every answer to :class:`~swarm.averaging.coordinates.Vivaldi` together with the
+peers, feeds every answer to :class:`~swarm.averaging.groups.coordinates.Vivaldi` together with the
 coordinate that peer published, and publishes the new coordinate under ``extra["vc"]`` of this
 peer's :class:`~swarm.net.record.PeerRecord` (re-announced at once, not at the next heartbeat).
 
@@ -17,8 +17,8 @@ others read that list with the records before they plan a round and check those 
 (a report is a hint, never proof), so every view drops a killed peer within about a round instead
 of each peer finding out on its own.
 
-:meth:`Prober.view` is the input of :func:`swarm.averaging.regions.group_key`: the coordinate of
-every live peer as its own record says (this peer's local one when its record is not out yet); a
+:meth:`Prober.view` is the input of :func:`swarm.averaging.groups.regions.group_key`: the coordinate
+of every live peer as its own record says (this peer's local one when its record is not out yet); a
 peer that publishes none (not probing yet, or an invalid one) sits at the origin.
 """
 
@@ -30,7 +30,7 @@ import math
 import random
 import time
 
-from swarm.averaging.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
+from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.errors import ConfigError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord

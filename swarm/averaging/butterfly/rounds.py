@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from swarm.averaging.allreduce import AllReduce
+from swarm.averaging.butterfly.allreduce import AllReduce
 
 UNKNOWN_GROUP_WAIT_S = 5.0  # a member may start streaming before we heard the group closed
 RECENT_GROUPS = 64  # finished groups remembered, and groups awaited before they start
