@@ -13,8 +13,11 @@ stored before (those the dead nodes held included) and fresh stores with their g
 Prints one JSON object per configuration: nodes, killed_fraction, success_rate, get_p50_ms,
 get_p90_ms, store_p50_ms, store_p90_ms, bootstrap_s, bootstrap_empty (nodes whose routing table
 was empty after joining, their initial peer too busy to answer in time: they join again by
-themselves), rss_mb_per_node (the growth of the workers' resident memory while creating their
-nodes, per node), plus the operation counts and the host's 1-minute load average (load_avg_1m).
+themselves), budget_refusals (what the nodes refused each other for a per-host or per-subnet
+budget so far: every node here shares one loopback address, the worst case for those budgets;
+0 means honest traffic never met them), rss_mb_per_node (the growth of the workers' resident
+memory while creating their nodes, per node), plus the operation counts and the host's 1-minute
+load average (load_avg_1m).
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ import time
 from typing import Any
 
 HOST = "127.0.0.1"
+BUDGET_REFUSALS = (
+    "datagrams_over_rate",
+    "public_key_work_over_budget",
+    "stores_refused_unchecked",
+    "new_slots_over_rate",
+)
 
 
 def rss_mb() -> float:
@@ -106,6 +115,8 @@ async def _serve(conn: Any, seed: int) -> None:
                     print(f"get {key}: not found", file=sys.stderr, flush=True)
                 results.append((ok, (time.perf_counter() - started) * 1000))
             conn.send(results)
+        elif cmd == "counters":
+            conn.send(sum(node.counters()[name] for node in nodes for name in BUDGET_REFUSALS))
         elif cmd == "stop":
             for node in nodes:
                 await node.close()
@@ -149,7 +160,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(
-    nodes: int, killed: float, boot_s: float, rss: float, stores, gets, unjoined: int
+    nodes: int,
+    killed: float,
+    boot_s: float,
+    rss: float,
+    stores,
+    gets,
+    unjoined: int,
+    workers: list[Worker],
 ) -> dict[str, Any]:
     oks = stores[0] + gets[0]
     return {
@@ -162,6 +180,7 @@ def report(
         "store_p90_ms": pct(stores[1], 90),
         "bootstrap_s": round(boot_s, 2),
         "bootstrap_empty": unjoined,
+        "budget_refusals": sum(w.ask("counters") for w in workers),
         "rss_mb_per_node": round(rss, 3),
         "stores": len(stores[0]),
         "gets": len(gets[0]),
@@ -201,7 +220,7 @@ def bench(total: int, processes: int, ops: int, kill: float, timeout: float) -> 
         items = [(f"bench/{i}", b"value-%d" % i) for i in range(ops)]
         stores = run_ops(workers, "store", items, rng)
         gets = run_ops(workers, "get", items, rng)
-        out = [report(total, 0.0, boot_s, rss_per_node, stores, gets, unjoined)]
+        out = [report(total, 0.0, boot_s, rss_per_node, stores, gets, unjoined, workers)]
         print(json.dumps(out[-1]), flush=True)
 
         if kill > 0:
@@ -217,7 +236,9 @@ def bench(total: int, processes: int, ops: int, kill: float, timeout: float) -> 
             new_stores = run_ops(alive, "store", fresh, rng)
             new_gets = run_ops(alive, "get", fresh, rng)
             gets = (old_gets[0] + new_gets[0], old_gets[1] + new_gets[1])
-            out.append(report(total, killed, boot_s, rss_per_node, new_stores, gets, unjoined))
+            out.append(
+                report(total, killed, boot_s, rss_per_node, new_stores, gets, unjoined, alive)
+            )
             print(json.dumps(out[-1]), flush=True)
             workers = alive
         return out

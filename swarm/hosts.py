@@ -21,6 +21,7 @@ addresses of one /24 get no more than a handful of hosts would.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ IPV4_SUBNET_BITS = 24
 IPV6_HOST_BITS = 64
 IPV6_SUBNET_BITS = 48
 SUBNET_SHARE = 8.0  # a subnet's budget, in hosts' budgets
+_SCOPE_CACHE = 8192  # addresses whose scope is remembered (parsing one costs ~30 us)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Scope:
     subnet: str  # "192.0.2.0/24", "2001:db8:1::/48"; a non-IP source as given
 
 
+@functools.lru_cache(maxsize=_SCOPE_CACHE)
 def scope_of(address: str) -> Scope:
     """The host and subnet of an IP address (text, without a port or brackets)."""
     try:
@@ -135,6 +138,15 @@ class HostBuckets:
         self.hosts.take(scope.host, cost, now=now)
         self.subnets.take(scope.subnet, cost, now=now)
         return True
+
+    def allows(self, address: str, cost: float = 1.0, *, now: float | None = None) -> bool:
+        """Whether ``take(address, cost)`` would succeed now (nothing is spent)."""
+        now = time.monotonic() if now is None else now
+        scope = scope_of(address)
+        return (
+            self.hosts.tokens(scope.host, now) >= cost
+            and self.subnets.tokens(scope.subnet, now) >= cost
+        )
 
     def penalize(self, address: str, cost: float, *, now: float | None = None) -> None:
         """Charge the host and its subnet ``cost`` on top of their work, into debt if need be:

@@ -245,6 +245,21 @@ class DatagramAuth:
         """Whether the pairwise key with ``peer`` is cached (no public-key work to open)."""
         return (peer.public_key, peer.agreement_key) in self._pair_keys
 
+    def binds(self, keys: SenderKeys, may_verify: Callable[[], bool]) -> bool:
+        """Whether ``keys.public_key`` signed ``keys.agreement_key``, so that a datagram MAC'd
+        under that agreement key was sent by the public key's owner (cached; ``may_verify`` is
+        asked before the check). Open swarms skip this on every datagram (see "Bindings"); a
+        store that claims to come from an entry's owner needs it."""
+        if (keys.public_key, keys.agreement_key, keys.agreement_signature) in self._bindings:
+            return True
+        if not may_verify():
+            return False
+        try:
+            self._check_binding(keys)
+        except AuthError:
+            return False
+        return True
+
     def _check_binding(self, keys: SenderKeys) -> None:
         cache_key = (keys.public_key, keys.agreement_key, keys.agreement_signature)
         if cache_key in self._bindings:

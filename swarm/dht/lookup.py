@@ -22,17 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.dht.protocol import SwarmProtocol
-from swarm.dht.records import DHTEntry
+from swarm.dht.provenance import reported_age
+from swarm.dht.records import KEY_DIGEST_BYTES, DHTEntry
 from swarm.dht.routing import Contact
 from swarm.errors import DHTError
 
 logger = logging.getLogger(__name__)
 
 STALL_GRACE = 3.0  # stall periods, from its request, a stalled node closer than any answer gets
+MAX_REFRESH_BANDS = 24  # covers swarms of millions of nodes
+REFRESH_IN_PARALLEL = 6
+REFRESH_KSIZE = 4
 
 
 @dataclass
@@ -45,6 +50,8 @@ class LookupResult:
     failed: int = 0  # requests that got no answer
     truncated: bool = False  # some node held more entries than one datagram carries
     more: list[tuple[Contact, list[int]]] = field(default_factory=list)  # holder, next cursor
+    # slot -> {holder's node id: the slot's age it reported}: the material of DHTEntry.age_s
+    ages: dict[tuple[bytes, str], dict[bytes, float]] = field(default_factory=dict)
 
 
 async def lookup(
@@ -178,7 +185,7 @@ async def lookup(
                 if found.id != own_id and found.id not in known:
                     known[found.id] = found
                     known_keys.add(_keys_of(found))
-            if value and _collect(body, target, result):
+            if value and _collect(body, target, result, contact.id):
                 holding += 1
                 cursor = _cursor(body.get("next"))
                 if cursor is not None:
@@ -222,32 +229,77 @@ def _cursor(value: Any) -> list[int] | None:
 
 async def more_pages(
     protocol: SwarmProtocol, key: bytes, holder: Contact, cursor: list[int], pages: int
-) -> list[DHTEntry]:
-    """Follow a holder's ``next`` cursors for up to ``pages`` more answer pages."""
+) -> LookupResult:
+    """Follow a holder's ``next`` cursors for up to ``pages`` more answer pages; the result's
+    ``entries`` and ``ages`` are what they carried."""
     result = LookupResult(closest=[])
     for _ in range(pages):
         body = await protocol.call(holder, "find_value", key, cursor)
         if not isinstance(body, dict) or "error" in body:
             break
-        _collect(body, key, result)
+        _collect(body, key, result, holder.id)
         next_cursor = _cursor(body.get("next"))
         if next_cursor is None or next_cursor <= cursor:
             break
         cursor = next_cursor
-    return result.entries
+    return result
 
 
-def _collect(body: dict[str, Any], key: bytes, result: LookupResult) -> bool:
-    """Add the answer's valid-looking entries to ``result``; True when there was any."""
+def _collect(body: dict[str, Any], key: bytes, result: LookupResult, holder: bytes) -> bool:
+    """Add the answer's valid-looking entries, and the ages ``holder`` reported for their
+    slots, to ``result``; True when there was any entry."""
     entries = body.get("entries")
     if not isinstance(entries, list):
         return False
+    ages = body.get("ages")
+    if not isinstance(ages, list) or len(ages) != len(entries):
+        ages = [None] * len(entries)  # an older node, or a malformed list: no ages from it
     before = len(result.entries)
     if body.get("truncated") is True:
         result.truncated = True
-    for obj in entries:
+    for obj, reported in zip(entries, ages, strict=True):
         try:
-            result.entries.append(DHTEntry.from_wire(key, obj))
+            entry = DHTEntry.from_wire(key, obj)
         except DHTError as e:
             logger.debug("ignoring a malformed entry in an answer: %s", e)
+            continue
+        result.entries.append(entry)
+        age = reported_age(reported)
+        if age is not None:
+            result.ages.setdefault(entry.slot, {})[holder] = age
     return len(result.entries) > before
+
+
+async def refresh_bands(protocol: SwarmProtocol, node_id: bytes, alpha: int) -> None:
+    """Look up a random id at each distance from ``node_id`` (kademlia section 2.3: a joining
+    node refreshes every bucket further away than its closest neighbour).
+
+    A lookup of our own id only meets nodes near us; without this, a node may know nobody
+    in the other half of the key space, and its stores then land on the closest nodes of
+    *its* half, where no reader looks. Band ``d`` holds the ids that share exactly ``d``
+    leading bits with ours; bands are refreshed until one comes back empty.
+    """
+    own = int.from_bytes(node_id, "big")
+    bits = KEY_DIGEST_BYTES * 8
+    for first in range(0, MAX_REFRESH_BANDS, REFRESH_IN_PARALLEL):
+        bands = range(first, min(first + REFRESH_IN_PARALLEL, MAX_REFRESH_BANDS))
+        targets = []
+        for depth in bands:
+            flip = 1 << (bits - 1 - depth)
+            below = flip - 1
+            target = ((own ^ flip) & ~below) | (random.getrandbits(bits) & below)
+            targets.append(target.to_bytes(KEY_DIGEST_BYTES, "big"))
+        # a few nodes per band are enough (and much cheaper than k): each one that answers
+        # enters the routing table, and its bucket fills as it is used
+        found = await asyncio.gather(
+            *(lookup(protocol, t, ksize=REFRESH_KSIZE, alpha=alpha) for t in targets)
+        )
+        for depth, result in zip(bands, found, strict=True):
+            in_band = [c for c in result.closest if shared_bits(c.long_id, own) == depth]
+            if not in_band:
+                return
+
+
+def shared_bits(a: int, b: int) -> int:
+    """How many leading bits two 160-bit ids share."""
+    return KEY_DIGEST_BYTES * 8 - (a ^ b).bit_length()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import socket
 import time
 from collections.abc import Iterable, Sequence
@@ -26,10 +25,11 @@ from typing import Any
 from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
-from swarm.dht.lookup import lookup, more_pages
+from swarm.dht.lookup import lookup, more_pages, refresh_bands
 from swarm.dht.protocol import MAX_PAGES_PER_GET, SwarmProtocol
+from swarm.dht.provenance import Origin
+from swarm.dht.reads import add_reports, merge_reads
 from swarm.dht.records import (
-    KEY_DIGEST_BYTES,
     DHTEntry,
     RecordStorage,
     check_expiration,
@@ -46,9 +46,6 @@ DEFAULT_KSIZE = 20
 DEFAULT_ALPHA = 3
 DEFAULT_GET_QUORUM = 5
 _VERIFIED_CACHE = 16384
-_MAX_REFRESH_BANDS = 24  # covers swarms of millions of nodes
-_REFRESH_IN_PARALLEL = 6
-_REFRESH_KSIZE = 4
 BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 REJOIN_CHECK_S = 5.0  # how often an empty routing table is noticed in the background
@@ -293,7 +290,7 @@ class DHTNode:
         furthest = closest[-1].long_id ^ goal if closest else None
         own = protocol.source_node.long_id ^ goal
         if not self.client and (furthest is None or len(closest) < self.ksize or own < furthest):
-            stored += self.storage.merge(entry)
+            stored += self.storage.merge(entry, origin=Origin.of(protocol.source_node.ip, True))
         tasks = [
             t for c in closest if (t := protocol.spawn(protocol.send_entries(c, digest, [entry])))
         ]
@@ -321,7 +318,9 @@ class DHTNode:
         own storage.
 
         Returns:
-            ``{(owner, subkey): entry}`` with only verified, unexpired entries, the latest per slot.
+            ``{(owner, subkey): entry}`` with only verified, unexpired entries, the latest per
+            slot; each entry's ``age_s`` is the lower median of the slot's witnessed ages that
+            its holders reported (see :mod:`swarm.dht.provenance`).
         """
         digest = key_digest(key)
         if self._protocol.router.empty():
@@ -355,20 +354,16 @@ class DHTNode:
             )
         )
         now = time.time()
-        merged: dict[tuple[bytes, str], DHTEntry] = {}
-        candidates = [*self.storage.entries(digest, now), *found.entries]
-        for entries in extra:
-            candidates += entries
-        for entry in candidates:
-            if entry.expiration <= now:
-                continue
-            current = merged.get(entry.slot)
-            if current is not None and current.expiration >= entry.expiration:
-                continue
-            if not self._verify(entry):
-                continue
-            merged[entry.slot] = entry
-        return {(e.owner, e.subkey): e for e in merged.values()}
+        own = self.storage.entries(digest, now)  # our own storage counts as one holder
+        candidates = [*own, *found.entries]
+        reports = found.ages
+        add_reports(
+            reports, {e.slot: {self.node_id: self.storage.witnessed_age(e, now)} for e in own}
+        )
+        for pages in extra:
+            candidates += pages.entries
+            add_reports(reports, pages.ages)
+        return merge_reads(candidates, reports, self._verify, now)
 
     def _verify(self, entry: DHTEntry) -> bool:
         cache_key = (entry.public_key, entry.signature)
@@ -401,34 +396,8 @@ class DHTNode:
                 logger.debug("routing-table refresh failed: %s", e)
 
     async def refresh_buckets(self) -> None:
-        """Look up a random id at each distance from ours (kademlia section 2.3: a joining node
-        refreshes every bucket further away than its closest neighbour).
-
-        A lookup of our own id only meets nodes near us; without this, a node may know nobody
-        in the other half of the key space, and its stores then land on the closest nodes of
-        *its* half, where no reader looks. Band ``d`` holds the ids that share exactly ``d``
-        leading bits with ours; bands are refreshed until one comes back empty.
-        """
-        protocol = self._protocol
-        own = int.from_bytes(self.node_id, "big")
-        bits = KEY_DIGEST_BYTES * 8
-        for first in range(0, _MAX_REFRESH_BANDS, _REFRESH_IN_PARALLEL):
-            bands = range(first, min(first + _REFRESH_IN_PARALLEL, _MAX_REFRESH_BANDS))
-            targets = []
-            for depth in bands:
-                flip = 1 << (bits - 1 - depth)
-                below = flip - 1
-                target = ((own ^ flip) & ~below) | (random.getrandbits(bits) & below)
-                targets.append(target.to_bytes(KEY_DIGEST_BYTES, "big"))
-            # a few nodes per band are enough (and much cheaper than k): each one that answers
-            # enters the routing table, and its bucket fills as it is used
-            found = await asyncio.gather(
-                *(lookup(protocol, t, ksize=_REFRESH_KSIZE, alpha=self.alpha) for t in targets)
-            )
-            for depth, result in zip(bands, found, strict=True):
-                in_band = [c for c in result.closest if _shared_bits(c.long_id, own) == depth]
-                if not in_band:
-                    return
+        """Look up a random id at each distance from ours (see :func:`refresh_bands`)."""
+        await refresh_bands(self._protocol, self.node_id, self.alpha)
 
     async def close(self) -> None:
         """Stop answering, cancel every task and close the socket."""
@@ -452,8 +421,3 @@ def _took(task: asyncio.Task[Any]) -> bool:
     if not task.done() or task.cancelled() or task.exception() is not None:
         return False
     return bool(task.result() > 0)
-
-
-def _shared_bits(a: int, b: int) -> int:
-    """How many leading bits two 160-bit ids share."""
-    return KEY_DIGEST_BYTES * 8 - (a ^ b).bit_length()

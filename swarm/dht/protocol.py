@@ -6,9 +6,10 @@ RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
 - every datagram is opened by :class:`~swarm.dht.envelope.DatagramAuth` (MAC or signature,
   membership, replay window) and every argument is type- and size-checked; junk is dropped and
   logged (rate-limited per source), it never raises out of the protocol;
-- ``store`` merges owner-signed dictionary entries (the storing node verifies each signature);
-  ``find_value`` answers with the entries it holds *and* the closest contacts, so a reader can
-  merge what several nodes hold instead of stopping at the first answer;
+- ``store`` merges owner-signed dictionary entries (see :mod:`swarm.dht.intake`: budgets per
+  host and subnet, signatures checked in order up to the first forged one, which the source pays
+  for); ``find_value`` answers with the entries it holds *and* the closest contacts, so a reader
+  can merge what several nodes hold instead of stopping at the first answer;
 - replication to a newly seen node looked up the key's neighbours with the key hashed a second
   time (kademlia's ``digest(key)`` of an already-digested key), sending records to the wrong
   nodes; here the stored digest is used as is;
@@ -20,18 +21,21 @@ RPCs and routing-table upkeep and changes what kademlia 2.2.3 gets wrong for us:
   stalls a lookup for about a second on a fast network instead of the full timeout;
 - a *client* node (``client=True``: a one-shot ``swarm-peer peers`` listing, say) flags its
   requests so that nobody adds it to a routing table: it would be a dead contact a moment later;
-- work per datagram is bounded, cheap checks first (see :mod:`swarm.dht.limits`): a token bucket
-  per source address before anything is parsed, then the MAC, then a per-source budget for
-  public-key work (signatures, key agreement with an unseen sender, the entries of a store, at
-  most ``MAX_ENTRIES_PER_STORE`` of them); entries a node already holds are not checked again;
+- work per datagram is bounded, cheap checks first (see :mod:`swarm.dht.limits`): a budget per
+  source host and subnet (never per port) before anything is parsed, then the MAC, then a
+  budget per host and subnet for public-key work (signatures, key agreement with an unseen
+  sender, the entries of a store, at most ``MAX_ENTRIES_PER_STORE`` of them); entries a node
+  already holds are not checked again;
 - answers carry a return-routability cookie; a request without a valid one gets an answer no
   larger than itself (BEP 42, DNS cookies), and only a sender that echoed one enters the routing
   table, so a spoofed source or a replayed first-contact ping cannot use us. A first-contact
   lookup request is padded to ``FIRST_CONTACT_LOOKUP_BYTES`` and its answer is cut to fit (the
   entries first, then the closest contacts), so a lookup meeting new nodes does not pay a
   round trip per node for the cookie;
-- ``find_value`` answers one fair page (at most one entry per owner) with a ``next`` cursor, so
-  one owner's many entries never crowd the others out of an answer;
+- ``find_value`` answers one fair page (at most one entry per owner, owners round-robin over
+  the subnets and hosts that stored them, see :mod:`swarm.dht.listing`) with a ``next`` cursor
+  and each entry's witnessed age, so neither one owner's many entries nor many identities of
+  one host crowd the others out of an answer;
 - replication to newcomers is one bounded queue sent at ``REPLICATION_RATE``, not a task per key.
 """
 
@@ -57,7 +61,17 @@ from swarm.dht.envelope import (
     DatagramAuth,
     SenderKeys,
 )
-from swarm.dht.limits import Cookies, TokenBuckets
+from swarm.dht.intake import MAX_ENTRIES_PER_STORE, StoreIntake
+from swarm.dht.limits import (
+    DATAGRAM_BURST,
+    DATAGRAM_RATE,
+    SUBNET_SHARE,
+    VERIFY_BURST,
+    VERIFY_RATE,
+    Cookies,
+    HostBuckets,
+)
+from swarm.dht.pages import answer_page, parse_cursor
 from swarm.dht.records import KEY_DIGEST_BYTES, DHTEntry, RecordStorage
 from swarm.dht.routing import Contact, SwarmRoutingTable
 from swarm.errors import AuthError, DHTError
@@ -65,7 +79,6 @@ from swarm.errors import AuthError, DHTError
 logger = logging.getLogger(__name__)
 
 MAX_RESPONSE_BYTES = 60_000  # UDP carries up to 65,507; keep room for the envelope
-MAX_ENTRIES_PER_STORE = 64
 EVICT_AFTER_FAILURES = 2
 MIN_TIMEOUT_S = 1.0
 MIN_STALL_S = 0.01  # srtt + 4 rttvar, at least this: on a LAN a dead node costs a lookup ~10 ms
@@ -77,10 +90,6 @@ REPLICATE_BATCH_S = 0.5  # newcomers met within this long get their records in o
 REPLICATION_QUEUE = 4096  # (newcomer, key) pairs waiting; past this, the oldest are dropped
 REPLICATION_RATE = 200.0  # replication stores sent per second, at most
 REPLICATION_IN_FLIGHT = 8
-DATAGRAM_RATE = 500.0  # datagrams per second from one source address, sustained
-DATAGRAM_BURST = 1000.0
-VERIFY_RATE = 200.0  # signature checks per second for one source address, sustained
-VERIFY_BURST = 400.0
 MAX_PAGES_PER_GET = 8  # answer pages a reader follows per holder
 _ENVELOPE_OVERHEAD = 400
 _COOKIE_CACHE = 8192
@@ -133,8 +142,9 @@ class SwarmProtocol(KademliaProtocol):
         self._replicator: asyncio.Task[Any] | None = None  # sends newcomers their records
         self._replication: deque[tuple[Contact, bytes]] = deque(maxlen=REPLICATION_QUEUE)
         self._replication_worker: asyncio.Task[Any] | None = None
-        self.datagram_budget = TokenBuckets(DATAGRAM_RATE, DATAGRAM_BURST)
-        self.verify_budget = TokenBuckets(VERIFY_RATE, VERIFY_BURST)
+        self.datagram_budget = HostBuckets(DATAGRAM_RATE, DATAGRAM_BURST, SUBNET_SHARE)
+        self.verify_budget = HostBuckets(VERIFY_RATE, VERIFY_BURST, SUBNET_SHARE)
+        self.intake = StoreIntake(storage, self.verify_budget, auth)
         self.cookies = Cookies()
         # cookies others gave us, by their address: echoed in our requests to them
         self._cookies_held: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -153,11 +163,12 @@ class SwarmProtocol(KademliaProtocol):
         if self.closed:
             return
         address = (addr[0], addr[1])
-        if not self.datagram_budget.take(address):
-            return  # a flood: not even logged per datagram (the bucket counts it)
+        if not self.datagram_budget.take(addr[0]):  # per host and subnet, never per port
+            self._refusals.warn(addr[0], "DHT datagrams from %s over its host's rate", addr[0])
+            return
         source = f"{addr[0]}:{addr[1]}"
         try:
-            msg = self.auth.open(data, lambda: self.verify_budget.take(address))
+            msg = self.auth.open(data, lambda: self.verify_budget.take(addr[0]))
             if msg.kind == REQUEST:
                 if len(data) > MAX_REQUEST_BYTES:
                     raise DHTError(f"request of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
@@ -242,20 +253,8 @@ class SwarmProtocol(KademliaProtocol):
 
     def rpc_store(self, sender: Contact, verified: bool, key: Any, entries: Any) -> Any:
         _check_key(key)
-        if not isinstance(entries, list) or len(entries) > MAX_ENTRIES_PER_STORE:
-            raise DHTError(f"a store carries a list of at most {MAX_ENTRIES_PER_STORE} entries")
-        parsed = [DHTEntry.from_wire(key, obj) for obj in entries]
-        fresh = [e for e in parsed if not self.storage.holds(e)]
-        held = len(parsed) - len(fresh)  # already here (a retried store): they count as taken
-        if fresh and not self.verify_budget.take(sender.address, len(fresh)):
-            raise DHTError(f"signature budget spent: {len(fresh)} entries not checked")
-        now = time.time()
-        for entry in fresh:
-            entry.verify()  # a forged entry refuses the whole request: nothing is applied
         refused = self.storage.refused
-        stored = held
-        for entry in fresh:
-            stored += self.storage.merge(entry, now)
+        stored = self.intake.admit(sender.ip, sender.keys, key, entries)
         if self.storage.refused > refused:
             source = f"{sender.ip}:{sender.port}"
             self._refusals.warn(
@@ -295,50 +294,25 @@ class SwarmProtocol(KademliaProtocol):
         half, the entries what is left, and the contacts again whatever the entries did not use.
         """
         _check_key(key)
-        if cursor is None:
-            start_round, start = 0, 0
-        elif (
-            isinstance(cursor, list)
-            and len(cursor) == 2
-            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cursor)
-        ):
-            start_round, start = cursor
-        else:
-            raise DHTError("a find_value cursor is [round, index]")
+        start_round, start = parse_cursor(cursor)
         if verified:
             self.welcome_if_new(sender)
         neighbours = self._neighbours(key, sender) if cursor is None else _Packed()
         held_back = sum(neighbours.sizes[: _fitting(neighbours.sizes, room // 2)])
-        budget = room - held_back - 2 * _LIST_HEADER
-        rounds = self.storage.fair_order(key)
-        entries: list[Any] = []
-        used = 0  # the entries' bytes
-        next_cursor: list[int] | None = None
-        if start_round < len(rounds):
-            page = rounds[start_round]
-            index = start
-            while index < len(page):
-                size = page[index].wire_size()
-                if size > budget:
-                    break
-                budget -= size
-                used += size
-                entries.append(page[index].to_wire())
-                index += 1
-            if index < len(page):
-                next_cursor = [start_round, index]
-            elif start_round + 1 < len(rounds):
-                next_cursor = [start_round + 1, 0]
-        nodes = neighbours[: _fitting(neighbours.sizes, room - _LIST_HEADER - used)]
+        page = answer_page(
+            self.storage, key, start_round, start, room - held_back - 3 * _LIST_HEADER
+        )
+        nodes = neighbours[: _fitting(neighbours.sizes, room - 2 * _LIST_HEADER - page.used)]
         answer: dict[str, Any] = {
             "nodes": nodes,
-            "entries": entries,
-            "next": next_cursor,
-            "truncated": next_cursor is not None,
+            "entries": page.entries,
+            "ages": page.ages,  # each entry's witnessed age here, whole seconds
+            "next": page.next,
+            "truncated": page.next is not None,
         }
         if len(nodes) < len(neighbours):
             answer["cut"] = True  # more contacts than fitted: a lookup may ask again
-        if not verified and not entries and next_cursor is not None:
+        if not verified and not page.entries and page.next is not None:
             answer["retry"] = True  # not even one entry fitted: ask again with the cookie
         return answer
 
@@ -556,6 +530,10 @@ class SwarmProtocol(KademliaProtocol):
         return {
             "datagrams_over_rate": self.datagram_budget.refused,
             "public_key_work_over_budget": self.verify_budget.refused,
+            "signatures_checked": self.intake.signatures_checked,
+            "forged_stores": self.intake.forgeries,
+            "stores_refused_unchecked": self.intake.refused_unchecked,
+            "new_slots_over_rate": self.intake.slot_budget.refused,
             "answers_cut_to_request_size": self.refused_amplification,
             "entries_over_quota": self.storage.refused,
             "entries_evicted": self.storage.evicted,
@@ -656,6 +634,7 @@ def _skeleton(method: str, cookie: bytes) -> dict[str, Any]:
         return {
             "nodes": [],
             "entries": [],
+            "ages": [],
             "next": [0, 0],
             "truncated": True,
             "cookie": cookie,

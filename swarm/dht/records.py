@@ -22,6 +22,9 @@ from typing import Any
 import msgpack
 from kademlia.storage import IStorage
 
+from swarm.dht.listing import listing_order, rounds_of, standing_of
+from swarm.dht.provenance import LIVE_FOR_S, UNKNOWN_ORIGIN, Origin, SlotHistory
+from swarm.dht.scopes import ScopeTally
 from swarm.errors import DHTError
 from swarm.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
 
@@ -138,17 +141,20 @@ def check_expiration(expiration: float, now: float) -> None:
 class RecordStorage(IStorage):
     """A node's local share of the DHT: key digest -> {(owner, subkey) -> entry}, merged.
 
-    No one owner can fill it (libp2p's resource manager is the model: a limit per owner and per
-    node):
+    Each slot keeps its history (:mod:`swarm.dht.provenance`): the scope that stored it and
+    since when. No one owner, host or subnet can fill the storage (libp2p's resource manager is
+    the model: a limit per owner and per scope):
 
     - per key: at most ``max_subkeys_per_owner`` slots of one owner and :data:`MAX_SUBKEYS_PER_KEY`
-      in all; a full key makes room for a new owner by dropping an entry of the owner that holds
-      the most slots there, so every owner gets a fair share of a busy key;
+      in all; a full key makes room for a newcomer by evicting from the subnet, then the host,
+      then the owner that holds the most slots there (:mod:`swarm.dht.scopes`), so a newcomer
+      from a less crowded subnet always gets room, whatever the number of identities in the
+      crowd;
     - per node: at most ``max_owner_entries`` / ``max_owner_bytes`` for one owner, and
-      ``max_entries`` / ``max_bytes`` in all; a full node evicts from the owner that holds the
-      most bytes, as long as that owner holds more than the newcomer would.
+      ``max_entries`` / ``max_bytes`` in all; a full node evicts the same way, by bytes.
 
-    Refreshing an existing slot (a heartbeat) is always allowed within the owner's quota.
+    Refreshing an existing slot (a heartbeat) is always allowed within the owner's quota, and
+    keeps the slot's history.
     """
 
     def __init__(
@@ -166,9 +172,13 @@ class RecordStorage(IStorage):
         self.max_subkeys_per_owner = max_subkeys_per_owner
         self._records: dict[bytes, dict[tuple[bytes, str], DHTEntry]] = {}
         self._sizes: dict[tuple[bytes, tuple[bytes, str]], int] = {}  # (key, slot) -> wire bytes
+        self._histories: dict[tuple[bytes, tuple[bytes, str]], SlotHistory] = {}
         self._owners: dict[bytes, dict[tuple[bytes, str, bytes], None]] = {}  # owner -> its slots
         self._owner_bytes: dict[bytes, int] = {}
         self._key_owner: dict[tuple[bytes, bytes], int] = {}  # (key, owner) -> slots there
+        self._tally = ScopeTally()  # bytes by subnet, host and owner of origin
+        self._generations: dict[bytes, int] = {}  # key -> changes so far (invalidates orders)
+        self._orders: dict[bytes, tuple[int, float, list[list[DHTEntry]]]] = {}
         self._count = 0
         self._bytes = 0
         self.refused = 0  # entries refused for a quota (visible in logs and benchmarks)
@@ -178,9 +188,11 @@ class RecordStorage(IStorage):
     def stored_bytes(self) -> int:
         return self._bytes
 
-    def merge(self, entry: DHTEntry, now: float | None = None) -> bool:
+    def merge(
+        self, entry: DHTEntry, now: float | None = None, origin: Origin = UNKNOWN_ORIGIN
+    ) -> bool:
         """Store ``entry`` unless its slot holds a later one or a quota refuses it; True when
-        it was taken.
+        it was taken. ``origin``: who stored it (see :mod:`swarm.dht.provenance`).
 
         The caller has verified the signature.
         """
@@ -190,24 +202,27 @@ class RecordStorage(IStorage):
         owner = entry.public_key
         size = entry.wire_size()
         self._cull(entry.key, now)
-        record = self._records.get(entry.key)
-        current = record.get(entry.slot) if record is not None else None
-        if current is not None:
+        current = self._records.get(entry.key, {}).get(entry.slot)
+        if current is None:
+            history = SlotHistory.start(origin, now)
+            if not self._admit_new(entry, history.origin, size, now):
+                self.refused += 1
+                return False
+        else:
             if current.expiration >= entry.expiration:
+                self.touch(entry, origin, now)
                 return False
             old = self._sizes[(entry.key, entry.slot)]
             if self._owner_bytes.get(owner, 0) - old + size > self.max_owner_bytes:
                 self.refused += 1
                 return False
-            if not self._make_room(owner, 0, size - old, now):
+            history = self._remove(entry.key, entry.slot)
+            history.observe(origin, now)
+            if not self._make_room(history.origin, owner, 1, size, now):
+                self._add(current, old, history)  # as it was
                 self.refused += 1
                 return False
-            self._remove(entry.key, entry.slot)
-        else:
-            if not self._admit_new(entry, size, now):
-                self.refused += 1
-                return False
-        self._add(entry, size)
+        self._add(entry, size, history)
         return True
 
     def holds(self, entry: DHTEntry) -> bool:
@@ -216,7 +231,41 @@ class RecordStorage(IStorage):
         current = self._records.get(entry.key, {}).get(entry.slot)
         return current is not None and current.expiration >= entry.expiration
 
-    def _admit_new(self, entry: DHTEntry, size: int, now: float) -> bool:
+    def has_slot(self, entry: DHTEntry) -> bool:
+        """Whether ``entry``'s slot exists here (a store of it is a refresh, not a new slot)."""
+        return entry.slot in self._records.get(entry.key, {})
+
+    def touch(self, entry: DHTEntry, origin: Origin, now: float | None = None) -> None:
+        """Another store of a slot held here (the entry was checked when first stored): a
+        first-hand one proves the owner live and corrects the slot's origin."""
+        history = self._histories.get((entry.key, entry.slot))
+        if history is None:
+            return
+        now = time.time() if now is None else now
+        before, was_live = history.origin, history.live(now)
+        moved = history.observe(origin, now)
+        if moved:
+            member = (entry.key, entry.slot)
+            self._tally.remove(before, entry.public_key, member)
+            self._tally.add(history.origin, entry.public_key, member, self._sizes[member])
+        if moved or (origin.first_hand and not was_live):
+            self._changed(entry.key)  # origin and liveness order listings
+
+    def history(self, entry: DHTEntry) -> SlotHistory | None:
+        """What this node remembers of ``entry``'s slot (None when it does not hold it)."""
+        return self._histories.get((entry.key, entry.slot))
+
+    def witnessed_age(self, entry: DHTEntry, now: float | None = None) -> float:
+        """How long this node has held ``entry``'s slot (0.0 when it does not)."""
+        history = self.history(entry)
+        return 0.0 if history is None else history.age(time.time() if now is None else now)
+
+    def size_of(self, entry: DHTEntry) -> int:
+        """``entry.wire_size()``, from memory when the slot is held here."""
+        size = self._sizes.get((entry.key, entry.slot))
+        return entry.wire_size() if size is None else size
+
+    def _admit_new(self, entry: DHTEntry, origin: Origin, size: int, now: float) -> bool:
         owner = entry.public_key
         if self._key_owner.get((entry.key, owner), 0) >= self.max_subkeys_per_owner:
             return False
@@ -227,53 +276,56 @@ class RecordStorage(IStorage):
             return False
         record = self._records.get(entry.key, {})
         if len(record) >= MAX_SUBKEYS_PER_KEY:
-            mine = self._key_owner.get((entry.key, owner), 0)
-            counts: dict[bytes, int] = {}
-            for slot_owner, _ in record:
-                counts[slot_owner] = counts.get(slot_owner, 0) + 1
-            biggest = max(counts, key=lambda o: counts[o])
-            if counts[biggest] <= mine + 1:
-                return False  # every owner here holds its fair share already
-            victim = next(slot for slot in record if slot[0] == biggest)
-            self._remove(entry.key, victim)
+            slots = ScopeTally()
+            for slot in record:
+                slots.add(self._histories[(entry.key, slot)].origin, slot[0], slot, 1)
+            victim = slots.victim(origin, owner, 1)
+            if victim is None:
+                return False  # every subnet, host and owner here holds its fair share
+            self._remove(entry.key, victim)  # type: ignore[arg-type]
             self.evicted += 1
-        return self._make_room(owner, 1, size, now)
+        return self._make_room(origin, owner, 1, size, now)
 
-    def _make_room(self, owner: bytes, entries: int, size: int, now: float) -> bool:
-        """Evict from the biggest other owner until ``entries``/``size`` more fit the node."""
+    def _make_room(self, origin: Origin, owner: bytes, entries: int, size: int, now: float) -> bool:
+        """Evict by scope (:mod:`swarm.dht.scopes`) until ``entries``/``size`` more fit."""
         culled = False
         while self._count + entries > self.max_entries or self._bytes + size > self.max_bytes:
             if not culled:
                 self.cull(now)
                 culled = True
                 continue
-            mine = self._owner_bytes.get(owner, 0) + size
-            biggest = max(self._owner_bytes, key=lambda o: self._owner_bytes[o], default=None)
-            if biggest is None or biggest == owner or self._owner_bytes[biggest] <= mine:
+            victim = self._tally.victim(origin, owner, size)
+            if victim is None:
                 return False
-            key, subkey, _ = next(iter(self._owners[biggest]))
-            self._remove(key, (biggest, subkey))
+            key, slot = victim  # type: ignore[misc]
+            self._remove(key, slot)
             self.evicted += 1
         return True
 
-    def _add(self, entry: DHTEntry, size: int) -> None:
+    def _add(self, entry: DHTEntry, size: int, history: SlotHistory) -> None:
         owner = entry.public_key
+        member = (entry.key, entry.slot)
         self._records.setdefault(entry.key, {})[entry.slot] = entry
-        self._sizes[(entry.key, entry.slot)] = size
+        self._sizes[member] = size
+        self._histories[member] = history
+        self._tally.add(history.origin, owner, member, size)
         self._owners.setdefault(owner, {})[(entry.key, entry.subkey, owner)] = None
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
         key_owner = (entry.key, owner)
         self._key_owner[key_owner] = self._key_owner.get(key_owner, 0) + 1
         self._count += 1
         self._bytes += size
+        self._changed(entry.key)
 
-    def _remove(self, key: bytes, slot: tuple[bytes, str]) -> None:
+    def _remove(self, key: bytes, slot: tuple[bytes, str]) -> SlotHistory:
         record = self._records[key]
         del record[slot]
         if not record:
             del self._records[key]
         owner, subkey = slot
         size = self._sizes.pop((key, slot))
+        history = self._histories.pop((key, slot))
+        self._tally.remove(history.origin, owner, (key, slot))
         owned = self._owners[owner]
         del owned[(key, subkey, owner)]
         if owned:
@@ -287,6 +339,15 @@ class RecordStorage(IStorage):
             del self._key_owner[key_owner]
         self._count -= 1
         self._bytes -= size
+        self._changed(key)
+        return history
+
+    def _changed(self, key: bytes) -> None:
+        if key in self._records:
+            self._generations[key] = self._generations.get(key, 0) + 1
+        else:
+            self._generations.pop(key, None)
+            self._orders.pop(key, None)
 
     def entries(self, key: bytes, now: float | None = None) -> list[DHTEntry]:
         """The live entries under ``key``, latest expiration first."""
@@ -297,15 +358,31 @@ class RecordStorage(IStorage):
 
     def fair_order(self, key: bytes, now: float | None = None) -> list[list[DHTEntry]]:
         """The live entries under ``key`` in rounds: round r holds the r-th newest entry of
-        every owner that has one, owners in a fixed order. An answer page never spans two
+        every owner that has one, owners in listing order (:mod:`swarm.dht.listing`: round-robin
+        over subnets and hosts of origin, live and oldest first). An answer page never spans two
         rounds, so it carries at most one entry per owner and the first pages list every owner.
         """
+        now = time.time() if now is None else now
+        self._cull(key, now)
+        generation = self._generations.get(key, 0)
+        cached = self._orders.get(key)
+        if cached is not None and cached[0] == generation and now < cached[1]:
+            return cached[2]
         by_owner: dict[bytes, list[DHTEntry]] = {}
+        histories: dict[bytes, list[SlotHistory]] = {}
+        valid_until = math.inf  # the order holds until an entry expires or an owner goes stale
         for entry in self.entries(key, now):
+            history = self._histories[(key, entry.slot)]
             by_owner.setdefault(entry.public_key, []).append(entry)
-        owners = sorted(by_owner)
-        depth = max((len(v) for v in by_owner.values()), default=0)
-        return [[by_owner[o][r] for o in owners if len(by_owner[o]) > r] for r in range(depth)]
+            histories.setdefault(entry.public_key, []).append(history)
+            valid_until = min(valid_until, entry.expiration)
+            if history.live(now) and history.heard_at is not None:
+                valid_until = min(valid_until, history.heard_at + LIVE_FOR_S)
+        standings = {owner: standing_of(h, now) for owner, h in histories.items()}
+        rounds = rounds_of(listing_order(standings), by_owner)
+        if rounds:
+            self._orders[key] = (generation, valid_until, rounds)
+        return rounds
 
     def keys(self) -> list[bytes]:
         return list(self._records)
