@@ -7,8 +7,10 @@ Every attack is bounded in count and time; the server's timeouts are shortened f
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
@@ -17,8 +19,10 @@ from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, RequestAuth, derive_stream_key
 from swarm.errors import AuthError, ConfigError, TransportError
 from swarm.identity import Identity
-from swarm.net.frames import DATA, HEADER, TO_SERVER, Sealer, make_aead
-from swarm.net.limits import ByteBudget, ConnectionLimits, StreamLimits, raise_descriptor_limit
+from swarm.net.buffers import FRAME_POOL, TRIM_DELAY_S, FramePool, HeapTrimmer
+from swarm.net.connections import ConnectionLimits
+from swarm.net.frames import DATA, END, HEADER, TO_SERVER, Sealer, make_aead
+from swarm.net.limits import ByteBudget, StreamLimits, raise_descriptor_limit
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.net.transport import Transport
 
@@ -68,7 +72,7 @@ async def server() -> AsyncIterator[Transport]:
     transport = await _started(
         "127.0.0.3",
         idle_timeout=1.0,
-        max_connections_per_address=16,
+        max_connections_per_host=16,
         stream_limits=StreamLimits(idle_s=0.5, min_rate=4 * MiB, partial_frame_bytes=4 * MiB),
     )
     try:
@@ -212,7 +216,7 @@ async def test_stalled_streams_end_and_partial_frames_share_a_bounded_budget(
 
 
 async def test_byte_budget_waits_and_wakes() -> None:
-    budget = ByteBudget(100)
+    budget = ByteBudget(100, per_subnet=100, per_host=100)
     await budget.acquire(80)
     waiting = asyncio.ensure_future(budget.acquire(50))
     await asyncio.sleep(0.01)
@@ -222,14 +226,143 @@ async def test_byte_budget_waits_and_wakes() -> None:
     assert budget.used == 50
 
 
-def test_connection_limits_count_per_address_and_in_all() -> None:
-    limits = ConnectionLimits(max_connections=1000, max_per_address=2)
-    assert limits.admit("a") and limits.admit("a") and not limits.admit("a")
-    assert limits.admit("b")
-    limits.release("a")
-    assert limits.admit("a") and limits.total == 3
+def test_connection_limits_count_per_host_and_in_all() -> None:
+    limits = ConnectionLimits(max_connections=1000, max_per_host=2)
+    assert limits.admit(1, "10.0.0.1") and limits.admit(2, "10.0.0.1")
+    assert not limits.admit(3, "10.0.0.1")
+    assert limits.admit(4, "10.0.0.2")
+    limits.table.release(1)
+    assert limits.admit(5, "10.0.0.1") and limits.total == 3
     assert limits.max_connections <= raise_descriptor_limit()
     with pytest.raises(ConfigError):
-        ConnectionLimits(max_per_address=0)
+        ConnectionLimits(max_per_host=0)
     with pytest.raises(ConfigError):
         StreamLimits(idle_s=0)
+
+
+class Counter:
+    """A stream handler that counts verified chunks and records why a stream failed."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.errors: list[BaseException] = []
+
+    async def __call__(self, request: InboundStream, reply: ReplyStream) -> None:
+        try:
+            async for _ in request:
+                self.chunks += 1
+        except (AuthError, TransportError) as e:
+            self.errors.append(e)
+            raise
+        await reply.prepare({"chunks": self.chunks})
+
+
+async def _large_frames_stream(
+    server: Transport, patch: Callable[[bytes], bytes], *, cut: bool = False
+) -> bytes:
+    """An authenticated stream of three 1 MiB data frames and its END, with ``patch`` applied
+    to the body; with ``cut`` the connection closes after the patched body instead of sending
+    the rest. Returns the status line (b"" when the server closed without an answer)."""
+    sender, path = Identity.generate(), "/stream/count"
+    auth = RequestAuth.create(
+        sender,
+        KEY,
+        target=server.identity.peer_id.digest,
+        method="POST",
+        path=path,
+        cipher="aes-256-gcm",
+    )
+    key = derive_stream_key(
+        sender,
+        KEY,
+        peer_public_key=server.identity.public_key,
+        peer_agreement_key=server.identity.agreement_key,
+        initiator=True,
+        stream_id=auth.nonce,
+        cipher=auth.cipher,
+    )
+    sealer = Sealer(make_aead(auth.cipher, key), auth.nonce, TO_SERVER)
+    frames = [(HEADER, msgpack.packb({}))] + [(DATA, os.urandom(MiB))] * 3 + [(END, b"")]
+    full = b"".join(b"".join(sealer.seal(kind, data)) for kind, data in frames)
+    body = patch(full)
+    reader, writer = await asyncio.open_connection("127.0.0.3", server.port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\n{AUTH_HEADER}: {auth.encode()}\r\n"
+            f"Content-Length: {len(full)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        if cut:
+            writer.close()
+        return await asyncio.wait_for(reader.readline(), 10)
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+
+
+async def test_large_frames_tampered_or_cut_are_refused_and_their_buffers_go_back(
+    server: Transport,
+) -> None:
+    counter = Counter()
+    server.add_stream("count", counter)
+    header_len = 5 + len(msgpack.packb({})) + 16
+    inside_second = header_len + (5 + MiB + 16) + 5 + 1000
+
+    def flip(body: bytes) -> bytes:
+        return body[:inside_second] + bytes([body[inside_second] ^ 1]) + body[inside_second + 1 :]
+
+    assert b" 200 " in await _large_frames_stream(server, lambda b: b)
+    assert counter.chunks == 3 and not counter.errors
+    status = await _large_frames_stream(server, flip)
+    assert b" 401 " in status and "failed authentication" in str(counter.errors[-1])
+    assert counter.chunks == 3 + 1  # the first frame of the tampered stream, not the second
+    await _large_frames_stream(server, lambda b: b[:inside_second], cut=True)
+    for _ in range(50):  # the server notices the cut as the connection closes
+        if len(counter.errors) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert len(counter.errors) == 2  # a cut mid-frame is an error, never a short stream
+    assert any(w in str(counter.errors[-1]) for w in ("truncated", "connection lost"))
+    assert server.stream_limits.budget is not None and server.stream_limits.budget.used == 0
+    assert FRAME_POOL.idle_bytes <= FRAME_POOL.max_idle_bytes
+    assert b" 200 " in await _large_frames_stream(server, lambda b: b)  # buffers reusable
+
+
+def test_frame_pool_reuses_buffers_up_to_its_cap_and_unmaps_the_rest() -> None:
+    pool = FramePool(max_idle_bytes=3 * MiB)
+    buffers = [pool.take(MiB + 16) for _ in range(4)]
+    assert all(len(b) >= MiB + 16 and len(b) % mmap.PAGESIZE == 0 for b in buffers)
+    for b in buffers:
+        pool.give(b)
+    assert pool.idle_bytes <= 3 * MiB and buffers[2].closed and buffers[3].closed
+    again = pool.take(1000)  # the last given back that fits
+    assert again is buffers[1] and not again.closed
+    pool.give(again)
+    pool.clear()
+    assert pool.idle_bytes == 0 and all(b.closed for b in buffers)
+
+
+async def test_heap_trimmer_trims_once_after_a_burst_of_failures() -> None:
+    calls: list[int] = []
+    trimmer = HeapTrimmer(lambda pad: calls.append(pad) or 1)
+    for _ in range(100):  # a flood of cut frames within the delay
+        trimmer.soon()
+        await asyncio.sleep(0.005)
+    for _ in range(100):
+        if trimmer.trims:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(TRIM_DELAY_S * 1.5)
+    assert calls == [0] and trimmer.trims == 1
+    HeapTrimmer(None).soon()  # where the C library has no trim: nothing happens
+
+
+async def test_byte_budget_forgets_sources_that_hold_nothing() -> None:
+    budget = ByteBudget(1 << 20)
+    for i in range(5000):  # sources churning through (ports, addresses): no state left behind
+        source = f"10.{i // 256 % 256}.{i % 256}.1"
+        await budget.acquire(1000, source)
+        budget.release(1000, source)
+    assert budget.used == 0 and not budget._hosts and not budget._subnets

@@ -5,6 +5,11 @@
 - :mod:`swarm.net.streams`: both ends of a stream (``InboundStream``, ``ReplyStream``,
   ``OutboundStream``)
 - :mod:`swarm.net.transport`: ``Transport``, the server and client of one peer
+- :mod:`swarm.net.server`: the server side: authentication, routes, authentication budgets
+- :mod:`swarm.net.admission` (sans-I/O), :mod:`swarm.net.connections`: the connection table
+  (quotas per host and subnet, room for proved peers, fair eviction)
+- :mod:`swarm.net.limits`, :mod:`swarm.net.buffers`: stream time and memory limits, frame
+  buffers that go back to the OS
 """
 
 from swarm.address import PeerAddress

@@ -13,8 +13,9 @@ from swarm.errors import TransportError
 from swarm.identity import Identity
 from swarm.net.confidential import open_reply
 from swarm.net.frames import TAG_BYTES, TO_CLIENT, TO_SERVER, Opener, Sealer, stream_aead
+from swarm.net.reader import FrameReader
 from swarm.net.record import PeerRecord
-from swarm.net.streams import FrameReader, FrameWriter, OutboundStream
+from swarm.net.streams import FrameWriter, OutboundStream
 
 
 class Client:

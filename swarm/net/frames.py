@@ -161,7 +161,7 @@ class Opener:
             raise TransportError(f"{KINDS[kind]} frame at index {self.index}")
         return length, kind
 
-    def open(self, kind: int, sealed: bytes) -> bytes:
+    def open(self, kind: int, sealed: bytes | memoryview) -> bytes:
         """Authenticate and decrypt one frame.
 
         Raises:

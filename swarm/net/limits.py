@@ -1,16 +1,18 @@
-"""Resource limits of the HTTP server: connections, idle time, and memory for partial frames.
+"""Resource limits of the HTTP server: descriptors, idle time, and memory for partial frames.
 
 Every resource an outsider can touch has a limit (libp2p's resource manager and nginx's
 hardening are the models):
 
-- :class:`ConnectionLimits`: connections per source address and in all, kept below the process's
-  descriptor limit (whose soft value is raised toward the hard one where the OS allows it);
+- connections per host, per subnet and in all, kept below the process's descriptor limit
+  (:func:`raise_descriptor_limit`), with room reserved for proved peers: see
+  :mod:`swarm.net.admission` and :class:`~swarm.net.connections.ConnectionLimits`;
 - the header/keep-alive timeout: aiohttp arms its keep-alive timer as a connection opens and
   closes it when no complete request arrived in time, so one value bounds both a half-open
   connection and an idle kept-alive one (see :class:`~swarm.net.transport.Transport`);
 - :class:`StreamLimits`: how long a stream may keep us waiting for the next frame, derived from
-  the frame's length and a minimum expected rate, and a shared budget of bytes that partially
-  received frames may hold, so stalled senders cannot pin memory.
+  the frame's length and a minimum expected rate, and a :class:`ByteBudget` of bytes that
+  partially received frames may hold, per host, per subnet and in all, so stalled senders
+  cannot pin memory (and what they held goes back to the OS: :mod:`swarm.net.buffers`).
 """
 
 from __future__ import annotations
@@ -19,18 +21,14 @@ import asyncio
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
-from swarm.auth import RateLimitedWarning
 from swarm.errors import ConfigError
+from swarm.hosts import Scope, scope_of
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_CONNECTIONS = 1024
-DEFAULT_MAX_PER_ADDRESS = 32
 DESCRIPTOR_RESERVE = 128  # descriptors left for outgoing connections, the DHT socket, files
 _FALLBACK_DESCRIPTORS = 512  # where the limit cannot be read (Windows' select() is near this)
-_SMALL_FRAME_BYTES = 64 * 1024  # frames below this need no share of the budget
 
 
 def raise_descriptor_limit(wanted: int = 65_536) -> int:
@@ -53,95 +51,45 @@ def raise_descriptor_limit(wanted: int = 65_536) -> int:
     return wanted if soft == resource.RLIM_INFINITY else int(soft)
 
 
-class ConnectionLimits:
-    """Counts the server's connections per source address; refuses past the caps.
+class ByteBudget:
+    """Bytes that partially received frames may hold at once: in all, per subnet, per host.
+
+    A frame waits for room (it is never refused here) until its host (IPv4 /32, IPv6 /64), its
+    subnet (/24, /48) and the whole server all have room for it, so 16 addresses of one /24 pin
+    no more than one subnet's share. A frame larger than a share counts as the share.
 
     Args:
-        max_connections: connections in all; lowered to the descriptor limit less a reserve.
-        max_per_address: connections from one IP address.
+        capacity: bytes in all.
+        per_subnet: bytes of one subnet (default half of ``capacity``).
+        per_host: bytes of one host (default a quarter of ``capacity``).
     """
 
-    def __init__(
-        self,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        max_per_address: int = DEFAULT_MAX_PER_ADDRESS,
-    ):
-        if max_connections < 1 or max_per_address < 1:
-            raise ConfigError("connection limits must be at least 1")
-        descriptors = raise_descriptor_limit()
-        self.max_connections = max(1, min(max_connections, descriptors - DESCRIPTOR_RESERVE))
-        self.max_per_address = max_per_address
-        self._per_address: dict[str, int] = {}
-        self._total = 0
-        self.refused = 0
-        self._warnings = RateLimitedWarning(logger)
-
-    @property
-    def total(self) -> int:
-        return self._total
-
-    def admit(self, address: str) -> bool:
-        """Count a new connection from ``address``; False (not counted) when over a cap."""
-        count = self._per_address.get(address, 0)
-        if self._total >= self.max_connections or count >= self.max_per_address:
-            self.refused += 1
-            return False
-        self._per_address[address] = count + 1
-        self._total += 1
-        return True
-
-    def release(self, address: str) -> None:
-        count = self._per_address.get(address, 0)
-        if count <= 0:
-            return
-        if count == 1:
-            del self._per_address[address]
-        else:
-            self._per_address[address] = count - 1
-        self._total -= 1
-
-    def guard(self, server: Any) -> None:
-        """Hook into an aiohttp ``web.Server``: connections over a cap are aborted on arrival."""
-        made, lost = server.connection_made, server.connection_lost
-        admitted: dict[Any, str] = {}
-
-        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
-            made(handler, transport)
-            peer = transport.get_extra_info("peername")
-            address = str(peer[0]) if peer else "?"
-            if self.admit(address):
-                admitted[handler] = address
-            else:
-                self._warnings.warn(
-                    address,
-                    "refused a connection from %s: over the limits (%d per address, %d in all)",
-                    address,
-                    self.max_per_address,
-                    self.max_connections,
-                )
-                transport.abort()
-
-        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
-            address = admitted.pop(handler, None)
-            if address is not None:
-                self.release(address)
-            lost(handler, exc)
-
-        server.connection_made = connection_made
-        server.connection_lost = connection_lost
-
-
-class ByteBudget:
-    """Bytes that partially received frames may hold at once, shared by all streams."""
-
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, per_subnet: int | None = None, per_host: int | None = None):
         self.capacity = capacity
+        self.per_subnet = min(capacity, per_subnet or capacity // 2)
+        self.per_host = min(self.per_subnet, per_host or capacity // 4)
+        if self.per_host < 1:
+            raise ConfigError("a byte budget needs room for at least one byte per host")
         self.used = 0
+        self._hosts: dict[str, int] = {}
+        self._subnets: dict[str, int] = {}
         self._waiters: list[asyncio.Future[None]] = []
 
-    async def acquire(self, size: int) -> None:
-        size = min(size, self.capacity)
-        while self.used + size > self.capacity:
+    def held_by(self, source: str) -> int:
+        """Bytes the host of ``source`` holds now."""
+        return self._hosts.get(scope_of(source).host, 0)
+
+    def _fits(self, size: int, scope: Scope) -> bool:
+        return (
+            self.used + size <= self.capacity
+            and self._subnets.get(scope.subnet, 0) + size <= self.per_subnet
+            and self._hosts.get(scope.host, 0) + size <= self.per_host
+        )
+
+    async def acquire(self, size: int, source: str = "") -> None:
+        """Wait until ``source``'s host, its subnet and the server have room for ``size``."""
+        size, scope = min(size, self.per_host), scope_of(source)
+        while not self._fits(size, scope):
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -150,13 +98,27 @@ class ByteBudget:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
         self.used += size
+        _add(self._hosts, scope.host, size)
+        _add(self._subnets, scope.subnet, size)
 
-    def release(self, size: int) -> None:
-        self.used -= min(size, self.capacity)
+    def release(self, size: int, source: str = "") -> None:
+        size, scope = min(size, self.per_host), scope_of(source)
+        self.used -= size
+        _add(self._hosts, scope.host, -size)
+        _add(self._subnets, scope.subnet, -size)
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+def _add(counts: dict[str, int], key: str, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, forgetting keys that reach zero (the dict stays small)."""
+    value = counts.get(key, 0) + delta
+    if value > 0:
+        counts[key] = value
+    else:
+        counts.pop(key, None)
 
 
 @dataclass
@@ -167,7 +129,10 @@ class StreamLimits:
         idle_s: longest wait for the next frame to start arriving.
         min_rate: bytes per second a frame must at least arrive at; a frame of ``n`` bytes may
             take ``idle_s + n / min_rate`` seconds. Lower it for very slow links.
-        partial_frame_bytes: memory all partially received frames may hold together.
+        partial_frame_bytes: memory all partially received frames (above 64 KiB) may hold
+            together; one subnet (/24, /48) may hold half of it, one host (/32, /64) a quarter.
+            Frames wait for room rather than fail: an honest sender sharing a host with a
+            stalled one waits at most ``idle_s`` before its stream times out.
     """
 
     idle_s: float = 60.0
@@ -182,9 +147,6 @@ class StreamLimits:
 
     def frame_timeout(self, length: int) -> float:
         return self.idle_s + length / self.min_rate
-
-    def needs_budget(self, length: int) -> bool:
-        return length > _SMALL_FRAME_BYTES
 
     def shared_budget(self) -> ByteBudget:
         if self.budget is None:

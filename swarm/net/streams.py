@@ -1,15 +1,13 @@
 """Both ends of a sealed stream: the server's inbound request and reply, the client's stream.
 
-Frames are read with ``readexactly`` on aiohttp's ``StreamReader`` (``request.content`` /
-``response.content``), after the length prefix is checked against the frame limit and the running
-total against the stream limit, so a hostile peer cannot make us buffer more than one frame.
-Writes await aiohttp's drain, and aiohttp stops reading a socket whose buffer is full, so a slow
-consumer slows its sender down (backpressure) in both directions.
+Frames are read by :class:`~swarm.net.reader.FrameReader` (each bounded before it is read, so a
+hostile peer cannot make us buffer more than one frame). Writes await aiohttp's drain, and
+aiohttp stops reading a socket whose buffer is full, so a slow consumer slows its sender down
+(backpressure) in both directions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -18,25 +16,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from swarm.errors import AuthError, TransportError
+from swarm.errors import TransportError
 from swarm.identity import PeerID
 from swarm.net import wire
-from swarm.net.frames import (
-    DATA,
-    END,
-    ERROR,
-    HEADER,
-    MAX_ERROR_CHARS,
-    PREFIX_BYTES,
-    TAG_BYTES,
-    Opener,
-    Sealer,
-)
-from swarm.net.limits import StreamLimits
+from swarm.net.frames import DATA, END, ERROR, HEADER, MAX_ERROR_CHARS, Sealer
+from swarm.net.reader import MAX_HEADER_BYTES, FrameReader
 
 logger = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 64 * 1024
 _COALESCE_BYTES = 64 * 1024  # below this, prefix and frame go out in one write
 
 
@@ -48,110 +35,6 @@ class RemotePeer:
     public_key: bytes  # 32 B Ed25519
     agreement_key: bytes  # 32 B X25519 of its current process
     host: str  # IP the connection came from (our listen address on their side)
-
-
-class FrameReader:
-    """Reads, bounds and opens the frames of one direction of one stream."""
-
-    def __init__(
-        self,
-        content: aiohttp.StreamReader,
-        opener: Opener,
-        *,
-        max_stream_bytes: int,
-        peer: str,
-        limits: StreamLimits | None = None,
-    ):
-        self._content = content
-        self._limits = limits
-        self._opener = opener
-        self._max_stream_bytes = max_stream_bytes
-        self._peer = peer
-        self.bytes_received = 0
-        self.trailer: dict[str, Any] = {}
-
-    async def read(self) -> tuple[int, bytes]:
-        """Return the next ``(kind, plaintext)``.
-
-        Raises:
-            AuthError: tampered or reordered frame, or the body ends before its END frame.
-            TransportError: oversized frame or stream, protocol violation, connection lost.
-        """
-        limits = self._limits
-        try:
-            prefix = await self._within(self._content.readexactly(PREFIX_BYTES), 0)
-            length, kind = self._opener.parse_prefix(prefix)
-            if kind == DATA and self.bytes_received + length - TAG_BYTES > self._max_stream_bytes:
-                raise TransportError(
-                    f"stream exceeds {self._max_stream_bytes} bytes", peer=self._peer, status=413
-                )
-            if limits is not None and limits.needs_budget(length):
-                # partially received frames share one memory budget: stalled senders wait
-                # for their turn (and time out) instead of pinning a frame each
-                budget = limits.shared_budget()
-                await self._within(budget.acquire(length), 0)
-                try:
-                    sealed = await self._within(self._content.readexactly(length), length)
-                finally:
-                    budget.release(length)
-            else:
-                sealed = await self._within(self._content.readexactly(length), length)
-        except asyncio.IncompleteReadError:
-            raise AuthError(
-                f"stream from {self._peer} truncated after {self._opener.index} frames"
-            ) from None
-        except (asyncio.TimeoutError, TimeoutError) as e:
-            raise TransportError(
-                "timed out waiting for the peer", peer=self._peer, status=408
-            ) from e
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise TransportError(f"connection lost: {e!r}", peer=self._peer) from e
-        plaintext = self._opener.open(kind, sealed)
-        if kind == DATA:
-            self.bytes_received += len(plaintext)
-        return kind, plaintext
-
-    async def _within(self, step: Awaitable[Any], length: int) -> Any:
-        """Await ``step`` within the time a frame of ``length`` bytes may take (no limit when
-        the stream has no limits: the client side times out on its own)."""
-        if self._limits is None:
-            return await step
-        try:
-            return await asyncio.wait_for(step, self._limits.frame_timeout(length))
-        except asyncio.TimeoutError:
-            self._limits.stalled += 1
-            raise
-
-    async def read_header(self) -> dict[str, Any]:
-        kind, plaintext = await self.read()
-        if kind != HEADER:  # parse_prefix already enforces this; kept for clarity
-            raise TransportError("stream does not start with a header", peer=self._peer)
-        header = wire.unpack(plaintext, max_bytes=MAX_HEADER_BYTES, what="stream header")
-        if not isinstance(header, dict):
-            raise TransportError("a stream header must be a dict", peer=self._peer)
-        return header
-
-    async def read_chunk(self) -> bytes | None:
-        """The next data chunk, or None at the END frame (whose trailer lands in ``trailer``).
-
-        Raises:
-            TransportError: the sender aborted the stream (ERROR frame), a malformed trailer,
-                or see :meth:`read`.
-        """
-        if self._opener.ended:
-            return None
-        kind, plaintext = await self.read()
-        if kind == DATA:
-            return plaintext
-        if kind == ERROR:
-            reason = plaintext[:MAX_ERROR_CHARS].decode("utf-8", "replace")
-            raise TransportError(f"sender aborted the stream: {reason}", peer=self._peer)
-        if plaintext:
-            trailer = wire.unpack(plaintext, max_bytes=MAX_HEADER_BYTES, what="stream trailer")
-            if not isinstance(trailer, dict):
-                raise TransportError("a stream trailer must be a dict", peer=self._peer)
-            self.trailer = trailer
-        return None
 
 
 class FrameWriter:

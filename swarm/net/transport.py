@@ -1,16 +1,8 @@
 """A peer's authenticated HTTP server and client: ``/ping``, ``/info``, RPCs and sealed streams.
 
-Routes (every one needs a valid ``X-Swarm-Auth`` header, see :class:`swarm.auth.RequestAuth`):
-
-- ``GET /ping``: RTT probe, answers ``pong``.
-- ``GET /info``: this peer's signed :class:`~swarm.net.record.PeerRecord`.
-- ``POST /stream/{name}``: a sealed stream (:mod:`swarm.net.frames`) to a handler registered with
-  :meth:`Transport.add_stream`; RPCs (:meth:`Transport.add_rpc`) are streams with a header only.
-
-Refusals: 401 (missing, malformed or bad signature, wrong swarm key, replay, addressed to another
-peer, tampered or truncated body before the reply started), 403 (authenticated but not on the
-allow-list), 413 (stream or frame too large), 400 (malformed stream), 404 (unknown stream), 500
-(the handler failed before replying). Each is logged at WARNING, rate-limited per source address.
+The server side (routes, authentication, refusals and their status codes, the budgets around
+them) is :class:`~swarm.net.server.Server`; streams go to handlers registered with
+:meth:`Transport.add_stream`, and RPCs (:meth:`Transport.add_rpc`) are streams with a header only.
 ``/ping`` and ``/info`` accept an empty target because the caller may only know an address;
 streams must name this peer as their target.
 
@@ -30,57 +22,27 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from swarm.address import PeerAddress
-from swarm.auth import (
-    AUTH_HEADER,
-    Membership,
-    RateLimitedWarning,
-    ReplayGuard,
-    RequestAuth,
-)
-from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
-from swarm.identity import Identity, PeerID
+from swarm.auth import Membership
+from swarm.errors import ConfigError, TransportError
+from swarm.identity import Identity
+from swarm.net.admission import DEFAULT_PER_HOST
 from swarm.net.client import Client, empty_body
-from swarm.net.confidential import seal_reply
-from swarm.net.frames import (
-    DEFAULT_CIPHER,
-    TO_CLIENT,
-    TO_SERVER,
-    Opener,
-    Sealer,
-    make_aead,
-    stream_aead,
-)
-from swarm.net.limits import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_PER_ADDRESS,
-    ConnectionLimits,
-    StreamLimits,
-)
+from swarm.net.connections import DEFAULT_MAX_CONNECTIONS, ConnectionLimits
+from swarm.net.frames import DEFAULT_CIPHER, make_aead
+from swarm.net.limits import StreamLimits
 from swarm.net.record import MAX_RECORD_BYTES, PeerRecord
-from swarm.net.streams import (
-    FrameReader,
-    FrameWriter,
-    InboundStream,
-    OutboundStream,
-    RemotePeer,
-    ReplyStream,
-)
+from swarm.net.server import Server, StreamHandler
+from swarm.net.streams import InboundStream, OutboundStream, RemotePeer, ReplyStream
 from swarm.version import __version__
 
 logger = logging.getLogger(__name__)
 
-StreamHandler = Callable[[InboundStream, ReplyStream], Awaitable[None]]
 RpcHandler = Callable[[RemotePeer, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_PUBLIC_PATHS = ("/ping", "/info")
-_METRICS_PATH = "/metrics"  # no swarm auth (Prometheus cannot sign); 404 unless enabled
 _RECORD_FIELDS = ("address", "run_id", "device", "bandwidth", "version", "extra")
-_SHUTDOWN_TIMEOUT_S = 2.0
-_AUTH_KEY = web.RequestKey("swarm_auth", RequestAuth)
 DEFAULT_IDLE_TIMEOUT_S = 30.0
 
 
@@ -107,7 +69,9 @@ class Transport:
             or the last reply sent) before the server closes it; our client drops pooled
             connections sooner, so it never reuses one the server is closing.
         max_connections: inbound connections in all (kept below the descriptor limit).
-        max_connections_per_address: inbound connections from one IP address.
+        max_connections_per_host: inbound connections from one host (IPv4 address, IPv6 /64);
+            a subnet (/24, /48) may hold eight times as many, and a quarter of the table is
+            kept for hosts that proved themselves (see :mod:`swarm.net.admission`).
         stream_limits: idle time, minimum rate and partial-frame memory of inbound streams.
     """
 
@@ -129,7 +93,7 @@ class Transport:
         replay_window_s: float = 60.0,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        max_connections_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+        max_connections_per_host: int = DEFAULT_PER_HOST,
         stream_limits: StreamLimits | None = None,
     ):
         make_aead(cipher, bytes(32))  # ConfigError on an unknown cipher, now rather than later
@@ -155,17 +119,23 @@ class Transport:
             extra=dict(extra or {}),
         )
         self._record: PeerRecord | None = None
-        self._replay = ReplayGuard(replay_window_s)
         self.idle_timeout = idle_timeout
-        self.connection_limits = ConnectionLimits(max_connections, max_connections_per_address)
+        self.connection_limits = ConnectionLimits(max_connections, max_connections_per_host)
         self.stream_limits = stream_limits or StreamLimits()
-        self._refusals = RateLimitedWarning(logger)
-        self._streams: dict[str, StreamHandler] = {}
-        self._runner: web.AppRunner | None = None
+        self.server = Server(
+            identity,
+            membership,
+            record=self.record,
+            max_chunk_bytes=max_chunk_bytes,
+            max_stream_bytes=max_stream_bytes,
+            replay_window_s=replay_window_s,
+            idle_timeout=idle_timeout,
+            connections=self.connection_limits,
+            stream_limits=self.stream_limits,
+        )
+        self._started = False
         self._outgoing: Client | None = None
         self.bound_address: PeerAddress | None = None
-        self.metrics: Callable[[], bytes] | None = None  # serves GET /metrics when set
-        self.refused: dict[str, int] = {}  # HTTP status -> requests refused with it
 
     # ---- lifetime
 
@@ -175,36 +145,10 @@ class Transport:
         Raises:
             TransportError: the address cannot be bound.
         """
-        if self._runner is not None:
+        if self._started:
             raise TransportError("transport already started")
-        app = web.Application(middlewares=[self._authenticate], client_max_size=64 * 1024)
-        app.router.add_get("/ping", self._handle_ping)
-        app.router.add_get("/info", self._handle_info)
-        app.router.add_post("/stream/{name}", self._handle_stream)
-        app.router.add_get(_METRICS_PATH, self._handle_metrics)
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=True,  # a caller that hangs up cancels its handler
-            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
-            # armed as a connection opens: bounds the wait for request headers as well as the
-            # idle time of a kept-alive connection (aiohttp's default is about an hour)
-            keepalive_timeout=self.idle_timeout,
-            # a body left unread (a refused request) closes the connection instead of being
-            # read and discarded for up to 10 s
-            lingering_time=0,
-        )
-        await runner.setup()
-        if runner.server is None:
-            raise TransportError("the HTTP server did not start")
-        self.connection_limits.guard(runner.server)
-        try:
-            await web.TCPSite(runner, self.listen.host, self.listen.port).start()
-        except OSError as e:
-            await runner.cleanup()
-            raise TransportError(f"cannot listen on {self.listen}: {e}") from e
-        self._runner = runner
-        port = runner.addresses[0][1]
+        port = await self.server.start(self.listen)
+        self._started = True
         self.bound_address = PeerAddress(self.listen.host, port)
         local_addr = (self.listen.host, 0) if _is_specific_ip(self.listen.host) else None
         connector = aiohttp.TCPConnector(
@@ -233,9 +177,8 @@ class Transport:
         if self._outgoing is not None:
             await self._outgoing.close()
             self._outgoing = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self.server.close()
+        self._started = False
 
     async def __aenter__(self) -> Transport:
         await self.start()
@@ -251,12 +194,27 @@ class Transport:
             raise TransportError("transport not started")
         return self.bound_address.port
 
+    @property
+    def metrics(self) -> Callable[[], bytes] | None:
+        """Serves ``GET /metrics`` (without swarm authentication) when set."""
+        return self.server.metrics
+
+    @metrics.setter
+    def metrics(self, render: Callable[[], bytes] | None) -> None:
+        self.server.metrics = render
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """HTTP status -> requests the server refused with it."""
+        return self.server.refused
+
     def counters(self) -> dict[str, int]:
         """What the server's limits refused so far, by cause (for logs and metrics)."""
         budget = self.stream_limits.budget
         return {
             "connections_over_limit": self.connection_limits.refused,
             "connections_open": self.connection_limits.total,
+            "connections_evicted": self.connection_limits.evicted,
             "streams_stalled": self.stream_limits.stalled,
             "partial_frame_bytes": budget.used if budget is not None else 0,
         }
@@ -300,9 +258,9 @@ class Transport:
         """
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(f"stream name {name!r}: 1-64 letters, digits, '.', '_', '-'")
-        if name in self._streams:
+        if name in self.server.streams:
             raise ConfigError(f"stream {name!r} already has a handler")
-        self._streams[name] = handler
+        self.server.streams[name] = handler
 
     def add_rpc(self, name: str, handler: RpcHandler) -> None:
         """Serve :meth:`call` requests: ``handler(sender, payload) -> reply dict``."""
@@ -313,129 +271,6 @@ class Transport:
             await reply.prepare(await handler(request.sender, request.header))
 
         self.add_stream(name, as_stream)
-
-    @web.middleware
-    async def _authenticate(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        source = request.remote or "?"
-        if request.path == _METRICS_PATH and request.method == "GET":
-            return await handler(request)
-        try:
-            auth = RequestAuth.decode(request.headers.get(AUTH_HEADER, ""))
-            auth.verify(self.membership, method=request.method, path=request.path)
-            if auth.target != self.identity.peer_id.digest and not (
-                auth.target == b"" and request.path in _PUBLIC_PATHS
-            ):
-                raise AuthError("request addressed to another peer")
-            self._replay.check(auth.timestamp, auth.nonce, sender=auth.public_key)
-        except AuthError as e:
-            return self._refuse(request, 401, e)
-        if not self.membership.admits(auth.public_key):
-            return self._refuse(request, 403, AuthError("public key not on the allow-list"))
-        request[_AUTH_KEY] = auth
-        logger.debug("%s %s from %s (%s)", request.method, request.path, source, auth.cipher)
-        return await handler(request)
-
-    def _refuse(self, request: web.Request, status: int, error: SwarmError) -> web.Response:
-        source = request.remote or "?"
-        self.refused[str(status)] = self.refused.get(str(status), 0) + 1
-        self._refusals.warn(
-            source,
-            "refused %s %s from %s: %s %s",
-            request.method,
-            request.path,
-            source,
-            status,
-            error,
-        )
-        response = web.Response(status=status, text=str(error))
-        # close instead of reading (or discarding) a body nobody will use
-        response.force_close()
-        return response
-
-    async def _handle_ping(self, request: web.Request) -> web.Response:
-        return self._public_reply(request, b"pong")
-
-    async def _handle_metrics(self, request: web.Request) -> web.Response:
-        if self.metrics is None:
-            return web.Response(status=404, text="metrics are off (enable them on the peer)")
-        return web.Response(
-            body=self.metrics(), headers={"Content-Type": "text/plain; version=0.0.4"}
-        )
-
-    async def _handle_info(self, request: web.Request) -> web.Response:
-        return self._public_reply(request, self.record().serialize())
-
-    def _public_reply(self, request: web.Request, body: bytes) -> web.Response:
-        """In a keyed swarm, an eavesdropper must not read our record: seal it for the caller."""
-        auth = request[_AUTH_KEY]
-        sealed = seal_reply(
-            self.membership,
-            caller=auth.public_key,
-            request_nonce=auth.nonce,
-            path=request.path,
-            body=body,
-        )
-        return web.Response(body=sealed, content_type="application/octet-stream")
-
-    async def _handle_stream(self, request: web.Request) -> web.StreamResponse:
-        auth = request[_AUTH_KEY]
-        name = request.match_info["name"]
-        handler = self._streams.get(name)
-        if handler is None:
-            return web.Response(status=404, text=f"no stream {name!r}")
-        sender = RemotePeer(
-            PeerID.from_public_key(auth.public_key),
-            auth.public_key,
-            auth.agreement_key,
-            request.remote or "",
-        )
-        try:
-            aead = stream_aead(
-                self.identity,
-                self.membership,
-                peer_public_key=auth.public_key,
-                peer_agreement_key=auth.agreement_key,
-                initiator=False,
-                stream_id=auth.nonce,
-                cipher=auth.cipher,
-            )
-        except ConfigError as e:
-            return self._refuse(request, 400, e)
-        except AuthError as e:
-            return self._refuse(request, 401, e)
-        label = f"{sender.peer_id.short}@{sender.host}"
-        reader = FrameReader(
-            request.content,
-            Opener(aead, auth.nonce, TO_SERVER, max_frame_bytes=self.max_chunk_bytes),
-            max_stream_bytes=self.max_stream_bytes,
-            peer=label,
-            limits=self.stream_limits,
-        )
-        reply = ReplyStream(
-            request, FrameWriter(Sealer(aead, auth.nonce, TO_CLIENT), self.max_chunk_bytes)
-        )
-        try:
-            inbound = InboundStream(name, sender, await reader.read_header(), reader)
-            await handler(inbound, reply)
-        except (AuthError, TransportError) as e:
-            status = 401 if isinstance(e, AuthError) else (e.status or 400)
-            if not reply.prepared:
-                return self._refuse(request, status, e)
-            self._refusals.warn(
-                request.remote or "?", "stream %s from %s failed: %s", name, label, e
-            )
-            await reply.abort(e)
-            return reply.response  # type: ignore[return-value]
-        except Exception as e:  # the handler's own bug or failure: report it, never a short reply
-            logger.warning("stream handler %r failed for %s: %r", name, label, e, exc_info=True)
-            if not reply.prepared:
-                return web.Response(status=500, text=f"handler failed: {type(e).__name__}")
-            await reply.abort(e)
-            return reply.response  # type: ignore[return-value]
-        await reply.finish()
-        return reply.response  # type: ignore[return-value]
 
     # ---- client
 
@@ -452,6 +287,7 @@ class Transport:
         """
         start = time.perf_counter()
         await self._client().get(address, "/ping", 64, timeout or self.request_timeout)
+        self.connection_limits.prove(address.host)  # it answered us: room kept for its host
         return time.perf_counter() - start
 
     async def fetch_info(self, address: PeerAddress, *, timeout: float | None = None) -> PeerRecord:
@@ -464,7 +300,9 @@ class Transport:
         data = await self._client().get(
             address, "/info", MAX_RECORD_BYTES, timeout or self.request_timeout
         )
-        return PeerRecord.parse(data)
+        record = PeerRecord.parse(data)
+        self.connection_limits.prove(address.host)
+        return record
 
     def stream(
         self,
@@ -509,11 +347,13 @@ class Transport:
                 return s.header
 
         try:
-            return await asyncio.wait_for(go(), timeout)
+            reply = await asyncio.wait_for(go(), timeout)
         except TimeoutError as e:
             raise TransportError(
                 f"RPC {name} timed out after {timeout} s", peer=str(peer.address)
             ) from e
+        self.connection_limits.prove(peer.address.host)  # an authenticated answer: proof
+        return reply
 
 
 def _address(value: PeerAddress | str) -> PeerAddress:

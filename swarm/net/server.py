@@ -1,0 +1,275 @@
+"""The server side of a peer's transport: authentication, routes, and the limits around them.
+
+Routes (every one needs a valid ``X-Swarm-Auth`` header, see :class:`swarm.auth.RequestAuth`):
+
+- ``GET /ping``: RTT probe, answers ``pong``.
+- ``GET /info``: this peer's signed :class:`~swarm.net.record.PeerRecord`.
+- ``POST /stream/{name}``: a sealed stream (:mod:`swarm.net.frames`) to a registered handler.
+- ``GET /metrics``: Prometheus text, without swarm authentication, when enabled.
+
+Refusals: 401 (missing, malformed or bad signature, wrong swarm key, replay, addressed to another
+peer, tampered or truncated body before the reply started), 403 (authenticated but not on the
+allow-list), 413 (stream or frame too large), 429 (the source's host or subnet spent its
+authentication budget), 400 (malformed stream), 404 (unknown stream), 500 (the handler failed
+before replying). Each is logged at WARNING, rate-limited per source subnet.
+
+Authentication work is budgeted per host and per subnet (:class:`~swarm.hosts.HostBuckets`,
+never per address or port): every request costs one token, and a request that fails
+authentication costs ``FAILED_AUTH_COST`` more, so forging costs the forger far more than it
+costs us. A source out of tokens is answered 429 before any signature is checked. Cost to
+honest peers: none below ``AUTH_RATE`` requests per second per host (sustained, with bursts
+of ``AUTH_BURST``), eight times that per subnet; a swarm of many peers behind one address
+that talks to one peer faster than that would see 429s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from swarm.address import PeerAddress
+from swarm.auth import AUTH_HEADER, Membership, RateLimitedWarning, ReplayGuard, RequestAuth
+from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
+from swarm.hosts import HostBuckets, scope_of
+from swarm.identity import Identity, PeerID
+from swarm.net.confidential import seal_reply
+from swarm.net.connections import ConnectionLimits
+from swarm.net.frames import TO_CLIENT, TO_SERVER, Opener, Sealer, stream_aead
+from swarm.net.limits import StreamLimits
+from swarm.net.reader import FrameReader
+from swarm.net.record import PeerRecord
+from swarm.net.streams import FrameWriter, InboundStream, RemotePeer, ReplyStream
+
+logger = logging.getLogger(__name__)
+
+StreamHandler = Callable[[InboundStream, ReplyStream], Awaitable[None]]
+
+PUBLIC_PATHS = ("/ping", "/info")
+METRICS_PATH = "/metrics"  # no swarm auth (Prometheus cannot sign); 404 unless enabled
+AUTH_RATE = 200.0  # requests per second one host may have authenticated, sustained
+AUTH_BURST = 2000.0  # ... and at once
+FAILED_AUTH_COST = 16.0  # extra tokens a request that fails authentication costs its source
+_SHUTDOWN_TIMEOUT_S = 2.0
+_AUTH_KEY = web.RequestKey("swarm_auth", RequestAuth)
+
+
+class Server:
+    """A peer's aiohttp server: authenticates, bounds and routes every request.
+
+    Args:
+        identity, membership: who we are, who may talk to us.
+        record: this peer's current signed record (served at ``/info``).
+        max_chunk_bytes, max_stream_bytes: inbound frame and stream limits.
+        replay_window_s: accepted clock difference.
+        idle_timeout: seconds a connection may stay without a complete request.
+        connections: the connection table (quotas, proofs, eviction).
+        stream_limits: idle time, rate and partial-frame memory of inbound streams.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        membership: Membership,
+        *,
+        record: Callable[[], PeerRecord],
+        max_chunk_bytes: int,
+        max_stream_bytes: int,
+        replay_window_s: float,
+        idle_timeout: float,
+        connections: ConnectionLimits,
+        stream_limits: StreamLimits,
+    ):
+        self.identity = identity
+        self.membership = membership
+        self._record = record
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_stream_bytes = max_stream_bytes
+        self.idle_timeout = idle_timeout
+        self.connections = connections
+        self.stream_limits = stream_limits
+        self.auth_work = HostBuckets(AUTH_RATE, AUTH_BURST)
+        self._replay = ReplayGuard(replay_window_s)
+        self._refusals = RateLimitedWarning(logger)
+        self.streams: dict[str, StreamHandler] = {}
+        self.metrics: Callable[[], bytes] | None = None  # serves GET /metrics when set
+        self.refused: dict[str, int] = {}  # HTTP status -> requests refused with it
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, listen: PeerAddress) -> int:
+        """Bind ``listen``; returns the bound port.
+
+        Raises:
+            TransportError: the address cannot be bound.
+        """
+        app = web.Application(middlewares=[self._authenticate], client_max_size=64 * 1024)
+        app.router.add_get("/ping", self._handle_ping)
+        app.router.add_get("/info", self._handle_info)
+        app.router.add_post("/stream/{name}", self._handle_stream)
+        app.router.add_get(METRICS_PATH, self._handle_metrics)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,  # a caller that hangs up cancels its handler
+            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+            # armed as a connection opens: bounds the wait for request headers as well as the
+            # idle time of a kept-alive connection (aiohttp's default is about an hour)
+            keepalive_timeout=self.idle_timeout,
+            # a body left unread (a refused request) closes the connection instead of being
+            # read and discarded for up to 10 s
+            lingering_time=0,
+        )
+        await runner.setup()
+        if runner.server is None:
+            raise TransportError("the HTTP server did not start")
+        self.connections.guard(runner.server)
+        try:
+            await web.TCPSite(runner, listen.host, listen.port).start()
+        except OSError as e:
+            await runner.cleanup()
+            raise TransportError(f"cannot listen on {listen}: {e}") from e
+        self._runner = runner
+        return int(runner.addresses[0][1])
+
+    async def close(self) -> None:
+        """Stop serving (handlers get a short grace period)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        source = request.remote or "?"
+        if request.path == METRICS_PATH and request.method == "GET":
+            return await handler(request)
+        if not self.auth_work.take(source):
+            return self._refuse(request, 429, AuthError("over the authentication budget"))
+        try:
+            auth = RequestAuth.decode(request.headers.get(AUTH_HEADER, ""))
+            auth.verify(self.membership, method=request.method, path=request.path)
+            if auth.target != self.identity.peer_id.digest and not (
+                auth.target == b"" and request.path in PUBLIC_PATHS
+            ):
+                raise AuthError("request addressed to another peer")
+            self._replay.check(auth.timestamp, auth.nonce, sender=auth.public_key)
+        except AuthError as e:
+            self.auth_work.penalize(source, FAILED_AUTH_COST)
+            return self._refuse(request, 401, e)
+        if not self.membership.admits(auth.public_key):
+            self.auth_work.penalize(source, FAILED_AUTH_COST)
+            return self._refuse(request, 403, AuthError("public key not on the allow-list"))
+        request[_AUTH_KEY] = auth
+        logger.debug("%s %s from %s (%s)", request.method, request.path, source, auth.cipher)
+        with self.connections.request(request.protocol):
+            response = await handler(request)
+        if response.status < 400:
+            self.connections.prove(source)
+        return response
+
+    def _refuse(self, request: web.Request, status: int, error: SwarmError) -> web.Response:
+        source = request.remote or "?"
+        self.refused[str(status)] = self.refused.get(str(status), 0) + 1
+        self._refusals.warn(
+            scope_of(source).subnet,
+            "refused %s %s from %s: %s %s",
+            request.method,
+            request.path,
+            source,
+            status,
+            error,
+        )
+        response = web.Response(status=status, text=str(error))
+        # close instead of reading (or discarding) a body nobody will use
+        response.force_close()
+        return response
+
+    async def _handle_ping(self, request: web.Request) -> web.Response:
+        return self._public_reply(request, b"pong")
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            return web.Response(status=404, text="metrics are off (enable them on the peer)")
+        return web.Response(
+            body=self.metrics(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
+
+    async def _handle_info(self, request: web.Request) -> web.Response:
+        return self._public_reply(request, self._record().serialize())
+
+    def _public_reply(self, request: web.Request, body: bytes) -> web.Response:
+        """In a keyed swarm, an eavesdropper must not read our record: seal it for the caller."""
+        auth = request[_AUTH_KEY]
+        sealed = seal_reply(
+            self.membership,
+            caller=auth.public_key,
+            request_nonce=auth.nonce,
+            path=request.path,
+            body=body,
+        )
+        return web.Response(body=sealed, content_type="application/octet-stream")
+
+    async def _handle_stream(self, request: web.Request) -> web.StreamResponse:
+        auth = request[_AUTH_KEY]
+        name = request.match_info["name"]
+        handler = self.streams.get(name)
+        if handler is None:
+            return web.Response(status=404, text=f"no stream {name!r}")
+        sender = RemotePeer(
+            PeerID.from_public_key(auth.public_key),
+            auth.public_key,
+            auth.agreement_key,
+            request.remote or "",
+        )
+        try:
+            aead = stream_aead(
+                self.identity,
+                self.membership,
+                peer_public_key=auth.public_key,
+                peer_agreement_key=auth.agreement_key,
+                initiator=False,
+                stream_id=auth.nonce,
+                cipher=auth.cipher,
+            )
+        except ConfigError as e:
+            return self._refuse(request, 400, e)
+        except AuthError as e:
+            return self._refuse(request, 401, e)
+        label = f"{sender.peer_id.short}@{sender.host}"
+        reader = FrameReader(
+            request.content,
+            Opener(aead, auth.nonce, TO_SERVER, max_frame_bytes=self.max_chunk_bytes),
+            max_stream_bytes=self.max_stream_bytes,
+            peer=label,
+            limits=self.stream_limits,
+            source=request.remote or "",
+        )
+        reply = ReplyStream(
+            request, FrameWriter(Sealer(aead, auth.nonce, TO_CLIENT), self.max_chunk_bytes)
+        )
+        try:
+            inbound = InboundStream(name, sender, await reader.read_header(), reader)
+            await handler(inbound, reply)
+        except (AuthError, TransportError) as e:
+            status = 401 if isinstance(e, AuthError) else (e.status or 400)
+            if not reply.prepared:
+                return self._refuse(request, status, e)
+            self._refusals.warn(
+                scope_of(request.remote or "?").subnet,
+                "stream %s from %s failed: %s",
+                name,
+                label,
+                e,
+            )
+            await reply.abort(e)
+            return reply.response  # type: ignore[return-value]
+        except Exception as e:  # the handler's own bug or failure: report it, never a short reply
+            logger.warning("stream handler %r failed for %s: %r", name, label, e, exc_info=True)
+            if not reply.prepared:
+                return web.Response(status=500, text=f"handler failed: {type(e).__name__}")
+            await reply.abort(e)
+            return reply.response  # type: ignore[return-value]
+        await reply.finish()
+        return reply.response  # type: ignore[return-value]
