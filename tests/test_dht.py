@@ -17,8 +17,8 @@ from swarm.auth import Membership
 from swarm.dht import DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
 from swarm.dht.lookup import lookup
-from swarm.dht.protocol import RTT_MEMORY_S, RttEstimator
 from swarm.dht.routing import node_id_of
+from swarm.dht.rtt import RTT_MEMORY_S, RttEstimator
 from swarm.errors import AuthError, ConfigError, DHTError
 from swarm.identity import Identity
 
@@ -65,7 +65,7 @@ async def test_a_newcomer_finds_the_true_k_closest_though_first_answers_are_cut(
     # a newcomer; the lookup asks the cut answerers again (now with their cookie)
     async with meshed_with_newcomer(46, ksize=40) as (nodes, newcomer):
         for i in range(3):
-            newcomer.protocol._cookies_held.clear()  # every answer is a first contact's
+            newcomer.protocol.caller.cookies_held.clear()  # every answer is a first contact's
             target = key_digest(f"target-{i}")
             found = await lookup(newcomer.protocol, target, ksize=40, alpha=3)
             truth = by_distance((n.node_id for n in nodes), target)
@@ -84,8 +84,8 @@ async def test_a_lookup_through_nodes_slower_than_its_rtt_estimate_ends_at_the_t
             node.protocol.datagram_received = lambda data, addr, handle=handle: loop.call_later(
                 0.05, handle, data, addr
             )
-        newcomer.protocol._rtt.observe(0.0005)
-        newcomer.protocol._cookies_held.clear()
+        newcomer.protocol.rtt.observe(0.0005)
+        newcomer.protocol.caller.cookies_held.clear()
         target = key_digest("slow")
         found = await lookup(newcomer.protocol, target, ksize=24, alpha=3)
         truth = by_distance((n.node_id for n in nodes), target)
@@ -394,7 +394,7 @@ async def test_a_store_does_not_wait_out_the_dead_among_the_k_closest():
         writer = nodes[0]
         assert await writer.store("after-the-deaths", b"v", later()) >= writer.get_quorum
         # it returned while its requests to the dead nodes still wait for their answer
-        waiting = {expected for _, expected in writer.protocol._pending.values()}
+        waiting = {expected for _, expected in writer.protocol.caller.pending.values()}
         assert waiting & dead_keys
         got = await nodes[5].get("after-the-deaths")
         assert [e.value for e in got.values()] == [b"v"]

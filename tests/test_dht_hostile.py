@@ -16,7 +16,6 @@ from dht_nodes import ATTACKER_HOST, HOST, swarm_of
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
 from swarm.dht.envelope import REQUEST, DatagramAuth
-from swarm.dht.protocol import FIRST_CONTACT_LOOKUP_BYTES, MAX_ENTRIES_PER_STORE
 from swarm.dht.records import (
     MAX_OWNER_BYTES,
     MAX_SUBKEYS_PER_OWNER,
@@ -24,6 +23,8 @@ from swarm.dht.records import (
     MAX_VALUE_BYTES,
     RecordStorage,
 )
+from swarm.dht.request_format import FIRST_CONTACT_LOOKUP_BYTES
+from swarm.dht.store_intake import MAX_ENTRIES_PER_STORE
 from swarm.identity import Identity
 
 PEERS_KEY = "run/peers"
@@ -332,7 +333,7 @@ async def test_udp_junk_flood_does_not_stop_a_client_listing():
 
 
 def test_parse_rejects_a_malformed_cursor_and_padding():
-    from swarm.dht.protocol import MAX_PADDING_BYTES, _parse_request
+    from swarm.dht.request_format import MAX_PADDING_BYTES, parse_request
     from swarm.errors import DHTError
 
     for body in (
@@ -341,7 +342,7 @@ def test_parse_rejects_a_malformed_cursor_and_padding():
         ["ping", [], False, b"", b"", b""],
     ):
         try:
-            _parse_request(body)
+            parse_request(body)
         except DHTError:
             continue
         raise AssertionError(f"accepted {body!r}")

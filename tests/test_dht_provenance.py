@@ -11,9 +11,8 @@ import pytest
 
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, key_digest
+from swarm.dht.budgets import FORGERY_PENALTY, SUBNET_SHARE, VERIFY_BURST, HostBuckets
 from swarm.dht.envelope import DatagramAuth, SenderKeys
-from swarm.dht.intake import StoreIntake
-from swarm.dht.limits import FORGERY_PENALTY, SUBNET_SHARE, VERIFY_BURST, HostBuckets
 from swarm.dht.listing import Standing, interleave, listing_order
 from swarm.dht.pages import AGE_BYTES, answer_page
 from swarm.dht.provenance import (
@@ -28,6 +27,7 @@ from swarm.dht.provenance import (
 from swarm.dht.reads import merge_reads
 from swarm.dht.records import MAX_SUBKEYS_PER_KEY, RecordStorage
 from swarm.dht.scopes import ScopeTally
+from swarm.dht.store_intake import StoreIntake
 from swarm.errors import DHTError
 from swarm.identity import Identity
 

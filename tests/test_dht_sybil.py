@@ -21,9 +21,10 @@ from dht_nodes import ATTACKER_HOST, HOST, swarm_of
 
 from swarm.auth import Membership
 from swarm.dht import DHTEntry, DHTNode, key_digest
+from swarm.dht.answers import MAX_RESPONSE_BYTES
+from swarm.dht.budgets import SUBNET_SHARE, VERIFY_BURST, VERIFY_RATE
 from swarm.dht.envelope import DatagramAuth
-from swarm.dht.limits import SUBNET_SHARE, VERIFY_BURST, VERIFY_RATE
-from swarm.dht.protocol import MAX_PAGES_PER_GET, MAX_RESPONSE_BYTES
+from swarm.dht.node import MAX_PAGES_PER_GET
 from swarm.dht.records import MAX_TTL_S, MAX_VALUE_BYTES
 from swarm.identity import Identity
 

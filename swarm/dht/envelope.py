@@ -68,6 +68,7 @@ MSG_ID_BYTES = 16
 AGREEMENT_KEY_BYTES = 32
 MAX_DATAGRAM_BYTES = 65_000  # larger datagrams are dropped unread
 MAX_REQUEST_BYTES = 8192  # kademlia's cap on a request; records must fit in one
+ENVELOPE_OVERHEAD = 400  # room kept for the envelope around a body, in answers and stores
 _MAC_BYTES = 32
 _SIG_CONTEXT = b"swarm/dht-datagram/v1"
 _SALT_CONTEXT = b"swarm/dht-pair-salt/v1"

@@ -7,10 +7,10 @@ of every node it asks instead of stopping at the first one that has any: records
 dictionaries merged from several nodes, not single values to vote on. Once one holder answered,
 the lookup is among the key's holders and asks every holder it still needs at once.
 
-A node meeting us for the first time answers no more bytes than we sent (see the protocol's
-cookies), so its list of contacts may be cut. Once every contact among the k closest has been
-asked, those whose answers were cut are asked again, all at once (they answered moments ago, and
-now hold our cookie): the lookup still ends at the true k closest.
+A node meeting us for the first time answers no more bytes than we sent (see
+:mod:`swarm.dht.cookies`), so its list of contacts may be cut. Once every contact among the k
+closest has been asked, those whose answers were cut are asked again, all at once (they answered
+moments ago, and now hold our cookie): the lookup still ends at the true k closest.
 
 A request unanswered after ``protocol.stall_after`` (a few smoothed RTTs) counts as *stalled*, as
 in the paper: the lookup asks the next contact instead of waiting for the full timeout, and ends
@@ -77,123 +77,177 @@ async def lookup(
         skip_suspects: count nodes that failed to answer moments ago as failed without asking
             (False for a second, thorough pass).
     """
-    goal = int.from_bytes(target, "big")
-    own_id = protocol.source_node.id
-    known: dict[bytes, Contact] = {c.id: c for c in protocol.router.closest(target, ksize)}
-    # answers repeat contacts (and us): each is parsed once
-    known_keys = {_keys_of(c) for c in (*known.values(), protocol.source_node)}
-    answered: set[bytes] = set()
-    cut: set[bytes] = set()  # answered with part of their contacts: to ask again at the end
-    asked_again: set[bytes] = set()
-    failed: set[bytes] = set()
-    queried: set[bytes] = set()
-    in_flight: dict[asyncio.Task[Any], tuple[Contact, float]] = {}  # task -> (contact, sent)
-    stalled: set[asyncio.Task[Any]] = set()
-    result = LookupResult(closest=[])
-    holding = 0
-    method = "find_value" if value else "find_node"
-    loop = asyncio.get_running_loop()
+    search = Lookup(protocol, target, ksize, alpha, value, holders, skip_suspects)
+    return await search.run()
 
-    def ranked() -> list[Contact]:
+
+class Lookup:
+    """One iterative lookup (see :func:`lookup` for its arguments): what it knows, what it asked
+    and what came back, one method per step of a round."""
+
+    def __init__(
+        self,
+        protocol: SwarmProtocol,
+        target: bytes,
+        ksize: int,
+        alpha: int,
+        value: bool,
+        holders: int | None,
+        skip_suspects: bool,
+    ):
+        self.protocol = protocol
+        self.target = target
+        self.ksize, self.alpha = ksize, alpha
+        self.value, self.holders = value, holders
+        self.skip_suspects = skip_suspects
+        self.method = "find_value" if value else "find_node"
+        self.goal = int.from_bytes(target, "big")
+        self.known: dict[bytes, Contact] = {c.id: c for c in protocol.router.closest(target, ksize)}
+        # answers repeat contacts (and us): each is parsed once
+        self.known_keys = {_keys_of(c) for c in (*self.known.values(), protocol.source_node)}
+        self.queried: set[bytes] = set()
+        self.answered: set[bytes] = set()
+        self.failed: set[bytes] = set()
+        self.cut: set[bytes] = (
+            set()
+        )  # answered with part of their contacts: to ask again at the end
+        self.asked_again: set[bytes] = set()
+        self.in_flight: dict[asyncio.Task[Any], tuple[Contact, float]] = {}  # -> (contact, sent)
+        self.stalled: set[asyncio.Task[Any]] = set()
+        self.holding = 0  # nodes that answered with entries
+        self.result = LookupResult(closest=[])
+        self.loop = asyncio.get_running_loop()
+
+    async def run(self) -> LookupResult:
+        """Ask, wait, take the answers, until the k closest have answered or failed."""
+        while True:
+            closest = self._ranked()
+            self._ask_closest(closest)
+            self._ask_cut_again(closest)
+            active = [t for t in self.in_flight if t not in self.stalled]
+            if active:
+                await self._wait_for_active(active)
+            elif not await self._wait_for_stalled():
+                break
+            self._take_answers()
+            if self.holders is not None and self.holding >= self.holders:
+                break
+        self.result.closest = [c for c in self._ranked() if c.id in self.answered]
+        return self.result
+
+    def _ranked(self) -> list[Contact]:
+        """The k closest contacts that may still be results, closest first."""
         # a node asked again after it answered (its answer was cut) stays a result meanwhile
-        waiting = {in_flight[t][0].id for t in stalled} - answered
-        live = [c for c in known.values() if c.id not in failed and c.id not in waiting]
-        return sorted(live, key=lambda c: c.long_id ^ goal)[:ksize]
+        waiting = {self.in_flight[t][0].id for t in self.stalled} - self.answered
+        live = [c for c in self.known.values() if c.id not in self.failed and c.id not in waiting]
+        return sorted(live, key=lambda c: c.long_id ^ self.goal)[: self.ksize]
 
-    def ask(contact: Contact) -> bool:
-        task = protocol.spawn(protocol.call(contact, method, target))
+    def _ask(self, contact: Contact) -> bool:
+        task = self.protocol.spawn(self.protocol.call(contact, self.method, self.target))
         if task is None:  # the node is closing
             return False
-        in_flight[task] = (contact, loop.time())
-        result.asked += 1
+        self.in_flight[task] = (contact, self.loop.time())
+        self.result.asked += 1
         return True
 
-    while True:
-        closest = ranked()
+    def _ask_closest(self, closest: list[Contact]) -> None:
+        """Keep ``alpha`` requests in flight to the closest contacts not asked yet."""
         # once a holder answered, the lookup is among the key's holders: ask all the holders
         # still missing at once rather than alpha at a time (a round trip less per get)
-        width = max(alpha, holders - holding) if holders is not None and holding else alpha
+        width = self.alpha
+        if self.holders is not None and self.holding:
+            width = max(self.alpha, self.holders - self.holding)
         for contact in closest:
-            if len(in_flight) - len(stalled) >= width:
+            if len(self.in_flight) - len(self.stalled) >= width:
                 break
-            if contact.id in queried:
+            if contact.id in self.queried:
                 continue
-            queried.add(contact.id)
-            if skip_suspects and protocol.is_suspect(contact.id):
-                failed.add(contact.id)  # failed moments ago: do not wait for it again
+            self.queried.add(contact.id)
+            if self.skip_suspects and self.protocol.is_suspect(contact.id):
+                self.failed.add(contact.id)  # failed moments ago: do not wait for it again
                 continue
-            if not ask(contact):
+            if not self._ask(contact):
                 break
-        if len(in_flight) == len(stalled) and all(c.id in queried for c in closest):
-            for contact in closest:  # once each: a node that always cuts is not asked forever
-                if contact.id in cut and contact.id not in asked_again:
-                    asked_again.add(contact.id)
-                    ask(contact)
-        active = [t for t in in_flight if t not in stalled]
-        if not active:
-            # nothing left to ask; but a stalled request to a node closer than any that answered
-            # may be a slow node, not a dead one, and the only way into the target's region: on
-            # a busy host, ending without it put stores and gets in different places. Wait for
-            # those a little longer, counted from when each was asked: a dead node must not cost
-            # a full timeout, nor a fresh wait once the rest of the lookup is done. Requests to
-            # nodes that answered moments ago (cut answers asked again) and, until anyone
-            # answered, all requests are waited for until their own timeout: the former are
-            # alive and hold the ranks a cut answer hid, and without the latter the lookup has
-            # nothing to end with (on a busy host, both ended lookups with a few or no nodes).
-            best = min((c.long_id ^ goal for c in known.values() if c.id in answered), default=None)
-            patient = [t for t in stalled if best is None or in_flight[t][0].id in answered]
-            closer = [
-                t for t in stalled if t not in patient and in_flight[t][0].long_id ^ goal < best
-            ]
-            wait_s = None
-            if not patient:
-                if not closer:
-                    break
-                last_sent = max(in_flight[t][1] for t in closer)
-                wait_s = last_sent + STALL_GRACE * protocol.stall_after - loop.time()
-                if wait_s <= 0:
-                    break
-            done, _ = await asyncio.wait(
-                patient + closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not done:
-                break
-        else:
-            # wake on an answer, or when the oldest active request stalls: a dead node then
-            # stops holding up the lookup, while its request runs on to count the failure
-            oldest = min(in_flight[t][1] for t in active)
-            wait_s = max(0.0, oldest + protocol.stall_after - loop.time())
-            done, _ = await asyncio.wait(
-                active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
-            )
-        now = loop.time()
+
+    def _ask_cut_again(self, closest: list[Contact]) -> None:
+        """Once all of the closest were asked, ask those whose answers were cut once more."""
+        if len(self.in_flight) != len(self.stalled):
+            return
+        if not all(c.id in self.queried for c in closest):
+            return
+        for contact in closest:  # once each: a node that always cuts is not asked forever
+            if contact.id in self.cut and contact.id not in self.asked_again:
+                self.asked_again.add(contact.id)
+                self._ask(contact)
+
+    async def _wait_for_active(self, active: list[asyncio.Task[Any]]) -> None:
+        """Wake on an answer, or when the oldest active request stalls: a dead node then stops
+        holding up the lookup, while its request runs on to count the failure."""
+        oldest = min(self.in_flight[t][1] for t in active)
+        wait_s = max(0.0, oldest + self.protocol.stall_after - self.loop.time())
+        done, _ = await asyncio.wait(active, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        now = self.loop.time()
         for task in active:
-            if task not in done and now - in_flight[task][1] >= protocol.stall_after:
-                stalled.add(task)
-        for task in [t for t in in_flight if t.done()]:
-            contact, _ = in_flight.pop(task)
-            stalled.discard(task)
+            if task not in done and now - self.in_flight[task][1] >= self.protocol.stall_after:
+                self.stalled.add(task)
+
+    async def _wait_for_stalled(self) -> bool:
+        """Nothing left to ask: wait for the stalled requests still worth an answer; False when
+        none is (the lookup ends).
+
+        A stalled request to a node closer than any that answered may be a slow node, not a
+        dead one, and the only way into the target's region: on a busy host, ending without it
+        put stores and gets in different places. Those are waited for a little longer, counted
+        from when each was asked: a dead node must not cost a full timeout, nor a fresh wait
+        once the rest of the lookup is done. Requests to nodes that answered moments ago (cut
+        answers asked again) and, until anyone answered, all requests are waited for until their
+        own timeout: the former are alive and hold the ranks a cut answer hid, and without the
+        latter the lookup has nothing to end with (on a busy host, both ended lookups with a few
+        or no nodes).
+        """
+        goal, in_flight = self.goal, self.in_flight
+        best = min(
+            (c.long_id ^ goal for c in self.known.values() if c.id in self.answered), default=None
+        )
+        patient = [t for t in self.stalled if best is None or in_flight[t][0].id in self.answered]
+        closer = [
+            t for t in self.stalled if t not in patient and in_flight[t][0].long_id ^ goal < best
+        ]
+        wait_s = None
+        if not patient:
+            if not closer:
+                return False
+            last_sent = max(in_flight[t][1] for t in closer)
+            wait_s = last_sent + STALL_GRACE * self.protocol.stall_after - self.loop.time()
+            if wait_s <= 0:
+                return False
+        done, _ = await asyncio.wait(
+            patient + closer, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        return bool(done)
+
+    def _take_answers(self) -> None:
+        """Take in every finished request: the contacts it found, the entries it carried."""
+        for task in [t for t in self.in_flight if t.done()]:
+            contact, _ = self.in_flight.pop(task)
+            self.stalled.discard(task)
             body = None if task.cancelled() else task.result()
             if not isinstance(body, dict) or "error" in body:
-                failed.add(contact.id)
-                result.failed += 1
+                self.failed.add(contact.id)
+                self.result.failed += 1
                 continue
-            answered.add(contact.id)
+            self.answered.add(contact.id)
             if body.get("cut") is True:
-                cut.add(contact.id)
-            for found in _contacts(body.get("nodes"), known_keys):
-                if found.id != own_id and found.id not in known:
-                    known[found.id] = found
-                    known_keys.add(_keys_of(found))
-            if value and _collect(body, target, result, contact.id):
-                holding += 1
+                self.cut.add(contact.id)
+            for found in _contacts(body.get("nodes"), self.known_keys):
+                if found.id != self.protocol.source_node.id and found.id not in self.known:
+                    self.known[found.id] = found
+                    self.known_keys.add(_keys_of(found))
+            if self.value and _collect(body, self.target, self.result, contact.id):
+                self.holding += 1
                 cursor = _cursor(body.get("next"))
                 if cursor is not None:
-                    result.more.append((contact, cursor))
-        if holders is not None and holding >= holders:
-            break
-    result.closest = [c for c in ranked() if c.id in answered]
-    return result
+                    self.result.more.append((contact, cursor))
 
 
 def _keys_of(contact: Contact) -> tuple[bytes, bytes]:

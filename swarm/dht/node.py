@@ -26,7 +26,7 @@ from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
 from swarm.dht.lookup import lookup, more_pages, refresh_bands
-from swarm.dht.protocol import MAX_PAGES_PER_GET, SwarmProtocol
+from swarm.dht.protocol import SwarmProtocol
 from swarm.dht.provenance import Origin
 from swarm.dht.reads import add_reports, merge_reads
 from swarm.dht.records import (
@@ -50,6 +50,7 @@ BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 REJOIN_CHECK_S = 5.0  # how often an empty routing table is noticed in the background
 REJOIN_BACKOFF_S = (1.0, 60.0)  # wait after a rejoin that nobody answered: doubles up to the cap
+MAX_PAGES_PER_GET = 8  # answer pages a reader follows per holder
 
 
 class DHTNode:
@@ -170,7 +171,7 @@ class DHTNode:
         return await self._protocol.ping_address((host, port))
 
     def counters(self) -> dict[str, int]:
-        """What this node refused or dropped so far, by cause (see the protocol's limits)."""
+        """What this node refused or dropped so far, by cause (see :mod:`swarm.dht.budgets`)."""
         return self._protocol.counters()
 
     def contacts(self) -> list[Contact]:

@@ -2,7 +2,7 @@
 signatures checked in order, and a penalty for forgeries.
 
 Ports, identities and addresses are free, so every budget here is a
-:class:`~swarm.hosts.HostBuckets` (per host and per subnet, see :mod:`swarm.dht.limits`), never
+:class:`~swarm.hosts.HostBuckets` (per host and per subnet, see :mod:`swarm.dht.budgets`), never
 per ``(address, port)`` or per key. A store passes, cheapest check first:
 
 1. the source's signature budget must not be in debt (a recent forgery): otherwise the store is
@@ -13,7 +13,7 @@ per ``(address, port)`` or per key. A store passes, cheapest check first:
    storage), then every entry left by the signature budget, all or nothing;
 4. signatures are checked **in order and the check stops at the first bad one**: the entries
    before it are kept (each is signed on its own), so re-sending them costs the verifier nothing;
-   the source is charged :data:`~swarm.dht.limits.FORGERY_PENALTY` on top of its checks, which
+   the source is charged :data:`~swarm.dht.budgets.FORGERY_PENALTY` on top of its checks, which
    puts its host and subnet in debt: their next stores are refused unchecked for seconds.
 
 Each stored entry's origin (:mod:`swarm.dht.provenance`) is the source's scope, first-hand when
@@ -24,8 +24,8 @@ the owner's slot into its own crowd).
 
 Cost to honest peers: a peer that shares a host (a NAT) or a /24 with a forger has its stores
 refused for a few seconds after each forgery (its records stay where they were stored, and its
-next heartbeat retries); one host may create :data:`~swarm.dht.limits.SLOT_RATE` new slots and
-check :data:`~swarm.dht.limits.VERIFY_RATE` signatures per second, far above what a few peers
+next heartbeat retries); one host may create :data:`~swarm.dht.budgets.SLOT_RATE` new slots and
+check :data:`~swarm.dht.budgets.VERIFY_RATE` signatures per second, far above what a few peers
 behind one address announce.
 """
 
@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from swarm.dht.budgets import FORGERY_PENALTY, SLOT_BURST, SLOT_RATE, SUBNET_SHARE
 from swarm.dht.envelope import DatagramAuth, SenderKeys
-from swarm.dht.limits import FORGERY_PENALTY, SLOT_BURST, SLOT_RATE, SUBNET_SHARE
 from swarm.dht.provenance import Origin
 from swarm.dht.records import DHTEntry, RecordStorage
 from swarm.errors import DHTError
