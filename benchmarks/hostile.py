@@ -449,6 +449,15 @@ ATTACKS = {
     "future_nonce_flood": (attack_future_nonce_flood, 2000),
     "udp_junk": (attack_udp_junk, 40_000),
 }
+from hostile_dht import DHT_ATTACKS  # noqa: E402  (sybil_eclipse, port_spread_store_flood)
+
+ATTACKS.update(DHT_ATTACKS)
+from hostile_net import NET_ATTACKS, REPORTED  # noqa: E402  (subnet_connection_fill, held_frames_memory)
+
+ATTACKS.update(NET_ATTACKS)
+from hostile_joins import JOIN_ATTACKS  # noqa: E402  (sybil_state_providers, burst_join)
+
+ATTACKS.update(JOIN_ATTACKS)
 
 
 def run_attack(name: str, duration: float) -> dict[str, Any]:
@@ -480,6 +489,7 @@ def run_attack(name: str, duration: float) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         conn.send("stop")
         results = conn.recv()
+        results += REPORTED.pop("legit_results", [])  # legit calls an attack made itself
         stop.set()
         watcher.join()
         expected = 3  # the peers up when the attack began (a newcomer may join during it)
@@ -511,6 +521,8 @@ def run_attack(name: str, duration: float) -> dict[str, Any]:
         "amplification": amplification,
         "legit_calls": len(results),
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "rss_after_release_mb": REPORTED.pop("rss_after_release_mb", None),
+        "joiners_started": REPORTED.pop("joiners_started", None),
     }
 
 

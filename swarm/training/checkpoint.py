@@ -34,6 +34,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from swarm.errors import CheckpointError
+from swarm.training.snapshot import MAX_ROUND
 
 FORMAT = "swarm-checkpoint/2"
 OLD_MAGIC = b"SWARMCKPT\x01"  # format 1: a custom header + torch pickle (no longer read)
@@ -238,12 +239,15 @@ def check_checkpoint(
         outer: name -> shape of every outer-state tensor the engine restores.
 
     Raises:
-        CheckpointError: naming the first entry that is missing, misshaped or non-finite.
+        CheckpointError: naming the first entry that is missing, misshaped or non-finite, or a
+            round or step count past :data:`~swarm.training.snapshot.MAX_ROUND`.
     """
     for key in ("round", "step", "steps_in_round"):
         value = state.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CheckpointError(f"checkpoint {key} {value!r} is not a non-negative integer")
+        if value > MAX_ROUND:
+            raise CheckpointError(f"checkpoint {key} {value} is past the largest sane count 2^40")
     samples = state.get("samples_in_round")
     if not isinstance(samples, (int, float)) or not math.isfinite(samples) or samples < 0:
         raise CheckpointError(f"checkpoint samples_in_round {samples!r} is invalid")

@@ -8,8 +8,8 @@ Layout::
 
 The receiver never trusts sizes from the wire: it knows its own model, so it checks that the
 schema hash, names and element counts equal what it expects before it reads a single value, and
-copies into tensors it allocated itself; NaN or infinite values refuse the whole snapshot. Every
-malformed input raises :class:`TrainingError`.
+copies into tensors it allocated itself; NaN or infinite values refuse the whole snapshot, and so
+does a round past :data:`MAX_ROUND`. Every malformed input raises :class:`TrainingError`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ MAGIC = b"SWSNAP"
 VERSION = 1
 _PREFIX = struct.Struct("<6sHI")
 MAX_HEADER_BYTES = 4 << 20
+# the largest round a snapshot, a manifest or a checkpoint may claim: a round a second for
+# 30,000 years; a claim past it is absurd, whoever makes it
+MAX_ROUND = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ def unpack_snapshot(
     round_, mode = header.get("round"), header.get("mode")
     if not isinstance(round_, int) or isinstance(round_, bool) or round_ < 0:
         raise TrainingError(f"snapshot round {round_!r} is not a non-negative integer")
+    if round_ > MAX_ROUND:
+        raise TrainingError(f"snapshot claims round {round_}, past the largest sane round 2^40")
     if not isinstance(mode, str):
         raise TrainingError("snapshot mode is not a string")
     if header.get("schema") != schema:

@@ -7,16 +7,16 @@ Protocol (stream ``swarm.state`` on the authenticated transport, empty request b
   "order": O}`` (``O``: the round order it plans groups with, which the joiner takes up), no
   body. The provider builds the snapshot of its current round once (in a worker thread) and
   caches the last two rounds, so a download in progress survives the provider moving on by one
-  round.
+  round. A peer with no state worth offering yet (a joiner that has not adopted, loaded or
+  trained one) declines with ``{"ok": False, "reason": ...}``; a decline is not an answer.
 - part: ``{"schema": S, "round": R, "offset": O, "length": L}``; reply header ``{"ok": True}``,
   then the bytes ``[O, O+L)`` of that snapshot in chunks.
 
-The joiner asks up to ``MAX_MANIFESTS`` peers chosen at random for manifests, keeps the
-providers that agree with the majority (:mod:`swarm.training.agreement`: round, values, loss),
-downloads the state most of them hold in exact copies, split across up to ``parts`` of them
-(re-assigning the part of a provider that fails to another one), verifies the SHA-256 of the
-whole, parses it against its own model's layout, and checks that the values are finite and match
-the announced sketch. Nothing is applied before every check passes.
+This module holds both ends of the wire: :class:`StateProvider`, and the joiner's manifest
+request (:func:`ask_manifest`, which refuses malformed answers and rounds past
+:data:`~swarm.training.snapshot.MAX_ROUND`) and parallel part download (:func:`download_parts`,
+re-assigning the part of a provider that fails to another one). Which state a joiner adopts is
+decided in :mod:`swarm.training.joining`.
 """
 
 from __future__ import annotations
@@ -27,36 +27,21 @@ import hashlib
 import itertools
 import logging
 import math
-import random
-import statistics
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from swarm.errors import SwarmError, TrainingError, TransportError
-from swarm.training.agreement import (
-    SKETCH_SLICES,
-    Manifest,
-    agree,
-    sketch_distance,
-    sketch_of,
-)
+from swarm.hosts import scope_of
+from swarm.training.agreement import SKETCH_SLICES, Manifest, sketch_of
 from swarm.training.engine import TrainingEngine
-from swarm.training.snapshot import (
-    Snapshot,
-    pack_snapshot,
-    snapshot_size,
-    snapshot_values,
-    unpack_snapshot,
-)
+from swarm.training.snapshot import MAX_ROUND, pack_snapshot, snapshot_values, unpack_snapshot
 
 logger = logging.getLogger(__name__)
 
 STATE_STREAM = "swarm.state"
 CHUNK_BYTES = 1 << 20
 MIN_PART_BYTES = 4 << 20
-MAX_MANIFESTS = 8  # providers asked, chosen at random among the live peers
 LIE_ROUNDS = 10**9  # how far ahead a Fault.LIE_ROUND provider claims to be
 PART_RETRIES = 2  # a provider whose connection broke mid-part is asked again this many times
 MAX_ORDER = 1 << 53  # round orders are below this, as in averaging.group (the layers stay apart)
@@ -87,7 +72,10 @@ class Fault(enum.Enum):
 
 
 class StateProvider:
-    """Serves this peer's current snapshot to joiners (register ``handle`` as a stream)."""
+    """Serves this peer's current snapshot to joiners (register ``handle`` as a stream).
+
+    It declines until the engine holds a state worth offering (``engine.offer_from_round``:
+    set when the peer starts a swarm, adopts or loads a state, or decides to train its own)."""
 
     def __init__(self, engine: TrainingEngine, fault: Fault = Fault.NONE):
         self.engine = engine
@@ -134,6 +122,12 @@ class StateProvider:
     def _claimed(self, round_: int) -> int:
         return round_ + LIE_ROUNDS if self.fault is Fault.LIE_ROUND else round_
 
+    @property
+    def offering(self) -> bool:
+        """The engine holds a state worth offering to joiners (see the class docstring)."""
+        start = self.engine.offer_from_round
+        return start is not None and self.engine.round >= start
+
     async def handle(self, request: Any, reply: Any) -> None:
         """Stream handler: answers a manifest or a part request (see the module docstring)."""
         async for _ in request:  # a state request carries no body; reject one that does
@@ -142,6 +136,9 @@ class StateProvider:
         header = request.header if isinstance(request.header, dict) else {}
         if header.get("schema") != self.engine.schema:
             await reply.prepare({"ok": False, "reason": "schema differs"})
+            return
+        if not self.offering:
+            await reply.prepare({"ok": False, "reason": "no state to offer yet"})
             return
         try:
             if header.get("round") is None:
@@ -189,15 +186,25 @@ class StateProvider:
         logger.debug("served %d bytes of round %d's state", length, round_)
 
 
-async def _manifest(transport: Any, record: Any, schema: str, timeout: float) -> Manifest:
+async def ask_manifest(transport: Any, record: Any, schema: str, timeout: float) -> Manifest | None:
+    """The manifest of ``record``'s peer, or None when it declines.
+
+    Raises:
+        TrainingError: a malformed manifest, or one claiming a round past ``MAX_ROUND``.
+        TransportError, OSError, asyncio.TimeoutError: no answer.
+    """
     header = {"schema": schema, "round": None}
     async with transport.stream(record, STATE_STREAM, header, _no_body(), timeout=timeout) as s:
         reply = s.header
         async for _ in s:
             raise TrainingError("a manifest reply carried a body")
-    if not isinstance(reply, dict) or reply.get("ok") is not True:
-        reason = reply.get("reason") if isinstance(reply, dict) else "malformed reply"
-        raise TrainingError(f"provider declined: {reason}")
+    if not isinstance(reply, dict):
+        raise TrainingError("a manifest reply that is not a map")
+    if reply.get("ok") is not True:
+        return None
+    round_ = _int(reply.get("round"), "round")
+    if round_ > MAX_ROUND:
+        raise TrainingError(f"the manifest claims round {round_}, past the largest sane round 2^40")
     digest = reply.get("sha256")
     if not isinstance(digest, str) or len(digest) != 64:
         raise TrainingError("manifest without a valid sha256")
@@ -214,14 +221,21 @@ async def _manifest(transport: Any, record: Any, schema: str, timeout: float) ->
         raise TrainingError("manifest order is not a round order")
     return Manifest(
         record,
-        _int(reply.get("round"), "round"),
+        round_,
         _int(reply.get("size"), "size"),
         digest,
         _int(reply.get("steps_in_round"), "steps_in_round"),
         tuple(float(x) for x in sketch),
         None if loss is None else float(loss),
         order,
+        getattr(record, "age_s", 0.0),
+        subnet_of(record),
     )
+
+
+def subnet_of(record: Any) -> str:
+    """The subnet (IPv4 /24, IPv6 /48) of the address ``record``'s peer is reached at."""
+    return scope_of(record.address.host).subnet
 
 
 async def _fetch_part(
@@ -256,9 +270,14 @@ def split_parts(size: int, providers: int, min_part: int = MIN_PART_BYTES) -> li
     return [(a, b - a) for a, b in itertools.pairwise(bounds) if b > a] or [(0, 0)]
 
 
-async def _download(
+async def download_parts(
     transport: Any, manifests: Sequence[Manifest], schema: str, timeout: float
 ) -> bytearray:
+    """The bytes of the state ``manifests``' providers hold, in parts from all of them at once.
+
+    Raises:
+        TrainingError: every provider failed before the state was complete.
+    """
     size = manifests[0].size
     buf = bytearray(size)
     pending: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
@@ -306,107 +325,3 @@ async def _download(
     if left[0] > 0:
         raise TrainingError("every provider failed before the state was complete")
     return buf
-
-
-@dataclass(frozen=True)
-class Joined:
-    """What a late joiner adopted, and whom it refused."""
-
-    snapshot: Snapshot
-    steps_in_round: int  # the providers' phase in the round (the joiner aligns with it)
-    providers: tuple[Any, ...]  # PeerIDs the state was downloaded from
-    refused: tuple[tuple[Any, str], ...]  # (PeerID, why) of every provider not copied
-    order: int | None = None  # the median round order of the agreeing providers (None: unknown)
-
-
-async def download_state(
-    transport: Any,
-    records: Sequence[Any],
-    engine: TrainingEngine,
-    *,
-    parts: int,
-    max_bytes: int,
-    timeout: float,
-) -> Joined | None:
-    """Download, verify and parse the state that most of ``records``' peers agree on.
-
-    Returns:
-        What was adopted, or None when no peer offers a state (this is the first training peer).
-
-    Raises:
-        TrainingError: providers exist but no majority of them agree on a state, or no
-            complete, verified state could be assembled from those that do.
-    """
-    layout = engine.snapshot_layout()
-    bound = min(max_bytes, snapshot_size(layout, schema=engine.schema, mode=engine.config.mode))
-    records = list(records)
-    asked = random.SystemRandom().sample(records, min(len(records), MAX_MANIFESTS))
-    answers = await asyncio.gather(
-        *(_manifest(transport, r, engine.schema, timeout) for r in asked), return_exceptions=True
-    )
-    manifests: list[Manifest] = []
-    refused: list[tuple[Any, str]] = []
-    for record, answer in zip(asked, answers, strict=True):
-        if isinstance(answer, Manifest) and answer.size <= bound:
-            manifests.append(answer)
-        elif isinstance(answer, Manifest):
-            refused.append(
-                (record.peer_id, f"offers {answer.size} bytes, over the {bound} expected")
-            )
-        elif isinstance(answer, BaseException) and not isinstance(answer, Exception):
-            raise answer
-        else:
-            logger.debug("no state from %s: %s", record.peer_id.short, answer)
-    if not manifests and not refused:
-        return None
-    oversized = len(refused)
-    sketch_len = min(SKETCH_SLICES, sum(n for _, n in layout))
-    verdict = agree(manifests, sketch_len=sketch_len)
-    refused += [(m.provider.peer_id, why) for m, why in verdict.refused]
-    for pid, why in refused:
-        logger.warning("state provider %s refused: %s", pid.short, why)
-    answered = len(manifests) + oversized
-    if not verdict.majority or 2 * len(verdict.accepted) <= answered:
-        raise TrainingError(
-            f"no majority of state providers agree ({len(verdict.accepted)} of {answered} in "
-            "line): " + "; ".join(f"{pid.short}: {why}" for pid, why in refused)
-        )
-    failures: list[str] = []
-    for group in verdict.candidates():
-        group = group[:parts]
-        m = group[0]
-        try:
-            blob = await _download(transport, group, engine.schema, timeout)
-            digest = await asyncio.to_thread(lambda b=blob: hashlib.sha256(b).hexdigest())
-            if digest != m.sha256:
-                raise TrainingError("the assembled state fails its checksum")
-            snap = unpack_snapshot(blob, schema=engine.schema, expected=layout)
-            if snap.round != m.round:
-                raise TrainingError(f"the snapshot claims round {snap.round}, not {m.round}")
-            if not await asyncio.to_thread(snap.all_finite):
-                raise TrainingError("the state holds NaN or Inf values")
-            sketch = await asyncio.to_thread(sketch_of, snap.values)
-            if sketch_distance(sketch, m.sketch) > 1e-5:
-                raise TrainingError("the state does not match the sketch its providers announced")
-        except TrainingError as e:
-            failures.append(f"round {m.round}: {e}")
-            refused += [(x.provider.peer_id, str(e)) for x in group]
-            logger.warning("state download of round %d failed: %s", m.round, e)
-            continue
-        logger.info(
-            "downloaded round %d's state (%d bytes) from %d peers; %d of %d providers agreed",
-            snap.round,
-            len(blob),
-            len(group),
-            len(verdict.accepted),
-            answered,
-        )
-        orders = [m.order for m in verdict.accepted if m.order is not None]
-        return Joined(
-            snap,
-            max(x.steps_in_round for x in group),
-            tuple(x.provider.peer_id for x in group),
-            tuple(refused),
-            int(statistics.median_low(orders)) if orders else None,
-        )
-    raise TrainingError("could not download the swarm's state: " + "; ".join(failures))
