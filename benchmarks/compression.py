@@ -23,7 +23,18 @@ import torch
 
 from swarm.compression import ErrorFeedback, decode, decode_into, get_codec
 
-CODECS = ("none", "fp16", "bf16", "int8", "int8:4096:bnb", "topk:0.01", "topk:0.01:int8", "1bit")
+CODECS = (
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:4096:bnb",
+    "topk:0.01",
+    "topk:0.01:int8",
+    "1bit",
+    "sparse",
+    "sparse:64:1:2",
+)
 
 
 def sample(dist: str, numel: int, gen: torch.Generator) -> torch.Tensor:

@@ -83,6 +83,9 @@ def specs_under_test() -> list[str]:
         "topk:0.1:bf16",
         "1bit",
         "1bit:64",
+        "sparse",
+        "sparse:64:2:2",
+        "sparse:16:3:4",
     ]
 
 
@@ -350,7 +353,7 @@ def test_spec_strings(spec, cls, attrs):
 
 
 def test_keyword_options_and_names():
-    assert set(CODEC_NAMES) == {"none", "fp16", "bf16", "int8", "topk", "1bit"}
+    assert set(CODEC_NAMES) == {"none", "fp16", "bf16", "int8", "topk", "1bit", "sparse"}
     assert get_codec("int8", block_size=512).block_size == 512
     assert get_codec("topk", count=7).k_for(100) == 7
     assert get_codec("topk:0.5", fraction=0.1).fraction == 0.1

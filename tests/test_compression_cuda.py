@@ -25,6 +25,8 @@ SPECS = [
     "topk:0.05:int8",
     "1bit",
     "1bit:64",
+    "sparse",
+    "sparse:64:2:2",
 ]
 
 

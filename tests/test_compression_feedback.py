@@ -10,7 +10,17 @@ from hypothesis import strategies as st
 from swarm.compression import ErrorFeedback, decode, decode_into, get_codec
 from swarm.errors import CompressionError
 
-SPECS = ["none", "fp16", "bf16", "int8:64", "int8:64:bnb", "topk:0.05", "topk:0.1:int8", "1bit:64"]
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8:64",
+    "int8:64:bnb",
+    "topk:0.05",
+    "topk:0.1:int8",
+    "1bit:64",
+    "sparse:64:4:2",
+]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

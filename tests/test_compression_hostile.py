@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarm.compression import Header, decode, decode_into, get_codec, read_header
+from swarm.compression.header import CODEC_IDS
 from swarm.compression.indices import BITMAP, FIXED, VARINT
-from swarm.compression.wire import CODEC_IDS
 from swarm.errors import CompressionError
 
 SPECS = [
@@ -29,6 +29,8 @@ SPECS = [
     "topk:0.1:int8",
     "topk:0.6",
     "1bit:64",
+    "sparse:64:4:2",
+    "sparse:16:3:4",
 ]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -89,7 +91,7 @@ def test_every_truncation_and_extension_is_refused(spec):
         (0, "<B", ord("X"), "magic"),
         (3, "<B", 2, "version 2"),
         (3, "<B", 0, "version 0"),
-        (4, "<B", 6, "unknown codec id"),
+        (4, "<B", 7, "unknown codec id"),
         (4, "<B", 255, "unknown codec id"),
         (5, "<B", 9, "dtype code"),
         (6, "<B", 33, "ndim"),

@@ -1,8 +1,10 @@
 """Error feedback: what a lossy codec drops this time is added back next time.
 
-For every call ``e = x + r; c = C(e); r <- e - D(c)``. The sum of what was sent then tracks the
-sum of the inputs up to the current residual, which stays bounded, so top-K and 1-bit converge
-like their uncompressed counterparts instead of losing the dropped mass for good.
+For every call ``e = x + r; c = C(e); r <- d * (e - D(c))``, with the codec's decay ``d``
+(:attr:`Codec.feedback_decay`, 1 for every codec but ``sparse``). With ``d = 1`` the sum of what
+was sent tracks the sum of the inputs up to the current residual, which stays bounded, so top-K
+and 1-bit converge like their uncompressed counterparts instead of losing the dropped mass for
+good; ``d < 1`` forgets old dropped mass a little each round (SparseLoCo, Covenant-72B).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class ErrorFeedback:
         payload = pack(header, sections)
         # r <- e - D(c), computed from the device-side sections: no trip through bytes.
         self.codec._decode(header, sections, r, True, -1.0)
+        if self.codec.feedback_decay != 1.0:
+            r.mul_(self.codec.feedback_decay)
         return payload
 
     def _residual_for(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,15 @@ MAX_SECTIONS = 4
 # more memory than their size, so callers that know the expected size should pass max_numel.
 DEFAULT_MAX_NUMEL = 1 << 30
 
-CODEC_IDS: dict[str, int] = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "topk": 4, "1bit": 5}
+CODEC_IDS: dict[str, int] = {
+    "none": 0,
+    "fp16": 1,
+    "bf16": 2,
+    "int8": 3,
+    "topk": 4,
+    "1bit": 5,
+    "sparse": 6,
+}
 CODEC_BY_ID: dict[int, str] = {v: k for k, v in CODEC_IDS.items()}
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -1,0 +1,248 @@
+"""``sparse``: top-k inside fixed chunks, values in a few bits, positions in log2(chunk) bits.
+
+The codec of pseudo-gradients over home uplinks (SparseLoCo, arXiv 2508.15706; Covenant-72B's
+top-64 of every 4096 values, 2-bit values, 12-bit indices). The flat tensor is cut into chunks of
+``chunk`` values (a power of two; the last may be shorter); each chunk keeps its ``k`` largest
+magnitudes, exactly (ties broken arbitrarily). A kept value is sent as its sign and a magnitude
+level: the magnitudes kept in a *scale block* (``max(1, 4096 // chunk)`` consecutive chunks, so
+that a block holds enough values to be worth two scales) span ``[lo, hi]``, cut into
+``2^(bits-1)`` equal bins, and a value decodes to its bin's centre. ``lo`` is rounded down and
+``hi`` up to bfloat16, so every kept value lies within half a bin of what it decodes to.
+
+Sections, in order: the scale pairs (bfloat16 ``lo, hi`` per block), the positions inside the
+chunk (``log2(chunk)`` bits each, packed LSB first), the codes (``bits`` bits each: the sign in
+the top bit, the magnitude level below it). ``sparse:4096:64:2`` sends 120 bytes per 4096
+values (0.23 bits per value, 136x fewer than fp32).
+
+The codec drops most of each chunk: use it through error feedback, whose residual it asks to
+decay by ``decay`` per round (:attr:`feedback_decay`; SparseLoCo and Covenant use 0.95).
+
+Every field of a payload is checked before use: section lengths, bfloat16 scales (finite,
+``0 <= lo <= hi``), positions (inside their chunk, none repeated in a chunk) and the zero padding
+of the packed sections; anything else raises :class:`~swarm.errors.CompressionError`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from swarm.compression.base import Codec, Sections, check_finite
+from swarm.compression.bits import pack_bits, packed_size, padding_is_zero, unpack_bits
+from swarm.compression.header import Header, expect_lengths
+from swarm.errors import CompressionError, ConfigError
+
+MAX_CHUNK = 1 << 16  # positions fit 16 bits
+SCALE_SPAN = 4096  # values a pair of scales covers at least (whole chunks)
+DEFAULT_CHUNK, DEFAULT_K, DEFAULT_BITS, DEFAULT_DECAY = 4096, 64, 2, 1.0
+
+
+class SparseCodec(Codec):
+    """Chunked top-k with low-bit values (see the module docstring).
+
+    Args:
+        chunk: values per chunk, a power of two in [2, 65536].
+        k: values kept per chunk, in [1, chunk].
+        bits: bits per kept value (the sign and ``bits - 1`` magnitude bits), in [2, 8].
+        decay: what error feedback keeps of its residual each round, in (0, 1].
+    """
+
+    name = "sparse"
+    sparse = True
+    nsections = 3
+
+    def __init__(
+        self,
+        chunk: int = DEFAULT_CHUNK,
+        k: int = DEFAULT_K,
+        bits: int = DEFAULT_BITS,
+        decay: float = DEFAULT_DECAY,
+    ) -> None:
+        super().__init__()
+        if type(chunk) is not int or not 2 <= chunk <= MAX_CHUNK or chunk & (chunk - 1):
+            raise ConfigError(f"sparse chunk must be a power of two in [2, {MAX_CHUNK}]: {chunk!r}")
+        if type(k) is not int or not 1 <= k <= chunk:
+            raise ConfigError(f"sparse k must be an integer in [1, chunk={chunk}], got {k!r}")
+        if type(bits) is not int or not 2 <= bits <= 8:
+            raise ConfigError(f"sparse bits must be an integer in [2, 8], got {bits!r}")
+        if not isinstance(decay, float | int) or not 0 < decay <= 1:
+            raise ConfigError(f"sparse decay must be in (0, 1], got {decay!r}")
+        self.chunk, self.k, self.bits = chunk, k, bits
+        self.feedback_decay = float(decay)
+        self.index_bits = chunk.bit_length() - 1
+        self.levels = 1 << (bits - 1)  # magnitude bins
+        self.block_chunks = max(1, SCALE_SPAN // chunk)
+
+    @property
+    def spec(self) -> str:
+        base = f"sparse:{self.chunk}:{self.k}:{self.bits}"
+        return base if self.feedback_decay == DEFAULT_DECAY else f"{base}:{self.feedback_decay!r}"
+
+    # ---- layout
+
+    def layout(self, numel: int) -> tuple[int, int, int, int]:
+        """(full chunks, values in the last short chunk, values kept, scale blocks)."""
+        full, tail = divmod(numel, self.chunk)
+        kept = full * self.k + min(self.k, tail)
+        chunks = full + (1 if tail else 0)
+        return full, tail, kept, math.ceil(chunks / self.block_chunks)
+
+    def _lengths(self, numel: int) -> tuple[int, int, int]:
+        _, _, kept, blocks = self.layout(numel)
+        return 4 * blocks, packed_size(kept * self.index_bits), packed_size(kept * self.bits)
+
+    def _body_bound(self, numel: int) -> int:
+        return sum(self._lengths(numel))
+
+    @classmethod
+    def from_header(cls, header: Header) -> Codec:
+        try:
+            return cls(chunk=header.block_size, k=header.param, bits=header.flags)
+        except ConfigError as e:
+            raise CompressionError(f"sparse payload settings: {e}") from None
+
+    def _validate(self, header: Header) -> None:
+        expect_lengths(header, self._lengths(header.numel))
+
+    # ---- encode
+
+    def _encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Header, Sections]:
+        x = self._as_float32(flat)
+        numel = x.numel()
+        full, tail, kept, blocks = self.layout(numel)
+        mags = self._scratch("mags", numel, torch.float32, x.device)
+        torch.abs(x, out=mags)
+        positions, values = [], []
+        if full:
+            rows = mags[: full * self.chunk].view(full, self.chunk)
+            idx = torch.topk(rows, self.k, dim=1, sorted=False).indices
+            positions.append(idx.reshape(-1))
+            values.append(torch.gather(x[: full * self.chunk].view(full, self.chunk), 1, idx))
+        if tail:
+            idx = torch.topk(mags[full * self.chunk :], min(self.k, tail), sorted=False).indices
+            positions.append(idx)
+            values.append(x[full * self.chunk :][idx])
+        pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64)
+        val = torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0)
+        # top-k ranks NaN and infinities first: a non-finite input is always among the kept
+        check_finite(x, val)
+        block = torch.arange(kept, device=x.device) // (self.k * self.block_chunks)
+        lo, hi = _bounds(val.abs(), block, blocks)
+        codes = self._quantize(val, block, lo, hi)
+        scales = torch.stack([lo, hi], dim=1).to(torch.bfloat16).view(torch.int16).view(-1)
+        header = Header(
+            self.name,
+            flat.dtype,
+            shape,
+            self.chunk,
+            self.k,
+            self.bits,
+            self._lengths(numel),
+        )
+        sections = [
+            scales.view(torch.uint8),
+            _pack(pos, self.index_bits),
+            _pack(codes, self.bits),
+        ]
+        return header, sections
+
+    def _quantize(
+        self, val: torch.Tensor, block: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+    ) -> torch.Tensor:
+        w = ((hi - lo) / self.levels).index_select(0, block)
+        level = (val.abs() - lo.index_select(0, block)) / torch.where(w > 0, w, 1.0)
+        level = torch.where(w > 0, level, 0.0)
+        level = level.floor_().clamp_(0, self.levels - 1).to(torch.int64)
+        return level + (val < 0).to(torch.int64) * self.levels
+
+    # ---- decode
+
+    def _decode(
+        self, header: Header, sections: Sections, out: torch.Tensor, accumulate: bool, weight: float
+    ) -> None:
+        numel = header.numel
+        full, tail, kept, blocks = self.layout(numel)
+        scales = sections[0].view(torch.int16).view(torch.bfloat16).float().view(blocks, 2)
+        lo, hi = scales[:, 0], scales[:, 1]
+        if not bool(torch.isfinite(scales).all()) or bool((lo < 0).any() | (hi < lo).any()):
+            raise CompressionError("sparse payload has scales that are not finite, 0 <= lo <= hi")
+        pos = _unpack(sections[1], self.index_bits, kept)
+        codes = _unpack(sections[2], self.bits, kept)
+        self._check_positions(pos, full, tail)
+        block = torch.arange(kept, device=out.device) // (self.k * self.block_chunks)
+        level = codes % self.levels
+        width = (hi - lo) / self.levels
+        mag = lo.index_select(0, block) + (level.float() + 0.5) * width.index_select(0, block)
+        val = torch.where(codes >= self.levels, -mag, mag)
+        chunk_of = torch.arange(kept, device=out.device) // self.k
+        where = chunk_of * self.chunk + pos
+        if not accumulate:
+            out.zero_()  # (the caller scales an overwritten output itself)
+        elif weight != 1.0:
+            val.mul_(weight)
+        out.index_add_(0, where, val.to(out.dtype))
+
+    def _check_positions(self, pos: torch.Tensor, full: int, tail: int) -> None:
+        if full:
+            rows = torch.sort(pos[: full * self.k].view(full, self.k), dim=1).values
+            if self.k > 1 and bool((rows[:, 1:] == rows[:, :-1]).any()):
+                raise CompressionError("sparse payload repeats a position within a chunk")
+        if tail:
+            last = pos[full * self.k :]
+            if bool((last >= tail).any()):
+                raise CompressionError(
+                    f"sparse payload has a position past its last chunk ({tail})"
+                )
+            if torch.unique(last).numel() != last.numel():
+                raise CompressionError("sparse payload repeats a position within a chunk")
+
+
+def _bounds(mags: torch.Tensor, block: torch.Tensor, blocks: int) -> tuple[torch.Tensor, ...]:
+    """Per scale block, the smallest and largest kept magnitude, rounded outwards to bfloat16
+    (so that every magnitude of the block lies inside the rounded range)."""
+    lo = torch.full((blocks,), math.inf, device=mags.device)
+    hi = torch.zeros(blocks, device=mags.device)
+    if mags.numel():
+        lo.scatter_reduce_(0, block, mags, "amin")
+        hi.scatter_reduce_(0, block, mags, "amax")
+    lo = torch.where(torch.isfinite(lo), lo, 0.0)
+    return _round_bf16(lo, down=True), _round_bf16(hi, down=False)
+
+
+def _round_bf16(x: torch.Tensor, *, down: bool) -> torch.Tensor:
+    """Non-negative ``x`` rounded to bfloat16 towards zero (``down``) or away from it."""
+    bits = x.to(torch.bfloat16).view(torch.int16)
+    back = bits.view(torch.bfloat16).float()
+    step = (back > x) if down else (back < x)
+    bits = bits - step.to(torch.int16) if down else bits + step.to(torch.int16)
+    return bits.view(torch.bfloat16).float()
+
+
+def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``width``-bit unsigned integers (``width`` <= 16), packed LSB first."""
+    if values.device.type == "cpu":
+        # the low ``width`` bits of each little-endian uint16, then all of them back to back
+        words = values.to(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
+        bits = np.unpackbits(words, axis=1, bitorder="little")[:, :width]
+        return torch.from_numpy(np.packbits(bits.reshape(-1), bitorder="little"))
+    shifts = torch.arange(width, device=values.device)
+    bits = ((values.unsqueeze(1) >> shifts) & 1).to(torch.bool)
+    return pack_bits(bits.reshape(-1))
+
+
+def _unpack(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`_pack` (the padding of the last byte must be zero)."""
+    nbits = count * width
+    if not padding_is_zero(packed, nbits):
+        raise CompressionError("sparse payload has non-zero padding bits")
+    if packed.device.type == "cpu":
+        bits = np.unpackbits(packed.numpy(), count=nbits, bitorder="little").reshape(count, width)
+        words = np.zeros((count, 16), dtype=np.uint8)
+        words[:, :width] = bits
+        packed16 = np.packbits(words, axis=1, bitorder="little").view(np.uint16).reshape(-1)
+        return torch.from_numpy(packed16.astype(np.int64))
+    bits = unpack_bits(packed, nbits).view(count, width).to(torch.int64)
+    shifts = torch.arange(width, device=packed.device)
+    return (bits << shifts).sum(dim=1)

@@ -1,0 +1,228 @@
+"""The chunked sparse codec: exact top-k per chunk, values within the quantization bound,
+error feedback with decay, and hostile payloads refused with one clear error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swarm.compression import ErrorFeedback, decode, decode_into, get_codec, read_header
+from swarm.compression.header import Header
+from swarm.compression.sparse import SparseCodec
+from swarm.errors import CompressionError, ConfigError
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = st.sampled_from([(4096, 64, 2), (64, 1, 2), (16, 3, 4), (256, 8, 3), (2, 1, 8)])
+
+
+def _bound(codec: SparseCodec, kept: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """Half a magnitude bin of each kept value's scale block, from the true (unrounded) range,
+    widened by the bfloat16 rounding of the range's ends (at most 2^-8 relative)."""
+    mags = kept.abs()
+    blocks = int(block.max()) + 1 if block.numel() else 0
+    lo = torch.full((blocks,), math.inf).scatter_reduce(0, block, mags, "amin")
+    hi = torch.zeros(blocks).scatter_reduce(0, block, mags, "amax")
+    width = (hi * (1 + 2**-7) - lo * (1 - 2**-7)) / codec.levels
+    return (width / 2)[block] + 1e-30
+
+
+@PROPS
+@given(settings_=SETTINGS, numel=st.integers(0, 5000), seed=st.integers(0, 2**31 - 1))
+def test_keeps_exactly_the_top_k_of_each_chunk_within_the_bound(settings_, numel, seed):
+    chunk, k, bits = settings_
+    codec = SparseCodec(chunk, k, bits)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).exp()
+    y = decode(codec.encode(x))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    full, tail, kept, _ = codec.layout(numel)
+    assert int((y != 0).sum()) == kept  # nonzero inputs decode to nonzero values
+    block_of = []
+    for c in range(full + (1 if tail else 0)):
+        start = c * chunk
+        xs, ys = x[start : start + chunk], y[start : start + chunk]
+        chosen = ys != 0
+        # exactly the k largest magnitudes of the chunk (no tie in continuous data)
+        top = torch.topk(xs.abs(), min(k, xs.numel())).indices
+        assert set(chosen.nonzero().view(-1).tolist()) == set(top.tolist())
+        assert torch.equal(torch.sign(ys[chosen]), torch.sign(xs[chosen]))
+        block_of += [c // codec.block_chunks] * int(chosen.sum())
+    if kept:
+        mask = y != 0
+        block = torch.tensor(block_of)
+        assert bool(((y[mask] - x[mask]).abs() <= _bound(codec, x[mask], block)).all())
+
+
+@PROPS
+@given(
+    settings_=SETTINGS,
+    numel=st.integers(1, 3000),
+    seed=st.integers(0, 2**31 - 1),
+    decay=st.sampled_from([1.0, 0.95, 0.5]),
+)
+def test_error_feedback_residual_plus_decoded_is_the_input(settings_, numel, seed, decay):
+    chunk, k, bits = settings_
+    codec = SparseCodec(chunk, k, bits, decay)
+    feedback = ErrorFeedback(codec)
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.zeros(numel)
+    for _ in range(3):
+        x = torch.randn(numel, generator=gen)
+        sent = decode(feedback.encode(x))
+        # r_new = d * (x + r_old - D(c))
+        assert torch.allclose(feedback.residual / decay + sent, x + old, atol=1e-5, rtol=1e-5)
+        old = feedback.residual.clone()
+
+
+def test_spec_strings_and_settings():
+    assert get_codec("sparse").spec == "sparse:4096:64:2"
+    assert get_codec("sparse:64:1:2").spec == "sparse:64:1:2"
+    codec = get_codec("sparse:4096:64:4:0.95")
+    assert (codec.chunk, codec.k, codec.bits, codec.feedback_decay) == (4096, 64, 4, 0.95)
+    assert codec.sparse and codec.spec == "sparse:4096:64:4:0.95"
+    for bad in (
+        "sparse:100",
+        "sparse:4096:0",
+        "sparse:4096:5000",
+        "sparse:4096:64:1",
+        "sparse:4096:64:9",
+        "sparse:4096:64:2:0",
+        "sparse:4096:64:2:1.5",
+        "sparse:1:1",
+        "sparse:131072",
+        "sparse:4096:64:2:1:9",
+        "sparse:4096:1.5",
+    ):
+        with pytest.raises(ConfigError):
+            get_codec(bad)
+
+
+def test_bytes_per_round_at_the_default():
+    codec = get_codec("sparse")
+    payload = codec.encode(torch.randn(1 << 20))
+    # 256 chunks of 4096: 64 kept each, 12 + 2 bits, and one bfloat16 scale pair per chunk
+    assert len(payload) == read_header(payload).size + 256 * (4 + 64 * 14 // 8)
+    assert 4 * (1 << 20) / len(payload) > 135
+
+
+def test_decode_into_accumulates_with_a_weight():
+    codec = get_codec("sparse:64:4:2")
+    x = torch.randn(1000)
+    payload = codec.encode(x)
+    out = torch.ones(1000)
+    decode_into(payload, out, weight=0.5)
+    assert torch.allclose(out, 1 + 0.5 * decode(payload))
+    decode_into(payload, out, weight=2.0, accumulate=False)
+    assert torch.allclose(out, 2 * decode(payload))
+
+
+def test_half_precision_inputs_and_non_finite_refused():
+    codec = get_codec("sparse:64:4:2")
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(300).to(dtype)
+        assert decode(codec.encode(x)).dtype == dtype
+    x = torch.randn(300)
+    x[7] = math.nan
+    with pytest.raises(CompressionError, match="non-finite"):
+        codec.encode(x)
+
+
+# ---- hostile payloads
+
+
+def _parts(payload: bytes) -> tuple[Header, bytes, bytes, bytes]:
+    header = read_header(payload)
+    body = payload[header.size :]
+    a, b, _ = header.section_lengths
+    return header, body[:a], body[a : a + b], body[a + b :]
+
+
+def _craft(header: Header, scales: bytes, positions: bytes, codes: bytes, **fields) -> bytes:
+    lengths = (len(scales), len(positions), len(codes))
+    h = Header(
+        fields.get("codec", header.codec),
+        header.dtype,
+        fields.get("shape", header.shape),
+        fields.get("block", header.block_size),
+        fields.get("param", header.param),
+        fields.get("flags", header.flags),
+        lengths,
+    )
+    return h.serialize() + scales + positions + codes
+
+
+def _positions(values: list[int], width: int) -> bytes:
+    bits = 0
+    for i, v in enumerate(values):
+        bits |= v << (i * width)
+    return bits.to_bytes((len(values) * width + 7) // 8, "little")
+
+
+def test_repeated_and_out_of_range_positions_are_refused():
+    codec = get_codec("sparse:16:3:2")
+    payload = codec.encode(torch.randn(16 + 5))  # one full chunk, a tail of 5
+    header, scales, _, codes = _parts(payload)
+    ok = _positions([0, 1, 2, 0, 1, 2], 4)
+    assert decode(_craft(header, scales, ok, codes)).shape == (21,)
+    with pytest.raises(CompressionError, match="repeats a position"):
+        decode(_craft(header, scales, _positions([3, 3, 2, 0, 1, 2], 4), codes))
+    with pytest.raises(CompressionError, match="repeats a position"):
+        decode(_craft(header, scales, _positions([0, 1, 2, 4, 4, 1], 4), codes))
+    with pytest.raises(CompressionError, match="past its last chunk"):
+        decode(_craft(header, scales, _positions([0, 1, 2, 0, 1, 9], 4), codes))
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "match"),
+    [
+        (math.nan, 1.0, "scales"),
+        (0.5, math.inf, "scales"),
+        (-1.0, 1.0, "scales"),
+        (2.0, 1.0, "scales"),
+    ],
+)
+def test_hostile_scales_are_refused(lo, hi, match):
+    codec = get_codec("sparse:64:4:2")
+    payload = codec.encode(torch.randn(64))
+    header, _, positions, codes = _parts(payload)
+    scales = torch.tensor([lo, hi]).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    with pytest.raises(CompressionError, match=match):
+        decode(_craft(header, scales, positions, codes))
+
+
+def test_non_zero_padding_and_wrong_settings_are_refused():
+    codec = get_codec("sparse:16:3:2")  # 3 positions of 4 bits: 12 bits, 4 of padding
+    payload = codec.encode(torch.randn(16))
+    header, scales, positions, codes = _parts(payload)
+    padded = positions[:-1] + bytes([positions[-1] | 0x80])
+    with pytest.raises(CompressionError, match="padding"):
+        decode(_craft(header, scales, padded, codes))
+    for fields in ({"block": 12}, {"param": 0}, {"param": 17}, {"flags": 1}, {"flags": 9}):
+        with pytest.raises(CompressionError, match="settings"):
+            decode(_craft(header, scales, positions, codes, **fields))
+    with pytest.raises(CompressionError, match="sections"):  # k=2 needs fewer bytes
+        decode(_craft(header, scales, positions, codes, param=2))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_payloads_decode_or_raise_one_error(data):
+    chunk, k, bits = data.draw(SETTINGS)
+    numel = data.draw(st.integers(1, 600))
+    payload = bytearray(SparseCodec(chunk, k, bits).encode(torch.randn(numel)))
+    size = read_header(bytes(payload)).size
+    for _ in range(data.draw(st.integers(1, 6))):
+        if len(payload) > size:
+            i = data.draw(st.integers(size, len(payload) - 1))
+            payload[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        payload = payload[: data.draw(st.integers(0, len(payload)))]
+    try:
+        out = decode(bytes(payload), max_numel=numel)
+    except CompressionError:
+        return
+    assert out.shape == (numel,) and bool(torch.isfinite(out).all())
