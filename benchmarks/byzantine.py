@@ -99,6 +99,7 @@ async def scenario(
             )
         )
     config = AveragingConfig(
+        codec="none",
         min_group_size=n,
         target_group_size=n,
         matchmaking_timeout_s=10.0,

@@ -211,7 +211,7 @@ def run_simulated(mode: str, codec: str, args: argparse.Namespace, train, test) 
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         engines.append(
-            TrainingEngine(model, opt, SwarmConfig(mode=mode, inner_steps=inner, codec=codec))
+            TrainingEngine(model, opt, SwarmConfig.build(mode=mode, inner_steps=inner, codec=codec))
         )
     residual = [None] * n
     owner_residual = None
@@ -283,7 +283,7 @@ def step_overhead(args: argparse.Namespace, train, backend: str) -> float:
         swarm = Swarm(model, opt, run_id="overhead", listen="127.0.0.1:0", inner_steps=10**9)
         swarm_step = swarm.step
     else:
-        engine = TrainingEngine(model, opt, SwarmConfig(inner_steps=10**9))
+        engine = TrainingEngine(model, opt, SwarmConfig.build(inner_steps=10**9))
 
         def swarm_step() -> None:
             engine.count(None)

@@ -54,7 +54,7 @@ def run(k: int, inner: int, steps: int, test, **outer: float) -> dict:
     engines = []
     for _ in range(k):
         model = make_model()
-        config = SwarmConfig(inner_steps=inner, codec="none", **outer)
+        config = SwarmConfig.build(inner_steps=inner, codec="none", **outer)
         engines.append(TrainingEngine(model, make_optimizer(model), config))
     gens = [torch.Generator().manual_seed(r) for r in range(k)]
     worst = 0.0

@@ -24,7 +24,7 @@ import torch
 from swarm.api import Swarm
 from swarm.compression import get_codec
 from swarm.config import SwarmConfig
-from swarm.dashboard.server import DashboardThread
+from swarm.dashboard.web import DashboardThread
 from swarm.errors import SwarmError
 
 DIM, CLASSES, ITEMS = 32, 8, 8192
@@ -130,7 +130,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:  # check the options here, so that a bad value is one line, not a thread's traceback
-        SwarmConfig(codec=args.codec, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+        SwarmConfig.build(
+            codec=args.codec, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum
+        )
     except SwarmError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

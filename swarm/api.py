@@ -26,21 +26,25 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from swarm.config import SPARSE_CODECS, PeerConfig, SwarmConfig
-from swarm.errors import SwarmError, TrainingError
+from swarm.config import SwarmConfig
+from swarm.errors import ConfigError, SwarmError, TrainingError
 from swarm.monitor.tracker import RoundFigures
+from swarm.options import environment_options, leaf_fields
+from swarm.peer_config import PeerConfig
+from swarm.peer_flags import environment_fields
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
+from swarm.training.joining import Joined, join_swarm
 from swarm.training.overlap import RoundHandle
-from swarm.training.progress import StepReport
+from swarm.training.report import StepReport
 from swarm.training.sharding import assign_shards, shard_indices
-from swarm.training.transfer import STATE_STREAM, Joined, StateProvider, download_state
+from swarm.training.transfer import STATE_STREAM, StateProvider
 
 if TYPE_CHECKING:
     from swarm.averaging import Averager
@@ -50,31 +54,37 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_PEER_FIELDS = (
-    "listen",
-    "announce",
-    "identity_path",
-    "membership",
-    "bandwidth",
-    "heartbeat_s",
-    "metrics",
-)
-_JOIN_LOOKUPS = 5  # DHT reads while looking for state providers right after joining
 
 
-def build_config(
-    *, run_id: str, initial_peers: Sequence[str], config: SwarmConfig | None, **options: Any
+def environment() -> dict[str, Any]:
+    """The fields ``SWARM_*`` variables set: a peer's through :mod:`swarm.peer_flags` (the
+    variables ``swarm-peer`` reads, with its units), the others as ``SWARM_<FIELD>``."""
+    peer_fields = set(leaf_fields(PeerConfig))
+    return {**environment_options(SwarmConfig, skip=peer_fields), **environment_fields()}
+
+
+def facade_config(
+    model: torch.nn.Module, config: SwarmConfig | None, options: dict[str, Any]
 ) -> SwarmConfig:
-    """A SwarmConfig from keyword options (PeerConfig fields go to ``config.peer``)."""
+    """The config of a facade: ``config`` as given, or the keyword ``options`` over the
+    ``SWARM_*`` environment variables (:func:`environment`), routed to the config that owns each one
+    (:meth:`SwarmConfig.build`); the peer's ``device`` label comes from the model unless given.
+
+    Raises:
+        ConfigError: both ``config`` and options, an unknown option (the message names the
+            closest valid one), or an invalid value.
+    """
     if config is not None:
-        if options or initial_peers:
-            raise TypeError("pass either config= or individual options, not both")
+        if options:
+            raise ConfigError(
+                f"pass either config= or individual options, not both (got {sorted(options)})"
+            )
+        if not isinstance(config, SwarmConfig):
+            raise ConfigError(f"config must be a SwarmConfig, got {type(config).__name__}")
         return config
-    peer_options = {k: options.pop(k) for k in _PEER_FIELDS if k in options}
-    if "device" not in peer_options:
-        peer_options["device"] = options.pop("peer_device", "cpu")
-    peer = PeerConfig(run_id=run_id, initial_peers=tuple(initial_peers), **peer_options)
-    return SwarmConfig(peer=peer, **options)
+    merged = {**environment(), **options}
+    merged.setdefault("device", _device_label(model))
+    return SwarmConfig.build(**merged)
 
 
 class AsyncSwarm:
@@ -93,19 +103,10 @@ class AsyncSwarm:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        run_id: str = "default",
-        initial_peers: Sequence[str] = (),
         config: SwarmConfig | None = None,
         **options: Any,
     ):
-        if isinstance(initial_peers, str):
-            initial_peers = (initial_peers,)
-        options.setdefault("peer_device", _device_label(model))
-        if config is not None:
-            options.pop("peer_device")
-        self.config = build_config(
-            run_id=run_id, initial_peers=initial_peers, config=config, **options
-        )
+        self.config = facade_config(model, config, options)
         self.model = model
         self.optimizer = optimizer
         self.engine = TrainingEngine(model, optimizer, self.config)
@@ -138,13 +139,17 @@ class AsyncSwarm:
 
         cfg = self.config
         self.peer = await Peer.start(cfg.peer)
-        self.peer.progress.attach(self.engine, cfg.codec)
+        self.peer.progress.attach(self.engine, cfg.averaging.codec)
         try:
             self.peer.transport.add_stream(STATE_STREAM, self._provider.handle)
             self.averager = Averager(self.peer, cfg.averaging)
             self._provider.order = self._round_order
-            if cfg.sync_on_join and cfg.peer.initial_peers:
+            if not cfg.peer.initial_peers:
+                self.engine.offer_from_round = 0  # this peer starts the swarm: its state is it
+            elif cfg.sync_on_join:
                 await self._join()
+            else:
+                self.engine.offer_from_round = self.engine.round + 1  # once trained
         except BaseException:
             await self.close()
             raise
@@ -154,37 +159,9 @@ class AsyncSwarm:
         return self.averager.order if self.averager is not None else None
 
     async def _join(self) -> None:
-        cfg = self.config
-        for attempt in range(_JOIN_LOOKUPS):
-            records = [
-                r for pid, r in (await self.peer.known_peers()).items() if pid != self.peer.peer_id
-            ]
-            if records:
-                break
-            await asyncio.sleep(0.2 * (attempt + 1))
-        got = (
-            await download_state(
-                self.peer.transport,
-                records,
-                self.engine,
-                parts=cfg.state_parts,
-                max_bytes=cfg.max_state_bytes,
-                timeout=cfg.state_timeout_s,
-            )
-            if records
-            else None
-        )
-        if got is None:
-            logger.warning(
-                "no peer offers a training state (%d known): starting from this peer's weights",
-                len(records),
-            )
-            return
-        self.joined = got
-        await asyncio.to_thread(self.engine.load_snapshot, got.snapshot, got.steps_in_round)
-        if got.order is not None and self.averager is not None:
-            self.averager.adopt_order(got.order, base=self.engine.round)
-        logger.info("joined at round %d", self.engine.round)
+        self.joined = await join_swarm(self.peer, self.engine, self.config)
+        if self.joined and self.joined.order is not None and self.averager is not None:
+            self.averager.adopt_order(self.joined.order, base=self.engine.round)
 
     async def average_round(self, plan: RoundPlan) -> RoundOutcome:
         """Run one averaging round on ``plan.tensors`` (in place); never raises on failure."""
@@ -200,13 +177,13 @@ class AsyncSwarm:
                     purpose=plan.purpose,
                     fragment=plan.fragment,
                 ),
-                self.config.round_timeout_s,
+                self.config.averaging.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
             reason = f"{type(e).__name__}: {e}"
             seconds = time.perf_counter() - started
             self.peer.record_round(RoundFigures(False, reason, "", 0, 0, 0, seconds, seconds, 0.0))
-            return RoundOutcome(False, 0, 0, 0, reason, round_s=_since(plan))
+            return RoundOutcome.failed(reason, round_s=_since(plan))
         self.peer.record_round(round_figures(result, time.perf_counter() - started))
         return dataclasses.replace(outcome_of(result), round_s=_since(plan))
 
@@ -253,9 +230,10 @@ class AsyncSwarm:
         return await self._values_round()
 
     async def _values_round(self) -> RoundOutcome:
-        if self.config.codec.split(":")[0] in SPARSE_CODECS:
+        codec = self.config.averaging.codec_spec
+        if not codec.dense_values_ok:
             raise TrainingError(
-                f"average_parameters averages raw values, which {self.config.codec} would ruin; "
+                f"average_parameters averages raw values, which {codec} would ruin; "
                 "run the swarm with a dense codec (none, fp16, int8) to use it"
             )
         e = self.engine
@@ -334,16 +312,23 @@ class Swarm:
     Args:
         model: a torch module on one device (CPU or CUDA; fp32, fp16 or bf16).
         optimizer: the local (inner) optimizer, e.g. AdamW; the swarm calls its ``step()``.
-        run_id: names the training run; peers of other runs are ignored.
-        initial_peers: ``HOST:PORT`` of live peers; empty to start a new swarm. A peer that
-            joins a running swarm downloads the current state before its first step.
         config: a full :class:`~swarm.config.SwarmConfig` instead of keyword options.
-        **options: any :class:`~swarm.config.SwarmConfig` field (``mode``, ``inner_steps``,
-            ``codec``, ``outer_lr``, ...) or :class:`~swarm.config.PeerConfig` field
-            (``listen``, ``announce``, ``identity_path``, ``membership``, ``bandwidth``).
+        **options: any field of the config tree, by name: :class:`~swarm.config.SwarmConfig`
+            (``mode``, ``inner_steps``, ``outer_lr``, ...), :class:`~swarm.config.PeerConfig`
+            (``run_id``, ``initial_peers``, ``listen``, ``identity_path``, ``port_mapping``,
+            ``relay_peers``, ``reachability``, ...) and :class:`~swarm.config.AveragingConfig`
+            (``codec``, ``min_group_size``, ``round_timeout_s``, ``aggregator``, ...). A field
+            not given here is read from its environment variable when set, the one
+            ``swarm-peer`` reads for a peer's fields (``SWARM_INITIAL_PEERS=1.2.3.4:31415``,
+            ``SWARM_HEARTBEAT``, ``SWARM_KEY_FILE``; see :mod:`swarm.peer_flags`) and
+            ``SWARM_<FIELD>`` for the others (``SWARM_INNER_STEPS=50``), else it keeps its
+            default. ``run_id``
+            names the training run (peers of other runs are ignored); ``initial_peers`` are
+            ``HOST:PORT`` of live peers, empty to start a new swarm (a peer that joins a running
+            swarm downloads the current state before its first step).
 
     Raises:
-        ConfigError: invalid options. TrainingError: the state download failed.
+        ConfigError: invalid or unknown options (the message names the closest valid one).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any):
@@ -406,9 +391,11 @@ class Swarm:
 
     def _round(self, plan: RoundPlan) -> RoundOutcome:
         try:
-            return self._run(self._async.average_round(plan), self.config.round_timeout_s + 10)
+            return self._run(
+                self._async.average_round(plan), self.config.averaging.round_timeout_s + 10
+            )
         except concurrent.futures.TimeoutError:
-            return RoundOutcome(False, 0, 0, 0, "round timed out")
+            return RoundOutcome.failed("round timed out")
 
     def _start_round(self, plan: RoundPlan) -> RoundHandle:
         if self._closed:
@@ -417,7 +404,9 @@ class Swarm:
 
     def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training)."""
-        return self._run(self._async.average_parameters(), self.config.round_timeout_s + 10)
+        return self._run(
+            self._async.average_parameters(), self.config.averaging.round_timeout_s + 10
+        )
 
     def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:
         """Indices of the items this peer trains on; see :meth:`AsyncSwarm.shard`."""

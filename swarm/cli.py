@@ -24,13 +24,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from swarm.address import PeerAddress
-from swarm.auth import MIN_SWARM_KEY_BYTES, Membership
-from swarm.config import PeerConfig
+from swarm.auth import Membership
 from swarm.dashboard.commands import (
     add_monitor_commands,
     log_status_every,
@@ -42,31 +40,29 @@ from swarm.errors import ConfigError, SwarmError
 from swarm.identity import Identity
 from swarm.net.reachability import reach_of
 from swarm.net.record import PeerRecord
-from swarm.net.relay import RelayBudget
 from swarm.peer import Peer, fetch_peer_records
+from swarm.peer_config import PeerConfig
+from swarm.peer_flags import SOURCES, FieldSource, load_membership
 from swarm.version import __version__
 
 logger = logging.getLogger("swarm.cli")
 
 DEFAULT_PORT = 31415  # fixed, so a router can forward it; --listen HOST:0 picks a free one
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_PORT}"
-SWARM_KEY_ENV = "SWARM_KEY"  # the key itself; SWARM_KEY_FILE names a file holding it
 _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGBREAK")  # those that exist on this platform
 
 
-def _address(text: str) -> str:
+def _interval(text: str) -> float:
+    """Seconds between periodic actions; 0 turns them off."""
     try:
-        PeerAddress.parse(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    return text
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass  # the seconds check says what is wrong with it
+    return _positive(text)
 
 
-def _addresses(text: str) -> list[str]:
-    return [_address(a) for a in text.replace(",", " ").split()]
-
-
-def _seconds(text: str) -> float:
+def _positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -76,79 +72,30 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _mbits(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in Mbit/s") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be 0 Mbit/s or more, got {text} Mbit/s")
-    return value
-
-
-def _run_id(text: str) -> str:
-    try:
-        PeerConfig(run_id=text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    return text
-
-
-def _interval(text: str) -> float:
-    """Seconds between periodic actions; 0 turns them off."""
-    try:
-        if float(text) == 0:
-            return 0.0
-    except ValueError:
-        pass  # _seconds says what is wrong with it
-    return _seconds(text)
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not one of 1, 0, true, false, yes, no")
-
-
 def _log_level(text: str) -> str:
     if text.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise argparse.ArgumentTypeError(f"{text!r} is not one of DEBUG, INFO, WARNING, ERROR")
     return text.upper()
 
 
-def _relay_budget(text: str) -> RelayBudget:
-    try:
-        return RelayBudget.parse(text)
-    except SwarmError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-
-
-# dest -> (environment variable, converter, default): applied after parsing, so that a flag
-# wins over its variable and a bad value in a variable is reported under the variable's name.
-ENV_OPTIONS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "initial_peers": ("SWARM_INITIAL_PEERS", _addresses, []),
-    "listen": ("SWARM_LISTEN", _address, DEFAULT_LISTEN),
-    "identity": ("SWARM_IDENTITY", str, None),
-    "swarm_key": ("SWARM_KEY_FILE", str, None),
-    "run_id": ("SWARM_RUN_ID", _run_id, "default"),
+# the options of every command (the others are the peer's own)
+COMMON = ("initial_peers", "listen", "identity", "swarm_key", "run_id")
+CLI_DEFAULTS = {"listen": DEFAULT_LISTEN}  # a helper peer listens on the fixed port
+# options of swarm-peer itself, not of a PeerConfig: dest -> (variable, converter, default)
+OWN_OPTIONS: dict[str, tuple[str, Any, Any]] = {
     "log_level": ("SWARM_LOG_LEVEL", _log_level, "INFO"),
-    "announce": ("SWARM_ANNOUNCE", _address, None),
-    "heartbeat": ("SWARM_HEARTBEAT", _seconds, 10.0),
-    "bandwidth": ("SWARM_BANDWIDTH", _mbits, 100.0),
     "status_interval": ("SWARM_STATUS_INTERVAL", _interval, 60.0),
-    "metrics": ("SWARM_METRICS", _flag, False),
-    "no_port_mapping": ("SWARM_NO_PORT_MAPPING", _flag, False),
-    "relay_budget": ("SWARM_RELAY_BUDGET", _relay_budget, _relay_budget("4,100")),
 }
 
 
 def apply_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill the options not given on the command line from ``SWARM_*``, then the defaults."""
     sources: dict[str, str] = {}
-    for dest, (var, convert, default) in ENV_OPTIONS.items():
-        if not hasattr(args, dest) or getattr(args, dest) is not None:
+    options = [
+        (s.dest, s.env, s.from_text, CLI_DEFAULTS.get(s.dest, s.default)) for s in SOURCES
+    ] + [(dest, var, convert, default) for dest, (var, convert, default) in OWN_OPTIONS.items()]
+    for dest, var, convert, default in options:
+        if dest not in vars(args) or getattr(args, dest) is not None:
             continue
         raw = os.environ.get(var, "").strip()
         if not raw:
@@ -162,102 +109,54 @@ def apply_environment(parser: argparse.ArgumentParser, args: argparse.Namespace)
     args.from_env = sources
 
 
+def _add_source(parser: argparse.ArgumentParser, source: FieldSource) -> None:
+    default = CLI_DEFAULTS.get(source.dest, source.shown or source.default)
+    shown = "" if default in (None, [], False) else f", default {default}"
+    help_text = f"{source.help} (env {source.env}{shown})"
+    if source.switch:
+        action: Any = (
+            "store_true" if source.dest.startswith("no_") else (argparse.BooleanOptionalAction)
+        )
+        parser.add_argument(
+            source.flag, dest=source.dest, action=action, default=None, help=help_text
+        )
+        return
+    parser.add_argument(
+        source.flag,
+        dest=source.dest,
+        type=source.convert,
+        nargs=source.nargs,
+        metavar=source.metavar,
+        help=help_text,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--initial-peers",
-        nargs="+",
-        type=_address,
-        metavar="HOST:PORT",
-        help="live peers to join through (env SWARM_INITIAL_PEERS, space separated); "
-        "none starts a new swarm",
-    )
-    common.add_argument(
-        "--listen",
-        type=_address,
-        metavar="HOST:PORT",
-        help="address to bind; one port number serves UDP (DHT) and TCP (HTTP), so forward that "
-        f"one port; port 0 picks a free one (env SWARM_LISTEN, default {DEFAULT_LISTEN})",
-    )
-    common.add_argument(
-        "--identity",
-        metavar="PATH",
-        help="key file, created with mode 0600 when missing (env SWARM_IDENTITY); "
-        "without it the peer uses a throwaway key",
-    )
-    common.add_argument(
-        "--swarm-key",
-        metavar="PATH",
-        help="file holding the swarm's shared secret, at least 16 bytes (env SWARM_KEY_FILE; "
-        "or the secret itself in SWARM_KEY); peers without it are refused",
-    )
-    common.add_argument(
-        "--run-id",
-        type=_run_id,
-        help="name of the training run (env SWARM_RUN_ID, default 'default')",
-    )
+    peer_flags = [source for source in SOURCES if source.dest not in COMMON]
+    for source in SOURCES:
+        if source.dest in COMMON:
+            _add_source(common, source)
     common.add_argument(
         "--log-level",
         type=_log_level,
         metavar="{DEBUG,INFO,WARNING,ERROR}",
         help="(env SWARM_LOG_LEVEL, default INFO)",
     )
-
     parser = argparse.ArgumentParser(
         prog="swarm-peer",
         description="Run a swarm peer that keeps DHT records and helps others find each other.",
         parents=[common],
     )
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
-    parser.add_argument(
-        "--announce",
-        type=_address,
-        metavar="HOST:PORT",
-        help="address others dial, e.g. your router's public address with a forwarded port "
-        "(env SWARM_ANNOUNCE; default: the bound address)",
-    )
-    parser.add_argument(
-        "--heartbeat",
-        type=_seconds,
-        metavar="SECONDS",
-        help="re-announce period in seconds; a dead peer vanishes after 3 periods "
-        "(env SWARM_HEARTBEAT, default 10)",
-    )
-    parser.add_argument(
-        "--bandwidth",
-        type=_mbits,
-        metavar="MBIT_S",
-        help="upload rate in Mbit/s others may plan for; 0 = client-only, e.g. behind NAT "
-        "(env SWARM_BANDWIDTH, default 100)",
-    )
+    for source in peer_flags:
+        _add_source(parser, source)
     parser.add_argument(
         "--status-interval",
         type=_interval,
         metavar="SECONDS",
         help="log a one-line status of the run this often; 0 = never "
         "(env SWARM_STATUS_INTERVAL, default 60)",
-    )
-    parser.add_argument(
-        "--metrics",
-        action="store_true",
-        default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics on the peer's port, "
-        "readable by anyone who reaches the port (env SWARM_METRICS=1; default off)",
-    )
-    parser.add_argument(
-        "--no-port-mapping",
-        action="store_true",
-        default=None,
-        help="do not ask the home router (UPnP-IGD, PCP, NAT-PMP) to forward our port "
-        "(env SWARM_NO_PORT_MAPPING=1)",
-    )
-    parser.add_argument(
-        "--relay-budget",
-        type=_relay_budget,
-        metavar="PEERS[,MBIT]",
-        help="when reachable, relay for up to PEERS unreachable peers sharing MBIT Mbit/s "
-        "each way; "
-        "0 turns relaying off (env SWARM_RELAY_BUDGET, default %(default)s)",
     )
     sub = parser.add_subparsers(dest="command")
     sub.add_parser(
@@ -287,53 +186,6 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_membership(swarm_key_file: str | None, source: str = "--swarm-key") -> Membership:
-    """The swarm key from a file, or the secret itself from ``SWARM_KEY``; else an open swarm.
-
-    Args:
-        swarm_key_file: path of a file holding the key (``--swarm-key`` / ``SWARM_KEY_FILE``).
-        source: how the path was given, for error messages.
-
-    Raises:
-        ConfigError: the file is unreadable or the key too short; ``SWARM_KEY`` holds the path
-            of an existing file (a path there would silently become the secret itself).
-    """
-    if swarm_key_file:
-        try:
-            key = Path(swarm_key_file).expanduser().read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(
-                f"{source}: cannot read the swarm key file {swarm_key_file}: {e.strerror or e}"
-            ) from e
-        if len(key) < MIN_SWARM_KEY_BYTES:
-            raise ConfigError(
-                f"{source}: the swarm key in {swarm_key_file} is {len(key)} bytes long; "
-                f"use at least {MIN_SWARM_KEY_BYTES}"
-            )
-        return Membership.with_key(key)
-    raw = os.environ.get(SWARM_KEY_ENV, "").strip()
-    if not raw:
-        return Membership.open()
-    if _names_a_file(raw):
-        raise ConfigError(
-            f"environment variable {SWARM_KEY_ENV} holds the path of an existing file ({raw}), "
-            "but it takes the secret itself; give the path in SWARM_KEY_FILE or --swarm-key"
-        )
-    if len(raw.encode()) < MIN_SWARM_KEY_BYTES:
-        raise ConfigError(
-            f"environment variable {SWARM_KEY_ENV} holds a key of {len(raw.encode())} bytes; "
-            f"use at least {MIN_SWARM_KEY_BYTES}"
-        )
-    return Membership.with_key(raw)
-
-
-def _names_a_file(text: str) -> bool:
-    try:
-        return Path(text).expanduser().is_file()
-    except (OSError, ValueError, RuntimeError):  # too long, NUL byte, unknown ~user
-        return False
-
-
 def describe_membership(membership: Membership) -> str:
     """One line to compare across machines: the swarm key's public fingerprint, or 'open'."""
     if membership.mode != "key":
@@ -343,22 +195,21 @@ def describe_membership(membership: Membership) -> str:
     return f"swarm key fingerprint {groups} (must be the same on every peer of this swarm)"
 
 
+def peer_config(args: argparse.Namespace) -> PeerConfig:
+    """The PeerConfig the parsed flags and variables describe (one source per field)."""
+    fields: dict[str, Any] = {}
+    for source in SOURCES:
+        value = getattr(args, source.dest)
+        if source.dest == "swarm_key":  # errors name where the path came from
+            where = _source(args, "swarm_key", "--swarm-key")
+            fields["membership"] = load_membership(value, where)
+        else:
+            fields.update(source.to_fields(value))
+    return PeerConfig(**fields)
+
+
 async def run_peer(args: argparse.Namespace) -> int:
-    budget = args.relay_budget
-    config = PeerConfig(
-        port_mapping=not args.no_port_mapping,
-        relay_peers=budget.peers,
-        relay_rate=budget.rate,
-        run_id=args.run_id,
-        listen=args.listen,
-        announce=args.announce,
-        initial_peers=tuple(args.initial_peers),
-        identity_path=args.identity,
-        membership=load_membership(args.swarm_key, _source(args, "swarm_key", "--swarm-key")),
-        bandwidth=args.bandwidth * 1e6 / 8,
-        heartbeat_s=args.heartbeat,
-        metrics=args.metrics,
-    )
+    config = peer_config(args)
     print(describe_membership(config.membership), flush=True)
     stop = asyncio.Event()
     _install_stop_handlers(stop)

@@ -8,17 +8,25 @@ the peer and is importable from here too.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
+from swarm.compression.spec import CodecSpec
 from swarm.errors import ConfigError
+from swarm.options import SECTION, build_tree
 from swarm.peer_config import DEFAULT_BANDWIDTH, DEFAULT_LISTEN, PeerConfig
 
 __all__ = [
+    "AGGREGATORS",
     "DEFAULT_BANDWIDTH",
     "DEFAULT_LISTEN",
-    "SPARSE_CODECS",
+    "GROUPINGS",
     "TRAINING_MODES",
+    "Aggregator",
+    "AveragingConfig",
+    "Grouping",
     "Mode",
     "PeerConfig",
     "SwarmConfig",
@@ -57,9 +65,31 @@ class Mode(str, enum.Enum):
 TRAINING_MODES = tuple(m.value for m in Mode)
 
 
-GROUPINGS = ("latency", "random", "fixed")
-AGGREGATORS = ("centered_clip", "mean")
+class Grouping(str, enum.Enum):
+    """Who a peer looks for partners with (``AveragingConfig.grouping``)."""
+
+    LATENCY = "latency"  # near peers by Vivaldi coordinates, regions mixed every cross_every-th
+    RANDOM = "random"  # the same group sizes with random members (a baseline)
+    FIXED = "fixed"  # every peer declares under group_key alone
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Aggregator(str, enum.Enum):
+    """How a part owner reduces its part (``AveragingConfig.aggregator``)."""
+
+    CENTERED_CLIP = "centered_clip"  # capped weights, CenteredClip around the median
+    MEAN = "mean"  # the plain weighted mean (trusted swarms only)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+GROUPINGS = tuple(g.value for g in Grouping)
+AGGREGATORS = tuple(a.value for a in Aggregator)
 ROUND_CLEANUP_S = 1.0  # of a round's time, kept for closing streams after the all-reduce
+LOCKSTEP_GATHER_S = 0.05  # gather window of gradients mode: every step is a round, peers in step
 
 
 @dataclass(frozen=True)
@@ -71,9 +101,9 @@ class AveragingConfig:
     of the round (:attr:`allreduce_timeout_s`), so the two can never disagree.
 
     Args:
-        codec: compression of what is sent (``none``, ``fp16``, ``bf16``, ``int8``,
-            ``topk:0.01``, ``1bit``); error feedback is always on for lossy codecs. Peers with
-            different codecs never group.
+        codec: compression of what is averaged: ``none``, ``fp16``, ``bf16``, ``int8``,
+            ``topk:0.01``, ``1bit`` (see :mod:`swarm.compression`); error feedback is always on
+            for lossy codecs. Peers with different codecs never group.
         min_group_size: average only with at least this many peers (this one included).
         target_group_size: a group closes as soon as it has this many members.
         matchmaking_timeout_s: how long to look for a group. A peer alone pays it every round;
@@ -82,15 +112,18 @@ class AveragingConfig:
             is left of it after matchmaking. Set it above matchmaking plus payload / slowest
             link rate with a good margin.
         gather_window_s: wait after declaring before choosing a leader, so that peers arriving
-            at about the same time end up in one group. Increase it for large swarms. Default:
-            0.5 s, or a quarter of ``matchmaking_timeout_s`` when that is shorter.
+            at about the same time end up in one group. Increase it for large swarms. None (the
+            default) means 0.5 s, or a quarter of ``matchmaking_timeout_s`` when that is
+            shorter, or 0.05 s in ``gradients`` mode (every step is a round in lockstep); the
+            value in use is :attr:`gather_window`.
         stall_timeout_min_s: a silent peer is never dropped sooner than this after its last
             chunk; beyond it, the limit is ``stall_factor`` chunk-times at the measured rate.
         stall_factor: see ``stall_timeout_min_s``; increase both on very jittery links.
         group_key: matchmaking key prefix: averagers with different keys never group.
         grouping: ``latency`` (near peers by Vivaldi coordinates, regions mixed every
             ``cross_every``-th round), ``random`` (same sizes, random members; a baseline) or
-            ``fixed`` (every peer declares under ``group_key`` alone).
+            ``fixed`` (every peer declares under ``group_key`` alone). Text or a
+            :class:`Grouping`; it reads back as a :class:`Grouping`.
         cross_every: period of cross-region rounds; None never mixes regions (experiments only).
         region_rtt_s: peers within this predicted RTT of each other form a region.
         probe_period_s: seconds between rounds of RTT probes (``latency``/``random`` only).
@@ -103,7 +136,8 @@ class AveragingConfig:
             coordinate-wise median with the radius at the median of the senders' distances, so
             no peer can drag the result further than its weight share times that radius.
             ``mean``: the plain weighted mean, for swarms whose peers are all trusted (cheaper:
-            chunks are added as they arrive; see the README for the measured cost).
+            chunks are added as they arrive; see the README for the measured cost). Text or an
+            :class:`Aggregator`; it reads back as an :class:`Aggregator`.
         weight_cap: see ``aggregator``.
         max_share: no member owns more than ``max_share / N`` of the vector, whatever
             bandwidth it announces.
@@ -112,30 +146,29 @@ class AveragingConfig:
             accuses its owner in the round report and excludes it from its later rounds.
     """
 
-    codec: str = "none"
+    codec: str = "int8"
     min_group_size: int = 2
     target_group_size: int = 8
     matchmaking_timeout_s: float = 15.0
-    round_timeout_s: float = 135.0
+    round_timeout_s: float = 120.0
     gather_window_s: float | None = None
     stall_timeout_min_s: float = 3.0
     stall_factor: float = 8.0
     group_key: str = "default"
-    grouping: str = "latency"
+    grouping: Grouping | str = Grouping.LATENCY
     cross_every: int | None = 4
     region_rtt_s: float = 0.05
     probe_period_s: float = 5.0
     probes_per_period: int = 4
     name: str = "avg"
     threads: int = 2
-    aggregator: str = "centered_clip"
+    aggregator: Aggregator | str = Aggregator.CENTERED_CLIP
     weight_cap: float = 2.0
     max_share: float = 2.0
     check_owners: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.codec, str) or not self.codec:
-            raise ConfigError("codec must be a codec name such as 'int8' or 'topk:0.01'")
+        object.__setattr__(self, "codec", CodecSpec.parse(self.codec).text)
         if not 2 <= self.min_group_size <= self.target_group_size:
             raise ConfigError("need 2 <= min_group_size <= target_group_size")
         if not self.matchmaking_timeout_s > 0:
@@ -145,9 +178,7 @@ class AveragingConfig:
                 "round_timeout_s must exceed matchmaking_timeout_s by at least "
                 f"{2 * ROUND_CLEANUP_S:g} s, or the all-reduce would have no time"
             )
-        if self.gather_window_s is None:
-            object.__setattr__(self, "gather_window_s", min(0.5, self.matchmaking_timeout_s / 4))
-        if not 0 <= self.gather_window_s < self.matchmaking_timeout_s:  # type: ignore[operator]
+        if not 0 <= self.gather_window < self.matchmaking_timeout_s:
             raise ConfigError("gather_window_s must be within [0, matchmaking_timeout_s)")
         if not self.stall_timeout_min_s > 0 or not self.stall_factor >= 1:
             raise ConfigError("stall_timeout_min_s must be positive and stall_factor >= 1")
@@ -155,6 +186,7 @@ class AveragingConfig:
             raise ConfigError("group_key must be a non-empty string without '/'")
         if self.grouping not in GROUPINGS:
             raise ConfigError(f"grouping must be one of {GROUPINGS}, not {self.grouping!r}")
+        object.__setattr__(self, "grouping", Grouping(self.grouping))
         if self.cross_every is not None and self.cross_every < 1:
             raise ConfigError("cross_every must be >= 1 or None")
         if not self.region_rtt_s > 0 or not self.probe_period_s > 0:
@@ -165,8 +197,21 @@ class AveragingConfig:
             raise ConfigError("name must be a non-empty string")
         if self.aggregator not in AGGREGATORS:
             raise ConfigError(f"aggregator must be one of {AGGREGATORS}, not {self.aggregator!r}")
+        object.__setattr__(self, "aggregator", Aggregator(self.aggregator))
         if not self.weight_cap >= 1 or not self.max_share >= 1:
             raise ConfigError("weight_cap and max_share must be >= 1")
+
+    @property
+    def codec_spec(self) -> CodecSpec:
+        """The codec, parsed: its name, whether it is sparse."""
+        return CodecSpec.parse(self.codec)
+
+    @property
+    def gather_window(self) -> float:
+        """The gather window in use (``gather_window_s``, or its default)."""
+        if self.gather_window_s is not None:
+            return self.gather_window_s
+        return min(0.5, self.matchmaking_timeout_s / 4)
 
     @property
     def allreduce_timeout_s(self) -> float:
@@ -174,15 +219,19 @@ class AveragingConfig:
         return self.round_timeout_s - self.matchmaking_timeout_s - ROUND_CLEANUP_S
 
 
-SPARSE_CODECS = ("topk", "1bit")  # lossy in a way that only suits changes, not raw values
-
-
 @dataclass(frozen=True)
 class SwarmConfig:
-    """How a peer trains with the swarm: mode, averaging cadence, outer optimizer, timeouts.
+    """How a peer trains with the swarm: one tree of settings, each field defined once.
+
+    ``SwarmConfig(peer=PeerConfig(...), averaging=AveragingConfig(...), inner_steps=...)``, or
+    from flat keywords, routed to the config that owns each one
+    (:meth:`SwarmConfig.build`, which ``Swarm(...)`` uses)::
+
+        SwarmConfig.build(inner_steps=50, codec="int8", relay_peers=0, aggregator="mean")
 
     Args:
-        peer: how the peer joins the swarm (addresses, identity, membership).
+        peer: how the peer joins the swarm (addresses, identity, membership, reachability).
+        averaging: how groups form and average (codec, group sizes, timeouts, aggregator).
         mode: ``diloco`` (average the pseudo-gradient every ``inner_steps`` and apply an outer
             Nesterov step), ``local_sgd`` (average parameters every ``inner_steps``) or
             ``gradients`` (average gradients every step, like DDP; for small swarms on fast links).
@@ -203,13 +252,6 @@ class SwarmConfig:
             extra all-reduce costs one more vector on those rounds. An overlapped round syncs
             the anchors it started from, and its landing starts from their mean. 0 turns it
             off (sparse codecs never sync: top-K or 1-bit would ruin raw weights).
-        codec: compression of what is averaged: ``none``, ``fp16``, ``bf16``, ``int8``,
-            ``topk:0.01``, ``1bit`` (see :mod:`swarm.compression`); error feedback is always on.
-        min_group_size: a round averages only with at least this many peers (self included).
-        target_group_size: groups close early when this many peers joined.
-        matchmaking_timeout_s: how long to look for partners before a round gives up; a peer
-            alone in the swarm pays this at every round, so keep it short for ``gradients``.
-        round_timeout_s: upper bound on a whole round (matchmaking + all-reduce).
         sync_on_join: a peer started with ``initial_peers`` downloads the current model and outer
             state from live peers before its first step (a late joiner); a first peer finds none
             and starts from its own weights.
@@ -234,18 +276,14 @@ class SwarmConfig:
             (the default) averages the whole model at once. ``inner_steps`` must be a multiple.
     """
 
-    peer: PeerConfig = field(default_factory=PeerConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig, metadata=SECTION)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig, metadata=SECTION)
     mode: Mode | str = Mode.DILOCO
     inner_steps: int = 100
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
     anchor_sync_every: int = 4
-    codec: str = "int8"
-    min_group_size: int = 2
-    target_group_size: int = 8
-    matchmaking_timeout_s: float = 15.0
-    round_timeout_s: float = 120.0
     sync_on_join: bool = True
     state_timeout_s: float = 120.0
     max_state_bytes: int = 16 << 30
@@ -257,12 +295,17 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.peer, PeerConfig):
             raise ConfigError("peer must be a PeerConfig")
+        if not isinstance(self.averaging, AveragingConfig):
+            raise ConfigError("averaging must be an AveragingConfig")
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"mode {self.mode!r}: use one of {', '.join(TRAINING_MODES)}")
         mode = Mode(self.mode)
         object.__setattr__(self, "mode", mode)
         if mode.averages_gradients:
             object.__setattr__(self, "inner_steps", 1)
+            if self.averaging.gather_window_s is None:
+                lockstep = dataclasses.replace(self.averaging, gather_window_s=LOCKSTEP_GATHER_S)
+                object.__setattr__(self, "averaging", lockstep)
         if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ConfigError("inner_steps must be an integer >= 1")
         if not self.outer_lr > 0:
@@ -271,21 +314,11 @@ class SwarmConfig:
             raise ConfigError("outer_momentum must be in [0, 1)")
         if not isinstance(self.anchor_sync_every, int) or self.anchor_sync_every < 0:
             raise ConfigError("anchor_sync_every must be an integer >= 0 (0: never)")
-        if not isinstance(self.codec, str) or not self.codec:
-            raise ConfigError("codec must be a codec name such as 'int8' or 'topk:0.01'")
-        if mode.averages_values and self.codec.split(":")[0] in SPARSE_CODECS:
+        codec = self.averaging.codec_spec
+        if mode.averages_values and not codec.dense_values_ok:
             raise ConfigError(
-                f"local_sgd averages parameter values, which {self.codec} would mostly zero or "
+                f"local_sgd averages parameter values, which {codec} would mostly zero or "
                 "flatten; use mode='diloco' (it averages changes) or a dense codec (int8, fp16)"
-            )
-        if not 2 <= self.min_group_size <= self.target_group_size:
-            raise ConfigError("need 2 <= min_group_size <= target_group_size")
-        if not self.matchmaking_timeout_s > 0:
-            raise ConfigError("matchmaking_timeout_s must be positive")
-        if not self.round_timeout_s >= self.matchmaking_timeout_s + 2 * ROUND_CLEANUP_S:
-            raise ConfigError(
-                f"round_timeout_s must exceed matchmaking_timeout_s by {2 * ROUND_CLEANUP_S:g} s, "
-                "or every round would time out before its all-reduce starts"
             )
         if not self.state_timeout_s > 0:
             raise ConfigError("state_timeout_s must be positive")
@@ -315,20 +348,22 @@ class SwarmConfig:
                 f"({self.fragments}): a fragment's round comes every inner_steps / fragments steps"
             )
 
+    @classmethod
+    def build(cls, **options: Any) -> SwarmConfig:
+        """A config from flat keywords, each routed to the config that owns it.
+
+        Every field of :class:`SwarmConfig`, :class:`~swarm.peer_config.PeerConfig` and
+        :class:`AveragingConfig` is a keyword (their names never repeat); ``peer=`` and
+        ``averaging=`` may pass whole configs, which the flat keywords of their fields then
+        override.
+
+        Raises:
+            ConfigError: an unknown keyword (the message names the closest valid one), or an
+                invalid value or combination.
+        """
+        return build_tree(cls, options)
+
     @property
     def round_interval(self) -> int:
         """Local steps between two rounds: ``inner_steps / fragments``."""
         return self.inner_steps // self.fragments
-
-    @property
-    def averaging(self) -> AveragingConfig:
-        """The averager's settings, derived from this config (one timeout story)."""
-        return AveragingConfig(
-            codec=self.codec,
-            min_group_size=self.min_group_size,
-            target_group_size=self.target_group_size,
-            matchmaking_timeout_s=self.matchmaking_timeout_s,
-            round_timeout_s=self.round_timeout_s,
-            # every step is a round in lockstep: peers arrive together, a long wait is waste
-            gather_window_s=0.05 if self.mode.averages_gradients else None,
-        )

@@ -25,7 +25,13 @@ import torch.distributed as dist
 
 from swarm.api import Swarm
 from swarm.errors import ConfigError
-from swarm.training.progress import StepReport
+from swarm.training.report import StepReport
+
+
+def changes_model(report: StepReport | None) -> bool:
+    """Whether the swarm moved rank 0's model at this step: a round ended (landed), or one
+    started in the background and its eager outer step moved the model."""
+    return report is not None and (report.round_due or report.round_started)
 
 
 class NodeSwarm:
@@ -92,7 +98,7 @@ class NodeSwarm:
             samples: samples in this rank's batch (rank 0 reports the node's total).
 
         Returns:
-            Rank 0's :class:`~swarm.training.progress.StepReport`; None on other ranks.
+            Rank 0's :class:`~swarm.training.report.StepReport`; None on other ranks.
         """
         self._average_gradients()
         local = 1.0 if samples is None else float(samples)
@@ -102,20 +108,42 @@ class NodeSwarm:
         report = None
         if self.swarm is not None:
             report = self.swarm.step(samples=float(total.item()))
-            flag.fill_(int(report.round_due))
+            flag.fill_(int(changes_model(report)))
         if self._follow_gradients:
             self._broadcast([p.grad for p in self._params])
         if self.swarm is None:
             self.optimizer.step()
-        # One small broadcast per step tells the others whether a round changed rank 0's model.
-        dist.broadcast(flag, src=self._src, group=self.group)
-        if int(flag.item()):
-            self._broadcast_state()
+        self._follow(flag)
         self.last_report = report
         return report
 
+    def wait_round(self) -> StepReport | None:
+        """Land rank 0's round in flight (before evaluating or saving), and give every rank the
+        model it lands on. Collective, like :meth:`step`.
+
+        Returns:
+            Rank 0's report of the landed round (None on other ranks, or with none in flight).
+        """
+        flag = torch.zeros(1, dtype=torch.int32, device=self._device)
+        report = None
+        if self.swarm is not None:
+            report = self.swarm.wait_round()
+            flag.fill_(int(changes_model(report)))
+        self._follow(flag)
+        return report
+
+    def _follow(self, flag: torch.Tensor) -> None:
+        """One small broadcast tells the other ranks whether the swarm changed rank 0's model;
+        then rank 0's state follows, so every rank holds bit-identical weights after each call."""
+        dist.broadcast(flag, src=self._src, group=self.group)
+        if int(flag.item()):
+            self._broadcast_state()
+
     def close(self) -> None:
-        """Leave the swarm (rank 0), then wait for every rank; the process group stays open."""
+        """Leave the swarm (rank 0), then wait for every rank; the process group stays open.
+
+        A round still in flight is cancelled, not landed: every rank keeps the model of the
+        last step (call :meth:`wait_round` first to land it)."""
         if self.swarm is not None:
             self.swarm.close()
         dist.barrier(group=self.group)

@@ -31,7 +31,7 @@ import torch
 
 from swarm.api import Swarm
 from swarm.errors import ConfigError
-from swarm.training.progress import StepReport
+from swarm.training.report import StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class SwarmOptimizer(torch.optim.Optimizer):
     Attributes:
         outer: an :class:`OuterLR` to give an LR scheduler for the outer (DiLoCo) learning rate;
             step that scheduler when ``last_report.round_due`` is true.
-        last_report: the :class:`~swarm.training.progress.StepReport` of the last step.
+        last_report: the :class:`~swarm.training.report.StepReport` of the last step.
         skipped_steps: steps skipped because of non-finite gradients.
 
     Raises:

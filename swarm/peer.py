@@ -32,7 +32,7 @@ from swarm.net.reachability import Reach
 from swarm.net.record import PeerRecord
 from swarm.net.relay import RelayBudget
 from swarm.net.transport import Transport
-from swarm.peer_config import PeerConfig
+from swarm.peer_config import PeerConfig, Reachability
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Peer:
             if self.config.initial_peers:
                 await self._bootstrap()
             await self.announce()
-            if self.config.reachability:
+            if self.config.reachability is Reachability.AUTO:
                 await self._start_nat()
         except BaseException:
             await self.close()
@@ -200,7 +200,8 @@ class Peer:
             udp_probe=udp_probe,
             set_dht_client=dht.set_client,
             port_mapping=self.config.port_mapping,
-            budget=RelayBudget(peers=self.config.relay_peers, rate=self.config.relay_rate),
+            budget=RelayBudget(peers=self.config.relay_slots, rate=self.config.relay_rate),
+            relays=self.config.relay_peers,
         )
         await self.nat.start()
 
@@ -233,7 +234,7 @@ class Peer:
 
     async def _store_record(self, record: PeerRecord) -> int:
         # later than the stored entry, so that it replaces ours in every node it reaches
-        expiration = max(time.time() + float(self.config.record_ttl_s or 0), self._expiration)
+        expiration = max(time.time() + self.config.record_ttl, self._expiration)
         self._expiration = expiration + 1e-3
         try:
             stored = await self._dht.store(peers_key(self.run_id), record.serialize(), expiration)

@@ -33,6 +33,7 @@ async def start_peers(
 def fixed_group_config(n: int, group_key: str, **overrides: object) -> AveragingConfig:
     """Averaging in one fixed group of exactly ``n`` peers, with short test timeouts."""
     settings: dict[str, object] = {
+        "codec": "none",
         "min_group_size": n,
         "target_group_size": n,
         "matchmaking_timeout_s": 8.0,

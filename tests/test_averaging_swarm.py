@@ -221,6 +221,7 @@ def averager(peer: Peer, n: int, key: str = "test", target: int | None = None) -
     return Averager(
         peer,
         AveragingConfig(
+            codec="none",
             min_group_size=min(n, target or n),
             target_group_size=target or n,
             matchmaking_timeout_s=8.0,

@@ -548,8 +548,8 @@ def test_averaging_config_validates_and_derives_one_timeout():
 
     config = AveragingConfig(matchmaking_timeout_s=10.0, round_timeout_s=40.0)
     assert config.allreduce_timeout_s == pytest.approx(29.0)
-    assert config.gather_window_s == 0.5
-    assert AveragingConfig(matchmaking_timeout_s=1.0, round_timeout_s=5.0).gather_window_s == 0.25
+    assert config.gather_window == 0.5
+    assert AveragingConfig(matchmaking_timeout_s=1.0, round_timeout_s=5.0).gather_window == 0.25
     for bad in (
         dict(min_group_size=1),
         dict(min_group_size=5, target_group_size=4),
@@ -565,14 +565,14 @@ def test_averaging_config_validates_and_derives_one_timeout():
     ):
         with pytest.raises(ConfigError):
             AveragingConfig(**bad)
-    swarm = SwarmConfig(codec="fp16", matchmaking_timeout_s=5.0, round_timeout_s=30.0)
+    swarm = SwarmConfig.build(codec="fp16", matchmaking_timeout_s=5.0, round_timeout_s=30.0)
     derived = swarm.averaging
     assert (derived.codec, derived.round_timeout_s, derived.matchmaking_timeout_s) == (
         "fp16",
         30.0,
         5.0,
     )
-    assert SwarmConfig(mode="gradients").averaging.gather_window_s == 0.05
+    assert SwarmConfig.build(mode="gradients").averaging.gather_window_s == 0.05
 
 
 # ---- robust aggregation, bounded shares, owner checks (sans-I/O)

@@ -27,7 +27,7 @@ def engine(mode: str = "diloco", seed: int = 0) -> TrainingEngine:
         torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
-    return TrainingEngine(model, opt, SwarmConfig(mode=mode, inner_steps=3, codec="none"))
+    return TrainingEngine(model, opt, SwarmConfig.build(mode=mode, inner_steps=3, codec="none"))
 
 
 def trained(mode: str = "diloco", steps: int = 4) -> TrainingEngine:
@@ -95,7 +95,7 @@ def test_tied_weights_are_saved(tmp_path) -> None:
     head = torch.nn.Linear(3, 5, bias=False)
     head.weight = emb.weight
     model = torch.nn.Sequential(emb, head)
-    e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig())
+    e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig.build())
     write_checkpoint(tmp_path / "c", e.state_dict(None))
     e.load_state_dict(read_checkpoint(tmp_path / "c"))
 
@@ -191,7 +191,7 @@ def test_checkpoint_of_another_model_or_mode_is_refused(tmp_path) -> None:
         engine("local_sgd").load_state_dict(read_checkpoint(path))
     model = torch.nn.Linear(3, 3)
     other = TrainingEngine(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig(codec="none")
+        model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig.build(codec="none")
     )
     with pytest.raises(CheckpointError, match="another model"):
         other.load_state_dict(read_checkpoint(path))

@@ -16,7 +16,7 @@ from loopback_peers import start_peers
 
 from swarm.averaging import Averager, AveragingConfig
 from swarm.averaging.butterfly.context import RoundContext
-from swarm.averaging.groups.group import GroupInfo
+from swarm.averaging.groups.group import GroupInfo, NoGroup
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.matchmaking import Matchmaker
 from swarm.averaging.groups.prober import (
@@ -96,7 +96,7 @@ async def test_a_planned_member_left_alone_gives_up_after_the_patience(role: str
             ),
             10.0,
         )
-        assert outcome == "no planned member came"
+        assert outcome == NoGroup("no planned member came")
         assert other.peer_id not in maker.liveness.gone  # alive: not reported gone
     finally:
         await maker.close()
@@ -110,9 +110,9 @@ async def test_patience_follows_how_late_planned_members_joined() -> None:
     )
     try:
         assert maker.patience(7.5) == 7.5  # nothing seen yet: the configured most
-        maker.lags.extend([0.01, 0.05, 0.2] * 4)
+        maker.desk.lags.extend([0.01, 0.05, 0.2] * 4)
         assert maker.patience(7.5) == pytest.approx(2 * 0.2 + 0.2)
-        maker.lags.append(30.0)  # a member that came very late: never above the most
+        maker.desk.lags.append(30.0)  # a member that came very late: never above the most
         assert maker.patience(7.5) == 7.5
     finally:
         await maker.close()
@@ -218,6 +218,7 @@ async def test_a_peer_found_gone_is_reported_in_its_finders_record() -> None:
 async def test_rounds_of_different_purposes_never_group() -> None:
     a, b = await start_peers([98, 99])
     config = AveragingConfig(
+        codec="none",
         min_group_size=2,
         target_group_size=2,
         matchmaking_timeout_s=1.5,

@@ -37,11 +37,11 @@ def torchrun(node: int, listen: str, out, *extra: str) -> OutputProcess:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["diloco", "gradients"])
-def test_two_nodes_of_two_processes_train_as_two_peers(tmp_path, mode) -> None:
+def two_nodes(tmp_path, *extra: str, first: tuple[str, ...] = ()) -> dict[tuple[int, int], dict]:
+    """Run node 0 (with ``first`` added), then node 1 joining it; each rank's result by
+    (node, rank)."""
     address_file = tmp_path / "a.addr"
-    a = torchrun(0, "127.0.0.41:0", tmp_path, "--address-file", str(address_file), "--mode", mode)
+    a = torchrun(0, "127.0.0.41:0", tmp_path, "--address-file", str(address_file), *extra, *first)
     b = None
     try:
         deadline = time.monotonic() + 120
@@ -49,7 +49,7 @@ def test_two_nodes_of_two_processes_train_as_two_peers(tmp_path, mode) -> None:
             assert a.proc.poll() is None and time.monotonic() < deadline, a.output()
             time.sleep(0.1)
         address = address_file.read_text()
-        b = torchrun(1, "127.0.0.42:0", tmp_path, "--initial-peers", address, "--mode", mode)
+        b = torchrun(1, "127.0.0.42:0", tmp_path, "--initial-peers", address, *extra)
         assert a.proc.wait(timeout=240) == 0, a.output()
         assert b.proc.wait(timeout=240) == 0, b.output()
     finally:
@@ -61,6 +61,13 @@ def test_two_nodes_of_two_processes_train_as_two_peers(tmp_path, mode) -> None:
         for r in (json.loads(p.read_text()) for p in tmp_path.glob("node*_rank*.json"))
     }
     assert set(results) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diloco", "gradients"])
+def test_two_nodes_of_two_processes_train_as_two_peers(tmp_path, mode) -> None:
+    results = two_nodes(tmp_path, "--mode", mode)
     for node in (0, 1):
         # Every step ends with the same weights on both ranks: the last steps are inner steps
         # after the last round, so this holds only if gradients were averaged inside the node.
@@ -70,6 +77,21 @@ def test_two_nodes_of_two_processes_train_as_two_peers(tmp_path, mode) -> None:
         assert [True, 2] in rounds, rounds  # averaged with the other node at least once
     if mode == "diloco":  # the last steps are local: each node trained on its own data
         assert results[(0, 0)]["params"] != results[(1, 0)]["params"]
+
+
+@pytest.mark.slow
+def test_ranks_stay_identical_while_a_round_is_in_flight(tmp_path) -> None:
+    # Node 0 takes 0.3 s a step, node 1 no time: node 1's first round waits for node 0's, which
+    # then finds node 1 waiting and averages at once; it lands at step 4 or 5, not at a due
+    # step. Node 0's second round (step 6) then starts alone, with no round ending at that step,
+    # and looks for partners for 5 s (node 1 has finished), so it is still in flight at step 7,
+    # the last. After an averaged round, its eager outer step moved rank 0's model at step 6:
+    # rank 1 must follow that too, bit for bit.
+    results = two_nodes(tmp_path, "--mode", "diloco", first=("--step-sleep", "0.3"))
+    for node in (0, 1):
+        assert results[(node, 0)]["params"] == results[(node, 1)]["params"], node
+        assert [True, 2] in results[(node, 0)]["rounds"], results[(node, 0)]["rounds"]
+    assert results[(0, 0)]["launches_alone"] >= 1, results[(0, 0)]
 
 
 def test_needs_an_initialized_process_group() -> None:

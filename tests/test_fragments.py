@@ -28,24 +28,27 @@ def model(seed: int = 0) -> torch.nn.Module:
 def engine(fragments: int, overlap: bool, seed: int = 0, inner: int = 4) -> TrainingEngine:
     m = model(seed)
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    config = SwarmConfig(
+    config = SwarmConfig.build(
         inner_steps=inner, codec="none", overlap=overlap, fragments=fragments, anchor_sync_every=0
     )
     return TrainingEngine(m, opt, config)
 
 
 def test_fragments_are_diloco_only_and_divide_the_inner_steps() -> None:
-    assert SwarmConfig().fragments == 1 and SwarmConfig(inner_steps=12).round_interval == 12
-    assert SwarmConfig(inner_steps=12, fragments=3).round_interval == 4
+    assert (
+        SwarmConfig.build().fragments == 1
+        and SwarmConfig.build(inner_steps=12).round_interval == 12
+    )
+    assert SwarmConfig.build(inner_steps=12, fragments=3).round_interval == 4
     with pytest.raises(ConfigError, match="multiple of fragments"):
-        SwarmConfig(inner_steps=10, fragments=3)
+        SwarmConfig.build(inner_steps=10, fragments=3)
     with pytest.raises(ConfigError, match="only mode='diloco'"):
-        SwarmConfig(mode="local_sgd", inner_steps=4, fragments=2)
+        SwarmConfig.build(mode="local_sgd", inner_steps=4, fragments=2)
     with pytest.raises(ConfigError, match="only mode='diloco'"):
-        SwarmConfig(mode="gradients", fragments=2)
+        SwarmConfig.build(mode="gradients", fragments=2)
     for bad in (0, -1, 2.0, True, "2"):
         with pytest.raises(ConfigError, match="fragments must be an integer"):
-            SwarmConfig(inner_steps=4, fragments=bad)  # type: ignore[arg-type]
+            SwarmConfig.build(inner_steps=4, fragments=bad)  # type: ignore[arg-type]
 
 
 def _covered(tensors: ModelTensors, cut: list) -> list[tuple[int, int]]:
@@ -87,7 +90,7 @@ def test_a_non_contiguous_tensor_is_never_cut() -> None:
         for f in split(tensors, count):
             assert all(i != 0 or (s, e) == (0, 32) for i, s, e in f.pieces), f.pieces
     e = TrainingEngine(
-        m, torch.optim.SGD(m.parameters(), lr=0.05), SwarmConfig(inner_steps=3, fragments=3)
+        m, torch.optim.SGD(m.parameters(), lr=0.05), SwarmConfig.build(inner_steps=3, fragments=3)
     )
     assert e.fragments[0].pieces == ((0, 0, 32),)  # 27 was the cut: it moved to the end
     assert e._outers[0].tensors.params[0].shape == (8, 4)  # whole: its own shape

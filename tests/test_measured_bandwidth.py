@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from swarm.address import PeerAddress
 from swarm.averaging import Averager, Fault
-from swarm.averaging.averager import unbelieved_claims
 from swarm.averaging.butterfly.parts import (
     MEASURED_FLOOR,
     PartPlan,
@@ -28,6 +27,7 @@ from swarm.averaging.butterfly.parts import (
     effective_bandwidths,
 )
 from swarm.averaging.butterfly.repair import Repair
+from swarm.averaging.butterfly.runner import unbelieved_claims
 from swarm.averaging.groups.group import GroupInfo
 from swarm.averaging.groups.rates import MIN_MEASURED_CHUNKS, PeerRates, stream_upload_rate
 from swarm.compression import get_codec

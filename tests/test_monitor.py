@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.address import PeerAddress
 from swarm.api import AsyncSwarm
-from swarm.dashboard.server import Dashboard
 from swarm.dashboard.status import RunReader, format_table
+from swarm.dashboard.web import Dashboard
 from swarm.monitor import tracker
 from swarm.monitor.watch import PeerWatcher
 from swarm.net.progress import Resources

@@ -51,7 +51,7 @@ def round_of(e: TrainingEngine, delta: float, group: int = 2) -> object:
 
 def test_norm_jump_is_bounded_flagged_and_logged(caplog) -> None:
     model = make_model()
-    e = TrainingEngine(model, torch.optim.Adam(model.parameters()), SwarmConfig(codec="none"))
+    e = TrainingEngine(model, torch.optim.Adam(model.parameters()), SwarmConfig.build(codec="none"))
     for _ in range(NORM_MIN_HISTORY + 1):
         report = round_of(e, 1e-3)
         assert not report.diverging and report.pseudo_grad_norm > 0
@@ -74,7 +74,7 @@ def test_norm_jump_is_bounded_flagged_and_logged(caplog) -> None:
 
 def test_loss_rise_is_flagged_once_and_recovers(caplog) -> None:
     model = make_model()
-    config = SwarmConfig(codec="none", inner_steps=2)
+    config = SwarmConfig.build(codec="none", inner_steps=2)
     e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), config)
     reports = []
     with caplog.at_level(logging.WARNING, logger="swarm.training.engine"):

@@ -25,7 +25,7 @@ def make(overlap: bool = True, seed: int = 0, **kw: object) -> TrainingEngine:
         torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = SwarmConfig(inner_steps=INNER, codec="none", overlap=overlap, **kw)
+    config = SwarmConfig.build(inner_steps=INNER, codec="none", overlap=overlap, **kw)
     return TrainingEngine(model, opt, config)
 
 
@@ -85,14 +85,14 @@ def no_blocking_round(plan: RoundPlan) -> RoundOutcome:
 
 
 def test_overlap_is_the_default_of_diloco_and_for_diloco_only() -> None:
-    assert SwarmConfig().overlap is True
-    assert SwarmConfig(overlap=False).overlap is False
-    assert SwarmConfig(mode="local_sgd").overlap is False
-    assert SwarmConfig(mode="gradients").overlap is False
+    assert SwarmConfig.build().overlap is True
+    assert SwarmConfig.build(overlap=False).overlap is False
+    assert SwarmConfig.build(mode="local_sgd").overlap is False
+    assert SwarmConfig.build(mode="gradients").overlap is False
     with pytest.raises(ConfigError, match="diloco"):
-        SwarmConfig(mode="local_sgd", overlap=True)
+        SwarmConfig.build(mode="local_sgd", overlap=True)
     with pytest.raises(ConfigError, match="outer_device"):
-        SwarmConfig(outer_device="tpu")
+        SwarmConfig.build(outer_device="tpu")
 
 
 def test_a_round_that_lands_before_any_inner_step_is_the_blocking_round() -> None:
@@ -199,7 +199,7 @@ def _lockstep_loss(overlap: bool, delay: int, fragments: int = 1) -> float:
             torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        config = SwarmConfig(
+        config = SwarmConfig.build(
             inner_steps=inner,
             codec="none",
             overlap=overlap,
@@ -387,7 +387,7 @@ def test_outer_state_off_the_gpu_costs_no_gpu_memory_per_parameter(outer_device)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     e = TrainingEngine(
-        model, opt, SwarmConfig(inner_steps=2, codec="none", outer_device=outer_device)
+        model, opt, SwarmConfig.build(inner_steps=2, codec="none", outer_device=outer_device)
     )
     rounds = Rounds()
     for _ in range(3):

@@ -37,7 +37,7 @@ def engine(
 ) -> TrainingEngine:
     model = bn_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    config = SwarmConfig(mode=mode, inner_steps=3, codec=codec_override, **kw)
+    config = SwarmConfig.build(mode=mode, inner_steps=3, codec=codec_override, **kw)
     return TrainingEngine(model, opt, config)
 
 
@@ -161,11 +161,11 @@ def test_sync_and_async_steps_are_one_sequence(mode: Mode) -> None:
 
 
 def test_mode_is_an_enum_that_reads_as_its_text() -> None:
-    assert SwarmConfig(mode="local_sgd").mode is Mode.LOCAL_SGD
-    assert SwarmConfig(mode=Mode.GRADIENTS).inner_steps == 1
+    assert SwarmConfig.build(mode="local_sgd").mode is Mode.LOCAL_SGD
+    assert SwarmConfig.build(mode=Mode.GRADIENTS).inner_steps == 1
     assert Mode.DILOCO == "diloco" and str(Mode.DILOCO) == "diloco" and f"{Mode.DILOCO}" == "diloco"
     with pytest.raises(ConfigError, match="use one of diloco, local_sgd, gradients"):
-        SwarmConfig(mode="fedavg")
+        SwarmConfig.build(mode="fedavg")
     state = engine("local_sgd").state_dict(None)
     assert type(state["mode"]) is str and state["mode"] == "local_sgd"
 
@@ -284,7 +284,7 @@ def test_split_parts_covers_the_range() -> None:
 
 
 def test_config_validation() -> None:
-    assert SwarmConfig(mode="gradients", inner_steps=50).inner_steps == 1
+    assert SwarmConfig.build(mode="gradients", inner_steps=50).inner_steps == 1
     for bad in (
         {"mode": "ddp"},
         {"inner_steps": 0},
@@ -295,10 +295,10 @@ def test_config_validation() -> None:
         {"anchor_sync_every": 2.5},
     ):
         with pytest.raises(ConfigError):
-            SwarmConfig(**bad)
+            SwarmConfig.build(**bad)
     with pytest.raises(ConfigError):
-        SwarmConfig(peer="x")  # type: ignore[arg-type]
-    assert SwarmConfig(peer=PeerConfig(run_id="r")).peer.run_id == "r"
+        SwarmConfig.build(peer="x")  # type: ignore[arg-type]
+    assert SwarmConfig.build(peer=PeerConfig(run_id="r")).peer.run_id == "r"
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -313,7 +313,7 @@ def test_half_precision_models_keep_fp32_master_state(dtype: torch.dtype, device
         model.load_state_dict(bn_free_state(0))  # one start, as after joining
         model = model.to(device=device, dtype=dtype)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        engines.append(TrainingEngine(model, opt, SwarmConfig(inner_steps=2, codec="none")))
+        engines.append(TrainingEngine(model, opt, SwarmConfig.build(inner_steps=2, codec="none")))
     for e in engines:
         assert all(a.dtype == torch.float32 and a.device.type == device for a in e.outer.anchor)
         for _ in range(2):
@@ -343,7 +343,7 @@ def bn_free_state(seed: int) -> dict[str, torch.Tensor]:
 def test_cuda_engine_round_snapshot_and_checkpoint(tmp_path) -> None:
     model = bn_model(0).cuda()
     e = TrainingEngine(
-        model, torch.optim.AdamW(model.parameters()), SwarmConfig(inner_steps=2, codec="none")
+        model, torch.optim.AdamW(model.parameters()), SwarmConfig.build(inner_steps=2, codec="none")
     )
     for _ in range(2):
         e.model(torch.randn(16, 4, device="cuda")).pow(2).mean().backward()
@@ -356,7 +356,7 @@ def test_cuda_engine_round_snapshot_and_checkpoint(tmp_path) -> None:
     other = TrainingEngine(
         bn_model(1).cuda(),
         torch.optim.AdamW(model.parameters()),
-        SwarmConfig(inner_steps=2, codec="none"),
+        SwarmConfig.build(inner_steps=2, codec="none"),
     )
     other.load_snapshot(
         unpack_snapshot(bytearray(blob), schema=other.schema, expected=other.snapshot_layout()), 0
@@ -388,7 +388,7 @@ def test_sparse_codecs_keep_batchnorm_buffers_local() -> None:
 def test_rounds_offer_the_anchors_to_sync_only_where_it_is_sound(kw: dict, synced: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig(**kw))
+    e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig.build(**kw))
     plan = e.begin_round()
     if synced:
         assert plan.sync_every == 4 and plan.sync is not None

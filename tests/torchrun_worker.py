@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--mode", default="diloco")
+    p.add_argument("--gather-window", type=float, help="seconds; a long one keeps rounds in flight")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -43,7 +45,10 @@ def main() -> None:
         "matchmaking_timeout_s": 5.0,
         "round_timeout_s": 60.0,
     }
+    if args.gather_window is not None:
+        options["gather_window_s"] = args.gather_window
     averaged = []
+    launches_alone = 0  # steps where a round started in flight and none ended
     with NodeSwarm(model, opt, **options) as swarm:
         if swarm.is_peer and args.address_file:
             Path(args.address_file).write_text(swarm.address)
@@ -56,14 +61,23 @@ def main() -> None:
             x = torch.randn(16, 5, generator=g)
             y = x.sum(dim=1, keepdim=True)
             torch.nn.functional.mse_loss(model(x), y).backward()
+            time.sleep(args.step_sleep)
             report = swarm.step(samples=len(x))
             opt.zero_grad()
+            if report is not None and report.round_started and not report.round_due:
+                launches_alone += 1
             if report is not None and report.round_due:
                 averaged.append([report.averaged, report.group_size])
     digest = hashlib.sha256()
     for t in model.state_dict().values():
         digest.update(t.detach().numpy().tobytes())
-    result = {"node": args.node_id, "rank": rank, "params": digest.hexdigest(), "rounds": averaged}
+    result = {
+        "node": args.node_id,
+        "rank": rank,
+        "params": digest.hexdigest(),
+        "rounds": averaged,
+        "launches_alone": launches_alone,
+    }
     Path(args.out, f"node{args.node_id}_rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -98,6 +98,7 @@ def add_averagers(swarm: Swarm, name: str, **kwargs: Any) -> None:
     # the consensus checks compare with the exact global mean, which only the plain mean keeps
     # when honest peers start far apart (CenteredClip would clip them toward their group)
     options: dict[str, Any] = dict(
+        codec="none",
         min_group_size=2,
         target_group_size=4,
         matchmaking_timeout_s=6.0,

@@ -23,40 +23,25 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from swarm.averaging.butterfly.allreduce import AllReduce, RoundParts
-from swarm.averaging.butterfly.context import RoundContext
-from swarm.averaging.butterfly.flat import FlatStaging, check_tensors, scatter
-from swarm.averaging.butterfly.parts import (
-    PartPlan,
-    chunk_bytes_for,
-    chunk_elems_for,
-    effective_bandwidths,
-    schema_hash,
-)
+from swarm.averaging.butterfly.flat import check_tensors
+from swarm.averaging.butterfly.parts import schema_hash
 from swarm.averaging.butterfly.reducer import check_weight
-from swarm.averaging.butterfly.repair import Repair
-from swarm.averaging.butterfly.residuals import FlatFeedback
-from swarm.averaging.butterfly.rounds import RoundRegistry
-from swarm.averaging.butterfly.stall import StallPolicy
-from swarm.averaging.butterfly.workers import Workers
+from swarm.averaging.butterfly.runner import ButterflyRunner, RoundKind
 from swarm.averaging.faults import Fault, FaultInjector
-from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo, matchmaking_key
+from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo, NoGroup, matchmaking_key
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.matchmaking import Matchmaker
 from swarm.averaging.groups.planner import GroupPlanner, RoundKey
 from swarm.averaging.groups.prober import Prober
 from swarm.averaging.groups.rates import PeerRates
-from swarm.averaging.result import Refusal, RoundResult
+from swarm.averaging.result import RoundResult
 from swarm.compression import get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
-from swarm.errors import AuthError, AveragingError, ConfigError, TransportError
-from swarm.identity import PeerID
-from swarm.net.streams import InboundStream, ReplyStream
+from swarm.errors import AveragingError, ConfigError
 from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
@@ -95,8 +80,6 @@ class Averager:
         self.fault = fault
         self.faults = FaultInjector(fault)
         self.fault_triggered = self.faults.triggered  # set when ``fault`` fires (tests wait on it)
-        self.stream_name = f"{config.name}.part"
-        self.stall = StallPolicy(config.stall_timeout_min_s, config.stall_factor)
         self.liveness = Liveness(peer)  # checks members that keep a round waiting
         self.rates = PeerRates()  # others' upload as this peer's owner side measured it
         self.matchmaker = Matchmaker(
@@ -104,29 +87,20 @@ class Averager:
             rpc_name=f"{config.name}.join",
             min_group_size=config.min_group_size,
             target_group_size=config.target_group_size,
-            gather_window=config.gather_window_s or 0.0,
+            gather_window=config.gather_window,
             liveness=self.liveness,
             rates=self.rates,
         )
-        peer.transport.add_stream(self.stream_name, self._handle_part)
-        if self.faults.active:
-            announced = peer.transport.record().bandwidth
-            peer.transport.update_record(bandwidth=self.faults.bandwidth(announced))
-        self.current_group: GroupInfo | None = None  # the group of the round in progress
-        # owners this peer accused of returning implausible averages: they own no part in this
-        # peer's plans and their part streams are refused, for the rest of the run
-        self.excluded: dict[PeerID, str] = {}
-        self._chunk_elems: dict[int, int] = {}  # chunk bytes -> elements, for this codec
         self._pool = concurrent.futures.ThreadPoolExecutor(
             config.threads, thread_name_prefix="swarm-avg"
         )
+        self.butterfly = ButterflyRunner(
+            peer, config, self.codec, self._pool, self.faults, self.liveness, self.rates
+        )
+        if self.faults.active:
+            announced = peer.transport.record().bandwidth
+            peer.transport.update_record(bandwidth=self.faults.bandwidth(announced))
         self._lock = asyncio.Lock()
-        self._rounds = RoundRegistry()
-        # error feedback per kind of round, so that rounds taking turns keep their own
-        # residuals; staging buffers per fragment (see RoundKind)
-        self._feedbacks: dict[RoundKind, FlatFeedback] = {}
-        self._stagings: dict[tuple[str, bool], FlatStaging] = {}
-        self._saved_feedback: dict[str, dict[str, Any]] = {}  # by fragment label, until used
         self.prober = prober  # RTT probes and this peer's Vivaldi coordinate
         self._own_prober = prober is None and config.grouping != "fixed"
         if self._own_prober:
@@ -221,22 +195,23 @@ class Averager:
             )
             matchmaking_s = time.monotonic() - started
             self.planner.forget(self.liveness.gone)
-            if isinstance(group, str):
+            if isinstance(group, NoGroup):
                 logger.info("round not averaged: %s", group)
-                return RoundResult(False, group, matchmaking_s=matchmaking_s)
+                return RoundResult(False, group.reason, matchmaking_s=matchmaking_s)
             self.planner.joined(group)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             kind = RoundKind(purpose, fragment)
-            result = await self._allreduce(
+            result = await self.butterfly.allreduce(
                 tensors, numel, weight, group, matchmaking_s, deadline, kind
             )
+            self.planner.forget(self.liveness.gone)
             if not syncing or not syncs(group, sync_every):
                 return result
             # the same members average the synced tensors under a derived group id
             derived = dataclasses.replace(
                 group, group_id=hashlib.sha256(b"sync" + group.group_id).digest()[:GROUP_ID_BYTES]
             )
-            synced = await self._allreduce(
+            synced = await self.butterfly.allreduce(
                 syncing,
                 sum(t.numel() for t in syncing),
                 weight,
@@ -245,6 +220,7 @@ class Averager:
                 deadline,
                 dataclasses.replace(kind, synced=True),
             )
+            self.planner.forget(self.liveness.gone)
             return dataclasses.replace(
                 result,
                 synced=synced.averaged,
@@ -265,9 +241,8 @@ class Averager:
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback state of the training rounds (of every fragment), for checkpoints."""
-        saved = {
-            kind.fragment: fb.state_dict() for kind, fb in self._feedbacks.items() if kind.saved
-        }
+        feedbacks = self.butterfly.feedbacks
+        saved = {kind.fragment: fb.state_dict() for kind, fb in feedbacks.items() if kind.saved}
         whole = saved.pop("", None)
         return {"feedback": whole, "fragments": saved} if saved else {"feedback": whole}
 
@@ -278,17 +253,16 @@ class Averager:
         fragments = state.get("fragments")
         saved = dict(fragments) if isinstance(fragments, dict) else {}
         saved[""] = state.get("feedback")
-        self._saved_feedback = {
-            k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, dict)
-        }
-        for kind, fb in self._feedbacks.items():
-            if kind.saved and kind.fragment in self._saved_feedback:
-                fb.load_state_dict(self._saved_feedback[kind.fragment])
+        kept = {k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, dict)}
+        self.butterfly.saved_feedback = kept
+        for kind, fb in self.butterfly.feedbacks.items():
+            if kind.saved and kind.fragment in kept:
+                fb.load_state_dict(kept[kind.fragment])
 
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
-        self._rounds.close()
+        self.butterfly.close()
         if self.prober is not None and self._own_prober:
             await self.prober.close()
         await self.matchmaker.close()
@@ -299,245 +273,6 @@ class Averager:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    # ---- one round
-
-    async def _allreduce(
-        self,
-        tensors: list[torch.Tensor],
-        numel: int,
-        weight: float,
-        group: GroupInfo,
-        matchmaking_s: float,
-        deadline: float,
-        kind: RoundKind,
-    ) -> RoundResult:
-        loop = asyncio.get_running_loop()
-        me = group.index_of(self.peer.peer_id)
-        plan = self._plan(group, numel)
-        staging = self._stagings.setdefault(kind.staging, FlatStaging())
-        flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
-        flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
-        started = time.monotonic()
-        ctx = RoundContext(
-            group=group,
-            me=me,
-            weight=weight,
-            feedback=self._feedback_for(numel, flat.device, kind),
-            workers=Workers(self._pool),
-            stall=self.stall,
-            deadline=deadline,
-            faults=self.faults,
-            aggregator=self.config.aggregator,
-            weight_cap=self.config.weight_cap,
-            excluded=self._excluded_in(group),
-            liveness=self.liveness,
-            rates=self.rates,
-        )
-        self.current_group = group
-        try:
-            outcome = await self._run(ctx, plan, flat, result)
-        finally:
-            self.current_group = None
-        repair = Repair.plan(group, plan, me, set(outcome.parts))
-        if repair is not None:
-            outcome = await self._repair(repair, ctx, outcome, flat, result, started)
-        self._rounds.settle(group.group_id)  # a repair that did not start here never will
-        self.planner.forget(self.liveness.gone)
-        parts_idx, notes = outcome.parts, outcome.notes
-        refusals = [
-            Refusal(m.peer_id, "excluded", -1, self.excluded[m.peer_id])
-            for m in group.members
-            if m.peer_id in self.excluded
-        ]
-        if not kind.synced:
-            refusals.extend(unbelieved_claims(group))
-        for r in outcome.refusals:
-            refusals.append(r)
-            if r.action == "accused" and r.peer not in self.excluded:
-                self.excluded[r.peer] = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
-        ranges = [plan.ranges[j] for j in sorted(parts_idx)]
-        await loop.run_in_executor(self._pool, scatter, tensors, result, ranges)
-        allreduce_s = time.monotonic() - started
-        ids = group.peer_ids
-        parts = {j: tuple(ids[i] for i in idx) for j, idx in sorted(parts_idx.items())}
-        averaged = any(len(p) > 1 for p in parts.values())
-        reason = "; ".join(notes[:4]) if notes else ""
-        if not averaged and not reason:
-            reason = "no part was averaged"
-        logger.info(
-            "round %s: %d peers, %d/%d parts averaged, %.2f s + %.2f s%s%s",
-            group.group_id.hex()[:8],
-            len(ids),
-            len(parts),
-            len(plan.owned()),
-            matchmaking_s,
-            allreduce_s,
-            f" ({reason})" if reason else "",
-            f"; refused: {'; '.join(map(str, refusals))}" if refusals else "",
-        )
-        return RoundResult(
-            averaged=averaged,
-            reason=reason,
-            group_id=group.group_id,
-            members=ids,
-            parts=parts,
-            bytes_sent=outcome.bytes_sent,
-            bytes_received=outcome.bytes_received,
-            matchmaking_s=matchmaking_s,
-            allreduce_s=allreduce_s,
-            refusals=tuple(refusals),
-        )
-
-    def _plan(self, group: GroupInfo, numel: int) -> PartPlan:
-        bandwidths = effective_bandwidths(group.bandwidths, group.measured)
-        # an owner this peer accused owns nothing in its plan (and its streams are refused)
-        for i, m in enumerate(group.members):
-            if m.peer_id in self.excluded:
-                bandwidths[i] = 0.0
-        chunk_bytes = chunk_bytes_for(group.measured, len(group.members))
-        chunk_elems = self._chunk_elems.get(chunk_bytes)
-        if chunk_elems is None:
-            chunk_elems = self._chunk_elems[chunk_bytes] = chunk_elems_for(self.codec, chunk_bytes)
-        return PartPlan.create(numel, bandwidths, chunk_elems, self.config.max_share)
-
-    def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
-        return frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded)
-
-    async def _run(
-        self, ctx: RoundContext, plan: PartPlan, flat: torch.Tensor, result: torch.Tensor
-    ) -> RoundParts:
-        """One all-reduce of ``ctx.group``, registered so that its members' streams find it."""
-        round_ = AllReduce(
-            self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
-        )
-        self._rounds.start(ctx.group.group_id, round_)
-        try:
-            return await round_.run()
-        finally:
-            self._rounds.end(ctx.group.group_id)
-
-    async def _repair(
-        self,
-        repair: Repair,
-        ctx: RoundContext,
-        outcome: RoundParts,
-        flat: torch.Tensor,
-        result: torch.Tensor,
-        started: float,
-    ) -> RoundParts:
-        """Average the round's failed parts again among the members left (see
-        :mod:`swarm.averaging.butterfly.repair`); the outcome with the parts that it averaged."""
-        now = time.monotonic()
-        # it moves less than the round did; a member that never joins must not hold it long
-        deadline = min(ctx.deadline, now + 2 * (now - started) + 4 * self.stall.floor_s)
-        if deadline - now < self.stall.floor_s:
-            return outcome
-        loop = asyncio.get_running_loop()
-        sub = await loop.run_in_executor(self._pool, repair.gather, flat)
-        sub_result = torch.empty_like(sub)
-        plan = self._plan(repair.group, repair.numel)
-        sub_ctx = dataclasses.replace(
-            ctx,
-            group=repair.group,
-            me=repair.group.index_of(self.peer.peer_id),
-            # its residuals would not line up with the round's: this short vector goes without
-            feedback=FlatFeedback(self.codec, repair.numel, sub.device),
-            deadline=deadline,
-            excluded=self._excluded_in(repair.group),
-            parent=ctx.group.group_id,
-            gone=set(),
-            suspected={},
-        )
-        fixed = await self._run(sub_ctx, plan, sub, sub_result)
-        parts = repair.repaired(plan, fixed.parts, ctx.group)
-        if parts:
-            await loop.run_in_executor(self._pool, repair.scatter, sub_result, result, set(parts))
-        notes = [f"part {j} averaged again among {len(c)} peers" for j, c in parts.items()]
-        if len(parts) < len(repair.parts):
-            notes.append(f"{len(repair.parts) - len(parts)} failed part(s) kept local values")
-        return RoundParts(
-            {**outcome.parts, **parts},
-            [*outcome.notes, *notes],
-            (*outcome.refusals, *fixed.refusals),
-            outcome.bytes_sent + fixed.bytes_sent,
-            outcome.bytes_received + fixed.bytes_received,
-        )
-
-    def _feedback_for(self, numel: int, device: torch.device, kind: RoundKind) -> FlatFeedback:
-        """The error feedback of one kind of round, new when its size moved."""
-        fb = self._feedbacks.get(kind)
-        if fb is None or fb.numel != numel or fb.device != device:
-            fb = self._feedbacks[kind] = FlatFeedback(self.codec, numel, device)
-            if kind.saved and kind.fragment in self._saved_feedback:
-                fb.load_state_dict(self._saved_feedback[kind.fragment])
-        return fb
-
-    # ---- serving part streams
-
-    async def _handle_part(self, request: InboundStream, reply: ReplyStream) -> None:
-        header = request.header
-        group_id, parent = header.get("g"), header.get("r")
-        if not _is_group_id(group_id):
-            raise TransportError("part stream without a valid group id", status=400)
-        if parent is not None and not _is_group_id(parent):
-            raise TransportError("part stream with an invalid parent group id", status=400)
-        round_ = await self._rounds.find(group_id, parent)
-        if round_ is None:
-            raise TransportError("unknown or finished group", status=404)
-        try:
-            sender = round_.group.index_of(request.sender.peer_id)
-        except AveragingError:
-            raise AuthError(
-                f"{request.sender.peer_id.short} is not a member of group {group_id.hex()[:8]}"
-            ) from None
-        if sender == round_.me:
-            raise AuthError("a member does not stream to itself")
-        if request.sender.peer_id in self.excluded:
-            raise AuthError(f"{request.sender.peer_id.short} is excluded: it was accused")
-        await round_.serve(request, reply, sender, header)
-
-
-def unbelieved_claims(group: GroupInfo) -> list[Refusal]:
-    """The members that plans size by less than half the bandwidth they announced: measured
-    lower than they claim, or never measured and claiming more than twice the median."""
-    planned = effective_bandwidths(group.bandwidths, group.measured)
-    measured = group.measured or (0.0,) * len(group.members)
-    return [
-        Refusal(
-            m.peer_id,
-            "bandwidth-capped",
-            -1,
-            f"announced {m.bandwidth:.3g} B/s, planned with {bw:.3g} B/s "
-            + ("(measured)" if rate > 0 else "(not measured yet: the group's median claim)"),
-        )
-        for m, bw, rate in zip(group.members, planned, measured, strict=True)
-        if bw < m.bandwidth / 2
-    ]
-
-
-def _is_group_id(value: object) -> bool:
-    return isinstance(value, bytes) and len(value) == GROUP_ID_BYTES
-
-
-@dataclass(frozen=True)
-class RoundKind:
-    """What an all-reduce averages; it keys the error feedback and staging buffers."""
-
-    purpose: str  # "" for training rounds (see ``average``)
-    fragment: str  # the model fragment ("" for a whole model)
-    synced: bool = False  # the synced tensors (anchors) rather than the averaged ones
-
-    @property
-    def saved(self) -> bool:
-        """Checkpoints keep its residuals: a training round's averaged tensors."""
-        return not self.purpose and not self.synced
-
-    @property
-    def staging(self) -> tuple[str, bool]:
-        """Its staging buffers: one-off rounds of another purpose reuse the training rounds'
-        (the same tensors, so the same sizes)."""
-        return self.fragment, self.synced
 
 
 def syncs(group: GroupInfo, every: int) -> bool:

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from swarm.identity import PeerID
+
+
+class RefusalAction(str, enum.Enum):
+    """What this peer did to another's contribution or answer (a ``str`` enum: it compares
+    equal to its text, as logs and reports print it)."""
+
+    CLIPPED = "clipped"  # CenteredClip scaled its offset down
+    WEIGHT_CAPPED = "weight-capped"  # its claimed weight was over the cap
+    BANDWIDTH_CAPPED = "bandwidth-capped"  # its claimed bandwidth was over what was measured
+    DROPPED = "dropped"  # it stalled or vanished mid-round
+    REFUSED = "refused"  # what it sent was malformed or out of bounds
+    ACCUSED = "accused"  # as an owner, it returned an implausible average
+    EXCLUDED = "excluded"  # left out of this round for an earlier accusation
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -12,7 +29,7 @@ class Refusal:
     """A peer whose contribution or answer this peer did not take as it came, and why."""
 
     peer: PeerID  # who
-    action: str  # clipped, weight-capped, bandwidth-capped, dropped, refused, accused, excluded
+    action: RefusalAction  # what was done
     part: int  # the part concerned (-1: the whole round)
     why: str  # human-readable detail
 

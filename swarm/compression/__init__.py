@@ -1,7 +1,7 @@
 """Compression codecs with error feedback.
 
 Every codec turns a float32/float16/bfloat16 tensor into a self-describing payload
-(:mod:`swarm.compression.wire`) and back, on the tensor's own device::
+(:mod:`swarm.compression.header`) and back, on the tensor's own device::
 
     codec = get_codec("topk:0.01")
     payload = codec.encode(tensor)                  # bytes
@@ -19,13 +19,13 @@ for any malformed or hostile payload.
 """
 
 from swarm.compression.base import Codec
+from swarm.compression.codecs import CODEC_NAMES, decode, decode_into, get_codec, read_header
 from swarm.compression.feedback import ErrorFeedback
 from swarm.compression.floats import CastCodec
+from swarm.compression.header import DEFAULT_MAX_NUMEL, Header
 from swarm.compression.int8 import Int8Codec
 from swarm.compression.onebit import OneBitCodec
-from swarm.compression.registry import CODEC_NAMES, decode, decode_into, get_codec, read_header
 from swarm.compression.topk import TopKCodec
-from swarm.compression.wire import DEFAULT_MAX_NUMEL, Header
 
 __all__ = [
     "CODEC_NAMES",

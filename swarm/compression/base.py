@@ -2,7 +2,7 @@
 
 A codec is pure tensor math split in two halves, both working on the tensor's own device:
 
-- ``_encode(x)`` turns a flat contiguous tensor into a :class:`~swarm.compression.wire.Header`
+- ``_encode(x)`` turns a flat contiguous tensor into a :class:`~swarm.compression.header.Header`
   and a list of section tensors;
 - ``_decode(header, sections, out, accumulate, weight)`` writes the reconstruction into ``out``
   (or adds ``weight`` times it).
@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from swarm.compression.wire import DTYPE_CODES, Header, header_size
+from swarm.compression.header import DTYPE_CODES, Header, header_size
 from swarm.errors import CompressionError
 
 Sections = list[torch.Tensor]
@@ -42,6 +42,12 @@ class Codec(ABC):
     name: str = ""
     #: number of sections of every payload of this codec
     nsections: int = 1
+    #: keeps only what stands out (a few values, or signs): fine for changes such as
+    #: pseudo-gradients, whose dropped rest error feedback sends later, but it would ruin raw
+    #: values (parameters, anchors), which must average exactly or nearly so
+    sparse: bool = False
+    #: what error feedback keeps of its residual each round (1.0: all of it)
+    feedback_decay: float = 1.0
 
     def __init__(self) -> None:
         self._local = threading.local()  # per-thread state other than buffers (e.g. generators)

@@ -6,10 +6,11 @@ import torch
 
 from swarm.compression.base import Codec
 from swarm.compression.floats import BF16, FP16, NONE
+from swarm.compression.header import CODEC_IDS, Header
 from swarm.compression.int8 import Int8Codec
 from swarm.compression.onebit import OneBitCodec
+from swarm.compression.sparse import SparseCodec
 from swarm.compression.topk import TopKCodec
-from swarm.compression.wire import CODEC_IDS, Header
 from swarm.errors import CompressionError, ConfigError
 
 CODEC_NAMES: tuple[str, ...] = tuple(CODEC_IDS)
@@ -20,6 +21,7 @@ _CLASSES: dict[str, type[Codec]] = {
     "int8": Int8Codec,
     "topk": TopKCodec,
     "1bit": OneBitCodec,
+    "sparse": SparseCodec,
 }
 
 
@@ -39,7 +41,8 @@ def get_codec(spec: str, **options: object) -> Codec:
     Spec strings (used by the CLI and :class:`~swarm.config.SwarmConfig`): ``none``, ``fp16``,
     ``bf16``, ``int8``, ``int8:BLOCK``, ``int8:BLOCK:bnb``, ``topk:FRACTION`` (a float such as
     ``0.01``), ``topk:COUNT`` (an integer), ``topk:0.01:int8`` (value format), ``1bit``,
-    ``1bit:BLOCK``.
+    ``1bit:BLOCK``, ``sparse`` (``sparse:4096:64:2``), ``sparse:CHUNK:K:BITS`` and
+    ``sparse:CHUNK:K:BITS:DECAY`` (error feedback's decay, default 1).
 
     Args:
         spec: codec name or spec string.
@@ -66,6 +69,13 @@ def get_codec(spec: str, **options: object) -> Codec:
             kwargs["block_size"] = _number(args[0], spec)
         if len(args) == 2:
             kwargs["method"] = args[1]
+    elif name == "sparse":
+        if len(args) > 4:
+            raise ConfigError(f"codec spec {spec!r} has too many fields")
+        for field, text in zip(("chunk", "k", "bits", "decay"), args, strict=False):
+            kwargs[field] = _number(text, spec)
+        if "decay" in kwargs:
+            kwargs["decay"] = float(kwargs["decay"])  # type: ignore[arg-type]
     else:  # topk
         if len(args) > 2:
             raise ConfigError(f"codec spec {spec!r} has too many fields")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from swarm.compression.base import Codec, Sections, check_finite, section_as
-from swarm.compression.wire import Header, expect_lengths
+from swarm.compression.header import Header, expect_lengths
 from swarm.errors import CompressionError
 
 

@@ -32,7 +32,7 @@ from swarm.compression.blocks import (
     absmax_quantize,
     check_scales,
 )
-from swarm.compression.wire import Header, expect_lengths
+from swarm.compression.header import Header, expect_lengths
 from swarm.errors import CompressionError, ConfigError
 
 METHODS = ("absmax", "bnb")

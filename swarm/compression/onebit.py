@@ -17,7 +17,7 @@ import torch
 from swarm.compression.base import Codec, Sections, check_finite, section_as
 from swarm.compression.bits import pack_bits, packed_size, padding_is_zero, signs_from_bits
 from swarm.compression.blocks import MAX_BLOCK, MIN_BLOCK, blocks, check_scales
-from swarm.compression.wire import Header, expect_lengths
+from swarm.compression.header import Header, expect_lengths
 from swarm.errors import CompressionError, ConfigError
 
 
@@ -43,6 +43,7 @@ class OneBitCodec(Codec):
     """
 
     name = "1bit"
+    sparse = True
     nsections = 2
 
     def __init__(self, block_size: int = 4096) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from swarm.compression.base import Codec, Sections, check_finite, section_as
 from swarm.compression.blocks import absmax_dequantize, absmax_quantize, check_scales
+from swarm.compression.header import Header
 from swarm.compression.indices import (
     FIXED,
     WIDTHS,
@@ -30,7 +31,6 @@ from swarm.compression.indices import (
     encoded_size_bound,
     index_bytes_valid,
 )
-from swarm.compression.wire import Header
 from swarm.errors import CompressionError, ConfigError
 
 VALUE_FORMATS = ("fp16", "bf16", "int8")
@@ -68,6 +68,7 @@ class TopKCodec(Codec):
     """
 
     name = "topk"
+    sparse = True
     nsections = 3
 
     def __init__(

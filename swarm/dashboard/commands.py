@@ -11,8 +11,8 @@ from typing import Any
 
 from swarm.address import PeerAddress
 from swarm.auth import Membership
-from swarm.dashboard.server import Dashboard
 from swarm.dashboard.status import RunReader, format_table, peer_row, summary_line, totals
+from swarm.dashboard.web import Dashboard
 from swarm.errors import SwarmError
 from swarm.identity import Identity
 from swarm.protocols import Peer

@@ -25,7 +25,6 @@ from typing import Any
 
 import msgpack
 
-from swarm.auth import RateLimitedWarning
 from swarm.dht.cookies import Cookies
 from swarm.dht.envelope import ENVELOPE_OVERHEAD, RESPONSE, DatagramAuth
 from swarm.dht.pages import answer_page, parse_cursor
@@ -34,6 +33,7 @@ from swarm.dht.request_format import LOOKUPS, Request
 from swarm.dht.routing import Contact, SwarmRoutingTable
 from swarm.dht.store_intake import StoreIntake
 from swarm.errors import AuthError, DHTError
+from swarm.refusal_log import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 

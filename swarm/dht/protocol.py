@@ -32,7 +32,6 @@ from typing import Any
 
 from kademlia.protocol import KademliaProtocol
 
-from swarm.auth import RateLimitedWarning
 from swarm.dht.answers import FULL_ROOM, Responder
 from swarm.dht.budgets import (
     DATAGRAM_BURST,
@@ -52,6 +51,7 @@ from swarm.dht.rtt import RttEstimator
 from swarm.dht.store_intake import StoreIntake
 from swarm.dht.suspects import Suspects
 from swarm.errors import AuthError, DHTError
+from swarm.refusal_log import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from swarm.auth import RateLimitedWarning
 from swarm.hosts import scope_of
 from swarm.net.admission import (
     DEFAULT_PER_HOST,
@@ -25,6 +24,7 @@ from swarm.net.admission import (
     HostProofs,
 )
 from swarm.net.limits import DESCRIPTOR_RESERVE, raise_descriptor_limit
+from swarm.refusal_log import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from swarm.address import PeerAddress
@@ -79,6 +79,8 @@ class NatTraversal:
         set_dht_client: True while nobody can dial us, so others leave us out of their tables.
         port_mapping: ask the router for a mapping when bound to a home address.
         budget: what we give away as a relay (``RelayBudget(peers=0)`` turns it off).
+        relays: the ``HOST:PORT`` of the only peers we may use as relays, in order of
+            preference (an empty list: none); None: any reachable peer that offers it.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class NatTraversal:
         set_dht_client: Callable[[bool], None],
         port_mapping: bool = True,
         budget: RelayBudget | None = None,
+        relays: Sequence[str] | None = None,
     ):
         self.transport = transport
         self.list_peers = list_peers
@@ -98,6 +101,7 @@ class NatTraversal:
         self.set_dht_client = set_dht_client
         self.port_mapping = port_mapping
         self.budget = budget or RelayBudget()
+        self.relays = None if relays is None else [PeerAddress.parse(a) for a in relays]
         self.reach = Reach.UNKNOWN
         self.mapping: PortMapping | None = None
         self.mapping_error: str | None = None
@@ -312,6 +316,11 @@ class NatTraversal:
         ]
         random.shuffle(candidates)
         candidates.sort(key=lambda r: not reach_of(r).dialable)  # checked ones first
+        if self.relays is not None:  # only those the user named, in the user's order
+            named = self.relays
+            candidates = sorted(
+                (r for r in candidates if r.address in named), key=lambda r: named.index(r.address)
+            )
         for record in candidates:
             if wanted == 0:
                 return

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from swarm.address import PeerAddress
-from swarm.auth import AUTH_HEADER, Membership, RateLimitedWarning, ReplayGuard, RequestAuth
+from swarm.auth import AUTH_HEADER, Membership, ReplayGuard, RequestAuth
 from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
 from swarm.hosts import HostBuckets, scope_of
 from swarm.identity import Identity, PeerID
@@ -41,6 +41,7 @@ from swarm.net.limits import StreamLimits
 from swarm.net.reader import FrameReader
 from swarm.net.record import PeerRecord
 from swarm.net.streams import FrameWriter, InboundStream, RemotePeer, ReplyStream
+from swarm.refusal_log import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 

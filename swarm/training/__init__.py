@@ -8,6 +8,6 @@ checksummed files), ``sharding`` (disjoint data shards without a coordinator), `
 """
 
 from swarm.training.outer import outer_step
-from swarm.training.progress import StepReport
+from swarm.training.report import StepReport
 
 __all__ = ["StepReport", "outer_step"]

@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from swarm.config import SPARSE_CODECS, Mode, SwarmConfig
+from swarm.config import Mode, SwarmConfig
 from swarm.errors import CheckpointError, TrainingError
 from swarm.training.checkpoint import check_checkpoint
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait
-from swarm.training.progress import StepReport, Utilization
+from swarm.training.report import StepReport, Utilization
 from swarm.training.snapshot import Snapshot, pack_snapshot
 from swarm.training.tensors import ModelTensors
 
@@ -59,6 +59,11 @@ class RoundOutcome:
     reason: str = ""  # why not averaged
     refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
     round_s: float = 0.0  # seconds from the round's start to its outcome
+
+    @classmethod
+    def failed(cls, reason: str, round_s: float = 0.0) -> RoundOutcome:
+        """A round that averaged nothing, and why (this peer goes on alone)."""
+        return cls(False, 0, 0, 0, reason, round_s=round_s)
 
 
 @dataclass(frozen=True)
@@ -143,9 +148,9 @@ def _wait(request: RoundWait) -> RoundOutcome:
         return handle.result(request.timeout)
     except concurrent.futures.TimeoutError:
         handle.cancel()
-        return RoundOutcome(False, 0, 0, 0, "round timed out")
+        return RoundOutcome.failed("round timed out")
     except concurrent.futures.CancelledError:
-        return RoundOutcome(False, 0, 0, 0, "round cancelled")
+        return RoundOutcome.failed("round cancelled")
 
 
 async def _await(request: RoundWait) -> RoundOutcome:
@@ -155,11 +160,11 @@ async def _await(request: RoundWait) -> RoundOutcome:
         return await asyncio.wait_for(asyncio.shield(future), request.timeout)
     except asyncio.TimeoutError:
         future.cancel()
-        return RoundOutcome(False, 0, 0, 0, "round timed out")
+        return RoundOutcome.failed("round timed out")
     except asyncio.CancelledError:
         if not future.cancelled():
             raise  # this step itself was cancelled, not the round
-        return RoundOutcome(False, 0, 0, 0, "round cancelled")
+        return RoundOutcome.failed("round cancelled")
 
 
 def _outcome(handle: RoundHandle) -> RoundOutcome:
@@ -167,7 +172,7 @@ def _outcome(handle: RoundHandle) -> RoundOutcome:
     try:
         return handle.result()
     except (asyncio.CancelledError, concurrent.futures.CancelledError):
-        return RoundOutcome(False, 0, 0, 0, "round cancelled")
+        return RoundOutcome.failed("round cancelled")
 
 
 class TrainingEngine:
@@ -180,7 +185,7 @@ class TrainingEngine:
         self.optimizer = optimizer
         self.config = config
         self.mode = Mode(config.mode)
-        dense = config.codec.split(":")[0] not in SPARSE_CODECS
+        dense = config.averaging.codec_spec.dense_values_ok
         self.tensors = ModelTensors.of(model, with_buffers=dense)
         # raw anchors survive only a dense codec (top-K or 1-bit would ruin them)
         self._sync_every = config.anchor_sync_every if self.mode is Mode.DILOCO and dense else 0
@@ -217,6 +222,9 @@ class TrainingEngine:
         self.divergence = DivergenceMonitor()
         self._diverging = False  # the last round was flagged (log once per episode)
         self.last_loss: float | None = None  # the loss passed to the last step
+        # from this round on the state is worth offering to joiners; None until the peer starts
+        # a swarm, adopts or loads a state, or trains its own (StateProvider declines till then)
+        self.offer_from_round: int | None = None
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, samples: float | None = None, loss: object = None) -> StepFlow:
@@ -258,8 +266,10 @@ class TrainingEngine:
         handle = yield dataclasses.replace(plan, background=True, sync=sync)
         self._flight = Flight(handle, plan.started, fragment)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
-            return (yield from self.land())
-        return dataclasses.replace(landed, in_flight=True) if landed else self.local_report()
+            landed = yield from self.land()
+            return dataclasses.replace(landed, round_started=True)
+        report = landed or self.local_report()
+        return dataclasses.replace(report, in_flight=self.in_flight, round_started=True)
 
     def wait_round(self) -> Generator[RoundWait, Any, StepReport | None]:
         """Wait for the round in flight and land it (before a save, a final average or an
@@ -369,7 +379,7 @@ class TrainingEngine:
             outcome = _outcome(flight.handle)
         else:
             t0 = time.perf_counter()
-            outcome = yield RoundWait(flight.handle, self.config.round_timeout_s + 10.0)
+            outcome = yield RoundWait(flight.handle, self.config.averaging.round_timeout_s + 10.0)
             waited = time.perf_counter() - t0
             self.utilization.add_wait(waited)
             logger.info(
@@ -452,21 +462,12 @@ class TrainingEngine:
         )
 
     def local_report(self) -> StepReport:
-        bad = self.last_loss is not None and not math.isfinite(self.last_loss)
-        return StepReport(
+        return StepReport.local(
             self.step_count,
             self.round,
-            False,
-            False,
-            0,
-            0,
-            0,
-            0.0,
             self.utilization.value,
             in_flight=self.in_flight,
             loss=self.last_loss,
-            diverging=bad,
-            divergence="the loss is not finite" if bad else "",
         )
 
     # -- snapshots for late joiners ---------------------------------------------------------
@@ -492,7 +493,7 @@ class TrainingEngine:
         anchors, so this waits (bounded) for it to land and serves the state after it. Call
         from a worker thread: it copies the whole model.
         """
-        bound = min(self.config.round_timeout_s, self.config.state_timeout_s / 4)
+        bound = min(self.config.averaging.round_timeout_s, self.config.state_timeout_s / 4)
         with self._landed:
             if not self._landed.wait_for(lambda: self._flight is None, bound):
                 logger.warning(
@@ -519,7 +520,7 @@ class TrainingEngine:
                 for name, m in zip(self.tensors.param_names, self.outer.momentum, strict=True):
                     m.copy_(snap.tensors[f"momentum.{name}"].view(m.shape))
             self.outer.reset_anchor()
-            self.round = snap.round
+            self.round = self.offer_from_round = snap.round
             # Align with the provider's phase so our next round meets theirs.
             self.steps_in_round = max(0, min(steps_in_round, self.config.round_interval - 1))
             self.samples_in_round = 0.0
@@ -564,7 +565,7 @@ class TrainingEngine:
                 self.optimizer.load_state_dict(state["optimizer"])  # checks, then replaces
                 self.model.load_state_dict(state["model"])
                 self._load_outer(state["outer"])
-                self.round = int(state["round"])
+                self.round = self.offer_from_round = int(state["round"])
                 self.step_count = int(state["step"])
                 self.steps_in_round = int(state["steps_in_round"])
                 self.samples_in_round = float(state["samples_in_round"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -29,10 +30,42 @@ class StepReport:
     refusals: tuple[str, ...] = ()  # peers the round clipped, capped, dropped, refused, accused
     round_s: float = 0.0  # seconds the round took, start to outcome (overlapped: not all waited)
     in_flight: bool = False  # a round still runs in the background after this step (overlap)
+    # a round started in the background at this step, and its eager outer step moved the model
+    # (overlap): the model changed although no round ended
+    round_started: bool = False
     loss: float | None = None  # the loss passed to step(): this step's, or the round's mean
     diverging: bool = False  # a sharp loss rise or pseudo-gradient norm jump (see divergence)
     divergence: str = ""  # what was seen ("" when not diverging)
     pseudo_grad_norm: float | None = None  # ‖Δ‖ averaged this round (diloco), before any bound
+
+    @classmethod
+    def local(
+        cls,
+        step: int,
+        round_: int,
+        utilization: float,
+        *,
+        in_flight: bool = False,
+        loss: float | None = None,
+    ) -> StepReport:
+        """The report of a plain local step: no round ended, nothing sent; a loss that is not
+        finite is flagged as diverging."""
+        bad = loss is not None and not math.isfinite(loss)
+        return cls(
+            step=step,
+            round=round_,
+            round_due=False,
+            averaged=False,
+            group_size=0,
+            bytes_sent=0,
+            bytes_received=0,
+            wait_s=0.0,
+            utilization=utilization,
+            in_flight=in_flight,
+            loss=loss,
+            diverging=bad,
+            divergence="the loss is not finite" if bad else "",
+        )
 
     def line(self, loss: float | None = None) -> str:
         """One progress line, e.g. for a log or a script's stdout."""

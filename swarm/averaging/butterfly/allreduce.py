@@ -27,7 +27,7 @@ from swarm.averaging.butterfly.owner import PartOwner
 from swarm.averaging.butterfly.parts import PartPlan
 from swarm.averaging.butterfly.sender import PartSender
 from swarm.averaging.groups.rates import stream_upload_rate
-from swarm.averaging.result import Refusal
+from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import TransportError
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import StreamTransport
@@ -172,7 +172,7 @@ class AllReduce:
             owner = self.group.members[j].peer_id
             logger.warning("part %d: accusing owner %s: %s", j, owner.short, why)
             notes.append(f"part {j}: owner {owner.short} accused")
-            accused.append(Refusal(owner, "accused", j, why))
+            accused.append(Refusal(owner, RefusalAction.ACCUSED, j, why))
         return accused
 
     async def serve(

@@ -22,7 +22,7 @@ from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.outcome import FAILURES
 from swarm.averaging.butterfly.reducer import PartReducer, SenderState
 from swarm.averaging.butterfly.stall import PartTiming, StreamTiming
-from swarm.averaging.result import Refusal
+from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import AuthError, AveragingError, TransportError
 from swarm.net.streams import InboundStream
 
@@ -145,7 +145,7 @@ class PartIntake:
 
     def _refused(self, sender: int, why: str) -> None:
         peer_id = self.ctx.group.members[sender].peer_id
-        self.refusals.append(Refusal(peer_id, "refused", self.ctx.me, why[:200]))
+        self.refusals.append(Refusal(peer_id, RefusalAction.REFUSED, self.ctx.me, why[:200]))
 
     def _drop(self, sender: int, why: str) -> None:
         group = self.ctx.group
@@ -159,7 +159,7 @@ class PartIntake:
         )
         self.reducer.fail(sender)
         self._dropped.add(sender)
-        self.refusals.append(Refusal(peer_id, "dropped", self.ctx.me, why))
+        self.refusals.append(Refusal(peer_id, RefusalAction.DROPPED, self.ctx.me, why))
         reader = self._readers.get(sender)
         if reader is not None:
             reader.cancel()

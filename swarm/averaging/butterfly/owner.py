@@ -26,7 +26,7 @@ from swarm.averaging.butterfly.intake import PartIntake
 from swarm.averaging.butterfly.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
 from swarm.averaging.butterfly.reducer import PartReducer
 from swarm.averaging.butterfly.replies import PartReplies
-from swarm.averaging.result import Refusal
+from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
 
@@ -159,11 +159,18 @@ class PartOwner:
         found = list(self.intake.refusals)
         for s, scale in sorted(self.reducer.clipped.items()):
             found.append(
-                Refusal(peer[s].peer_id, "clipped", self.me, f"offset scaled by {scale:.2g}")
+                Refusal(
+                    peer[s].peer_id, RefusalAction.CLIPPED, self.me, f"offset scaled by {scale:.2g}"
+                )
             )
         for s, claimed in sorted(self.reducer.capped.items()):
             found.append(
-                Refusal(peer[s].peer_id, "weight-capped", self.me, f"claimed weight {claimed:.3g}")
+                Refusal(
+                    peer[s].peer_id,
+                    RefusalAction.WEIGHT_CAPPED,
+                    self.me,
+                    f"claimed weight {claimed:.3g}",
+                )
             )
         for r in found:
             logger.warning("all-reduce %s: %s", self.group.group_id.hex()[:8], r)

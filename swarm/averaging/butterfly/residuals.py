@@ -72,6 +72,7 @@ class FlatFeedback:
             raise
         decode_into(payload, values, accumulate=False)  # values = D(c), what receivers apply
         r.sub_(values)  # r = e - D(c)
+        _decay(self.codec, r)
         return payload
 
     def forget_owned(self, offset: int, n: int) -> None:
@@ -108,4 +109,11 @@ def _encode_with(codec: Codec, values: torch.Tensor, r: torch.Tensor) -> bytes:
         r.zero_()
         raise
     decode_into(payload, r, -1.0)
+    _decay(codec, r)
     return payload
+
+
+def _decay(codec: Codec, r: torch.Tensor) -> None:
+    """``r <- d * r``: the codec's error-feedback decay (see :mod:`swarm.compression.feedback`)."""
+    if codec.feedback_decay != 1.0:
+        r.mul_(codec.feedback_decay)

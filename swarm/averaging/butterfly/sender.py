@@ -20,7 +20,7 @@ import torch
 
 from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.outcome import FAILURES, MAX_ATTEMPTS, SentPart
-from swarm.averaging.result import Refusal
+from swarm.averaging.result import Refusal, RefusalAction
 from swarm.compression import decode_into, read_header
 from swarm.errors import AveragingError, CompressionError, TransportError
 from swarm.protocols import StreamTransport
@@ -92,11 +92,11 @@ class PartSender:
             raise AveragingError("owner asked for too many retries")
         except OwnerStalled as e:
             logger.warning("part %d: dropping owner %s: %s", self.part, owner.peer_id.short, e)
-            refusal = Refusal(owner.peer_id, "dropped", self.part, str(e))
+            refusal = Refusal(owner.peer_id, RefusalAction.DROPPED, self.part, str(e))
             return SentPart(self.part, None, f"part {self.part}: owner {e}", (refusal,))
         except OwnerLied as e:
             logger.warning("part %d: accusing owner %s: %s", self.part, owner.peer_id.short, e)
-            refusal = Refusal(owner.peer_id, "accused", self.part, str(e)[:200])
+            refusal = Refusal(owner.peer_id, RefusalAction.ACCUSED, self.part, str(e)[:200])
             return SentPart(self.part, None, f"part {self.part}: owner accused", (refusal,))
         except (*FAILURES, asyncio.TimeoutError) as e:
             if isinstance(e, TransportError) and e.refused:

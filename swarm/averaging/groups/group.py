@@ -113,6 +113,16 @@ def choose_leader(
 
 
 @dataclass(frozen=True)
+class NoGroup:
+    """Why matchmaking formed no group this round (it never raises for that)."""
+
+    reason: str  # short and human-readable: "no planned member came"
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
 class GroupInfo:
     """What a group agreed on: its id and the ordered member list (the part order)."""
 

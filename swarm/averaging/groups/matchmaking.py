@@ -24,66 +24,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-from swarm.averaging.groups.group import Declaration, GroupInfo, choose_leader, is_order, next_order
+from swarm.averaging.groups.declarations import DeclarationBoard
+from swarm.averaging.groups.group import (
+    Declaration,
+    GroupInfo,
+    NoGroup,
+    choose_leader,
+    next_order,
+)
+from swarm.averaging.groups.join_desk import JoinDesk
 from swarm.averaging.groups.liveness import Liveness
+from swarm.averaging.groups.match_round import MatchRound
 from swarm.averaging.groups.rates import PeerRates
-from swarm.errors import AuthError, AveragingError, DHTError, SwarmError, TransportError
+from swarm.errors import AuthError, AveragingError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
-from swarm.net.streams import RemotePeer
 from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
 
 _JOIN_SLACK_S = 3.0  # a follower waits this much past the leader's deadline for its answer
-_CLOSE_MARGIN_S = 0.3  # a leader closes this long before the earliest member deadline
 _GATHER_POLL_S = 0.02  # between DHT reads while gathering the planned members
-# Patience adapts to how late planned members joined in recent rounds: twice the latest of the
-# last _LAG_HISTORY arrivals plus _PATIENCE_SLACK_S, once _LAG_SAMPLES were seen.
-_LAG_HISTORY = 64
-_LAG_SAMPLES = 8
-_PATIENCE_SLACK_S = 0.2
-
-
-@dataclass(frozen=True)
-class _Follower:
-    """What a follower told the leader when it joined."""
-
-    record: PeerRecord
-    deadline: float  # wall clock
-    order: int  # its round order
-
-
-@dataclass
-class _Round:
-    key: str
-    deadline: float  # wall clock
-    started: float  # wall clock
-    expected: int = 0  # members the caller planned for (0: unknown)
-    patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
-    planned_leader: PeerRecord | None = None
-    planned: tuple[PeerRecord, ...] = ()  # the other planned members (their records)
-    order: int = 0  # this peer's round order; the group closes with the largest of its members'
-    role: str = "candidate"  # candidate | leader | joining | closed
-    declared: int = 0  # declarations stored this round (each one expires a little later)
-    followers: dict[PeerID, _Follower] = field(default_factory=dict)
-    checked: set[PeerID] = field(default_factory=set)  # planned members checked for life
-    arrived: set[PeerID] = field(default_factory=set)  # planned members whose lag was noted
-    closed: asyncio.Future[GroupInfo | None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def close_by(self) -> float:
-        return (
-            min([self.deadline] + [f.deadline for f in self.followers.values()]) - _CLOSE_MARGIN_S
-        )
 
 
 class Matchmaker:
@@ -119,14 +82,11 @@ class Matchmaker:
         self.target_group_size = target_group_size
         self.gather_window = gather_window
         self.poll_interval = poll_interval
-        self._round: _Round | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.board = DeclarationBoard(peer)
         self.liveness = liveness if liveness is not None else Liveness(peer)
         self.rates = rates
-        # seconds after a round's start that planned members joined us, latest rounds
-        self.lags: deque[float] = deque(maxlen=_LAG_HISTORY)
-        self._last: _Round | None = None  # the previous round (late joiners still count)
-        peer.transport.add_rpc(rpc_name, self.rpc_join)
+        self.desk = JoinDesk(peer, target_group_size, self._declare)
+        peer.transport.add_rpc(rpc_name, self.desk.rpc_join)
 
     @property
     def peer_id(self) -> PeerID:
@@ -142,7 +102,7 @@ class Matchmaker:
         leader: PeerRecord | None = None,
         planned: tuple[PeerRecord, ...] = (),
         order: int = 0,
-    ) -> GroupInfo | str:
+    ) -> GroupInfo | NoGroup:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
 
         ``expected``: how many members the caller planned under ``key`` (e.g. latency-aware
@@ -160,43 +120,36 @@ class Matchmaker:
         the gather window ends are checked for life, and the gone ones are not waited for.
 
         Returns:
-            The agreed group, or a short reason why none formed (never raises for that).
+            The agreed group, or :class:`NoGroup` with a short reason (never raises for that).
         """
         now = time.time()
         patience = min(patience, timeout)
-        rnd = _Round(key, now + timeout, now, expected, now + patience, leader, planned, order)
-        self._round = rnd
-        group: GroupInfo | str = "matchmaking did not finish"
+        rnd = MatchRound(key, now + timeout, now, expected, now + patience, leader, planned, order)
+        self.desk.round = rnd
+        group: GroupInfo | NoGroup = NoGroup("matchmaking did not finish")
         try:
             self._declare(rnd)
             group = await self._match(rnd)
             return group
         finally:
-            self._round = None
-            self._last = rnd
+            self.desk.round, self.desk.last = None, rnd
             if not rnd.closed.done():
                 rnd.closed.set_result(None)  # followers still waiting hear "no group"
             if isinstance(group, GroupInfo) and rnd.deadline > time.time():
                 self._declare(rnd, busy=True)  # (an expired declaration is gone already)
 
     def patience(self, most: float) -> float:
-        """How long a leader of a regular round waits for planned members: ``most`` until enough
-        arrivals were seen, then twice the latest recent arrival (plus a slack), at most
-        ``most``. A member that misses a round (it planned another group, or died) then costs
-        little."""
-        if len(self.lags) < _LAG_SAMPLES:
-            return most
-        return min(most, 2 * max(self.lags) + _PATIENCE_SLACK_S)
+        """How long a leader of a regular round waits for planned members (see
+        :meth:`JoinDesk.patience`)."""
+        return self.desk.patience(most)
 
     async def close(self) -> None:
         await self.liveness.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.board.close()
 
     # ---- the round
 
-    async def _match(self, rnd: _Round) -> GroupInfo | str:
+    async def _match(self, rnd: MatchRound) -> GroupInfo | NoGroup:
         refused: set[PeerID] = set()
         planned = rnd.planned_leader
         if planned is None:
@@ -221,7 +174,7 @@ class Matchmaker:
                 if now >= rnd.close_by():
                     if size >= self.min_group_size:
                         return self._close(rnd)
-                    return f"only {size} of the {self.min_group_size} peers needed joined"
+                    return NoGroup(f"only {size} of the {self.min_group_size} peers needed joined")
                 view = await self._candidates(rnd)
                 size = len(rnd.followers) + 1
                 merge_into = self._smaller_leader(view, size, refused)
@@ -246,9 +199,9 @@ class Matchmaker:
                 await self._wait(rnd, self.poll_interval)
                 continue
             if now >= rnd.deadline:
-                return f"no group formed (saw {seen} other candidates)"
+                return NoGroup(f"no group formed (saw {seen} other candidates)")
             if rnd.planned and all(r.peer_id in self.liveness.gone for r in rnd.planned):
-                return "every other planned member is gone"
+                return NoGroup("every other planned member is gone")
             view = await self._candidates(rnd)
             seen = max(seen, len(view))
             if rnd.role != "candidate":  # a follower joined while we read the DHT
@@ -258,7 +211,7 @@ class Matchmaker:
                 # its planned members planned other groups (views differ) or are gone, and the
                 # declarations left refused us (an earlier round's): whether it would lead or
                 # follow, do not sit through the whole timeout
-                return "no planned member came"
+                return NoGroup("no planned member came")
             leading = [p for p, d in view.items() if d.leading]
             leader = choose_leader([*view, self.peer_id], leading, refused)
             if leader is None or leader == self.peer_id:
@@ -269,9 +222,9 @@ class Matchmaker:
                 return outcome
 
     async def _follow(
-        self, rnd: _Round, leader: Declaration, refused: set[PeerID]
-    ) -> GroupInfo | str | None:
-        """Join ``leader``: the group, the reason to give up the round, or None when refused
+        self, rnd: MatchRound, leader: Declaration, refused: set[PeerID]
+    ) -> GroupInfo | NoGroup | None:
+        """Join ``leader``: the group, why to give up the round, or None when refused
         (``leader`` is then added to ``refused`` and this peer is a candidate again)."""
         rnd.role = "joining"
         outcome = await self._join(rnd, leader)
@@ -296,7 +249,7 @@ class Matchmaker:
         ]
         return min(fits, key=lambda p: p.digest) if fits else None
 
-    def _disband(self, rnd: _Round) -> None:
+    def _disband(self, rnd: MatchRound) -> None:
         """Stop leading before closing: waiting followers hear "no group formed" and look
         again (they find the leader this peer is about to join)."""
         rnd.closed.set_result(None)
@@ -305,7 +258,9 @@ class Matchmaker:
         rnd.role = "joining"
         self._declare(rnd)
 
-    async def _join_planned(self, rnd: _Round, leader: PeerRecord) -> GroupInfo | str | None:
+    async def _join_planned(
+        self, rnd: MatchRound, leader: PeerRecord
+    ) -> GroupInfo | NoGroup | None:
         """Join the planned leader directly, retrying while it has not started the round;
         None: it did not take us within the gather window (go on through the DHT)."""
         end = min(time.time() + self.gather_window, rnd.deadline)
@@ -322,14 +277,14 @@ class Matchmaker:
             await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
         return None
 
-    async def _await_planned(self, rnd: _Round) -> None:
+    async def _await_planned(self, rnd: MatchRound) -> None:
         """As the planned leader: wait (no DHT reads) for the planned members to join, at most
         the gather window."""
         end = min(time.time() + self.gather_window, rnd.deadline)
         while time.time() < end and len(rnd.followers) + 1 < self._expected(rnd):
             await self._wait(rnd, end - time.time())
 
-    async def _gather(self, rnd: _Round) -> None:
+    async def _gather(self, rnd: MatchRound) -> None:
         """Wait the gather window, so that peers starting at about the same time see each
         other; when the caller planned ``expected`` members, only until that many declared."""
         end = min(time.time() + self.gather_window, rnd.deadline)
@@ -341,14 +296,14 @@ class Matchmaker:
                 return
             await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
 
-    def _expected(self, rnd: _Round) -> int:
+    def _expected(self, rnd: MatchRound) -> int:
         """Members planned under the round's key, less those found gone (0: none planned)."""
         if not rnd.expected:
             return 0
         gone = self.liveness.gone
         return max(1, rnd.expected - sum(r.peer_id in gone for r in rnd.planned))
 
-    def _check_missing(self, rnd: _Round) -> None:
+    def _check_missing(self, rnd: MatchRound) -> None:
         """Check (once a round, in the background) the planned members that have not joined."""
         for record in rnd.planned:
             if record.peer_id in rnd.followers or record.peer_id in rnd.checked:
@@ -356,7 +311,7 @@ class Matchmaker:
             rnd.checked.add(record.peer_id)
             self.liveness.check(record).add_done_callback(lambda _: rnd.changed.set())
 
-    def _close(self, rnd: _Round) -> GroupInfo:
+    def _close(self, rnd: MatchRound) -> GroupInfo:
         rnd.role = "closed"
         followers = rnd.followers.values()
         members = [self.peer.transport.record()] + [f.record for f in followers]
@@ -371,36 +326,12 @@ class Matchmaker:
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group
 
-    async def _wait(self, rnd: _Round, seconds: float) -> None:
+    async def _wait(self, rnd: MatchRound, seconds: float) -> None:
         rnd.changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):  # a poll tick, not an error
             await asyncio.wait_for(rnd.changed.wait(), max(0.0, seconds))
 
-    async def _candidates(self, rnd: _Round) -> dict[PeerID, Declaration]:
-        """Unexpired, non-busy declarations of other peers under the round's key."""
-        try:
-            entries = await self.peer.dht.get(rnd.key)
-        except DHTError as e:
-            logger.debug("matchmaking lookup failed: %s", e)
-            return {}
-        now = time.time()
-        view: dict[PeerID, Declaration] = {}
-        for (owner, _subkey), entry in entries.items():
-            if owner == self.peer_id:
-                continue
-            try:
-                decl = Declaration.parse(entry.value, owner)
-            except AveragingError as e:
-                logger.debug("ignoring a declaration of %s: %s", owner.short, e)
-                continue
-            if decl.busy or decl.deadline <= now or decl.record.run_id != self.peer.run_id:
-                continue
-            if owner in self.liveness.gone:  # a killed peer's declaration outlives it
-                continue
-            view[owner] = decl
-        return view
-
-    async def _join(self, rnd: _Round, leader: Declaration) -> GroupInfo | str | None:
+    async def _join(self, rnd: MatchRound, leader: Declaration) -> GroupInfo | NoGroup | None:
         """Ask ``leader`` to take us. Returns the group, None (refused: try another), or the
         reason to give up (the leader timed out: it may have counted us)."""
         payload = {
@@ -417,7 +348,7 @@ class Matchmaker:
             )
         except (TransportError, AuthError) as e:
             if time.monotonic() - started >= timeout - 0.5:
-                return f"leader {leader.record.peer_id.short} did not answer: {e}"
+                return NoGroup(f"leader {leader.record.peer_id.short} did not answer: {e}")
             if isinstance(e, TransportError) and e.refused:
                 self.liveness.refused(leader.record.peer_id)
             logger.debug("leader %s unreachable: %s", leader.record.peer_id.short, e)
@@ -430,81 +361,16 @@ class Matchmaker:
                 reply.get("group"), me=self.peer_id, leader=leader.record.peer_id
             )
         except AveragingError as e:
-            return f"leader {leader.record.peer_id.short} sent an invalid group: {e}"
+            return NoGroup(f"leader {leader.record.peer_id.short} sent an invalid group: {e}")
 
-    # ---- serving joins
+    async def _candidates(self, rnd: MatchRound) -> dict[PeerID, Declaration]:
+        """Unexpired, non-busy declarations of other live peers under the round's key."""
+        return await self.board.read(rnd.key, self.liveness.gone)
 
-    async def rpc_join(self, sender: RemotePeer, payload: dict[str, Any]) -> dict[str, Any]:
-        """A follower asks to join; answered when this peer's group closes (or cannot form)."""
-        rnd = self._round
-        self._arrived(sender.peer_id, payload.get("k"))
-        if rnd is None or payload.get("k") != rnd.key:
-            return {"ok": False, "why": "not looking for this key"}
-        if rnd.role in ("joining", "closed"):
-            return {"ok": False, "why": "busy"}
-        if len(rnd.followers) + 1 >= self.target_group_size:
-            return {"ok": False, "why": "full"}
-        deadline, raw = payload.get("d"), payload.get("r")
-        if not isinstance(deadline, float) or not math.isfinite(deadline):
-            return {"ok": False, "why": "bad deadline"}
-        if not isinstance(raw, bytes):
-            return {"ok": False, "why": "bad record"}
-        try:
-            record = PeerRecord.parse(raw)
-        except SwarmError as e:
-            return {"ok": False, "why": f"bad record: {e}"}
-        if record.peer_id != sender.peer_id or record.run_id != self.peer.run_id:
-            return {"ok": False, "why": "record does not match the sender"}
-        if deadline <= time.time():
-            return {"ok": False, "why": "deadline passed"}
-        order = payload.get("o", 0)
-        if not is_order(order):
-            return {"ok": False, "why": "bad order"}
-        rnd.followers[sender.peer_id] = _Follower(record, deadline, order)
-        rnd.role = "leader"
-        rnd.changed.set()
-        self._declare(rnd, leading=True)  # with the new size, for leaders that may merge
-        try:
-            group = await asyncio.shield(rnd.closed)
-        except asyncio.CancelledError:
-            if not rnd.closed.done():  # the follower hung up before we closed: forget it
-                rnd.followers.pop(sender.peer_id, None)
-                rnd.changed.set()
-            raise
-        if group is None or sender.peer_id not in group.peer_ids:
-            return {"ok": False, "why": "no group formed"}
-        return {"ok": True, "group": group.to_wire()}
-
-    def _arrived(self, peer_id: PeerID, key: Any) -> None:
-        """Note how late a planned member asked to join (this round's, or the last one's once
-        it is over: a member too late for the patience must still count)."""
-        for rnd in (self._round, self._last):
-            if rnd is None or key != rnd.key:
-                continue
-            if peer_id not in rnd.arrived and any(r.peer_id == peer_id for r in rnd.planned):
-                self.lags.append(max(0.0, time.time() - rnd.started))
-                rnd.arrived.add(peer_id)
-            return
-
-    def _declare(self, rnd: _Round, *, busy: bool = False, leading: bool = False) -> None:
+    def _declare(self, rnd: MatchRound, *, busy: bool = False, leading: bool = False) -> None:
         """Store our declaration in the background (tracked, cancelled on close)."""
         size = len(rnd.followers) + 1 if leading else 1
-        decl = Declaration(self.peer.transport.record(), rnd.deadline, busy, leading, size)
-        # a later expiration wins per subkey, so each update outlives the previous one
-        bump = rnd.declared * 1e-3
-        rnd.declared += 1
-
-        async def store() -> None:
-            try:
-                stored = await self.peer.dht.store(
-                    rnd.key, decl.serialize(), rnd.deadline + bump, subkey=""
-                )
-            except DHTError as e:
-                logger.warning("matchmaking declaration failed: %s", e)
-                return
-            if stored == 0:
-                logger.debug("no DHT node stored our matchmaking declaration")
-
-        task = asyncio.create_task(store(), name="swarm-mm-declare")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        update, rnd.declared = rnd.declared, rnd.declared + 1
+        self.board.declare(
+            rnd.key, rnd.deadline, update=update, busy=busy, leading=leading, size=size
+        )

@@ -137,7 +137,7 @@ class Prober:
         except SwarmError as e:
             logger.debug("reading peer records failed: %s", e)
             fresh = {}
-        ttl = float(self.peer.config.record_ttl_s or 0)
+        ttl = self.peer.config.record_ttl
         oldest = time.time() - ttl
         departed = self.peer.departed  # their leave marker is up: do not wait for them
         self.gone = {pid: t for pid, t in self.gone.items() if t > oldest}
