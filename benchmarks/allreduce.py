@@ -203,7 +203,6 @@ async def raw_peer_main(args: argparse.Namespace) -> None:
 async def peer_main(args: argparse.Namespace) -> None:
     import torch
 
-    from swarm.api import round_figures
     from swarm.averaging import Averager, AveragingConfig
     from swarm.config import PeerConfig
     from swarm.peer import Peer
@@ -251,7 +250,7 @@ async def peer_main(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             result = await averager.average([tensor], weight=1.0)
             if args.status == "on":  # what the training facade does after every round
-                peer.record_round(round_figures(result, time.perf_counter() - started))
+                peer.record_round(result.figures(time.perf_counter() - started))
             row = {
                 "round": rnd,
                 "averaged": result.averaged,

@@ -201,7 +201,8 @@ def run_simulated(mode: str, codec: str, args: argparse.Namespace, train, test) 
     all-reduce does); bytes per peer per round are 2(N-1)/N x the payload.
     """
     from swarm.config import SwarmConfig
-    from swarm.training.engine import RoundOutcome, TrainingEngine
+    from swarm.training.engine import TrainingEngine
+    from swarm.training.rounds import RoundOutcome
 
     n = args.peers
     inner = 1 if mode == "gradients" else args.inner_steps

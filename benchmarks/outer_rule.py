@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mlp_task import BATCH, evaluate, make_data, make_model, make_optimizer, test_set
 
 from swarm.config import SwarmConfig
-from swarm.training.engine import RoundOutcome, TrainingEngine
+from swarm.training.engine import TrainingEngine
+from swarm.training.rounds import RoundOutcome
 
 
 def average(engines: list[TrainingEngine], weights: list[float]) -> RoundOutcome:

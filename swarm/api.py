@@ -33,58 +33,29 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from swarm.config import SwarmConfig
-from swarm.errors import ConfigError, SwarmError, TrainingError
+from swarm.config_sources import facade_config
+from swarm.errors import SwarmError, TrainingError
 from swarm.monitor.tracker import RoundFigures
-from swarm.options import environment_options, leaf_fields
-from swarm.peer_config import PeerConfig
-from swarm.peer_flags import environment_fields
+from swarm.net.record import PeerRecord
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
-from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
+from swarm.training.driver import AwaitingRounds, BlockingRounds, Rounds, drive, run_inline
+from swarm.training.engine import TrainingEngine
 from swarm.training.joining import Joined, join_swarm
 from swarm.training.overlap import RoundHandle
 from swarm.training.report import StepReport
-from swarm.training.sharding import assign_shards, shard_indices
+from swarm.training.rounds import RoundOutcome, RoundPlan
+from swarm.training.sharding import my_items
 from swarm.training.transfer import STATE_STREAM, StateProvider
 
 if TYPE_CHECKING:
     from swarm.averaging import Averager
     from swarm.averaging.result import RoundResult
+    from swarm.identity import PeerID
     from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def environment() -> dict[str, Any]:
-    """The fields ``SWARM_*`` variables set: a peer's through :mod:`swarm.peer_flags` (the
-    variables ``swarm-peer`` reads, with its units), the others as ``SWARM_<FIELD>``."""
-    peer_fields = set(leaf_fields(PeerConfig))
-    return {**environment_options(SwarmConfig, skip=peer_fields), **environment_fields()}
-
-
-def facade_config(
-    model: torch.nn.Module, config: SwarmConfig | None, options: dict[str, Any]
-) -> SwarmConfig:
-    """The config of a facade: ``config`` as given, or the keyword ``options`` over the
-    ``SWARM_*`` environment variables (:func:`environment`), routed to the config that owns each one
-    (:meth:`SwarmConfig.build`); the peer's ``device`` label comes from the model unless given.
-
-    Raises:
-        ConfigError: both ``config`` and options, an unknown option (the message names the
-            closest valid one), or an invalid value.
-    """
-    if config is not None:
-        if options:
-            raise ConfigError(
-                f"pass either config= or individual options, not both (got {sorted(options)})"
-            )
-        if not isinstance(config, SwarmConfig):
-            raise ConfigError(f"config must be a SwarmConfig, got {type(config).__name__}")
-        return config
-    merged = {**environment(), **options}
-    merged.setdefault("device", _device_label(model))
-    return SwarmConfig.build(**merged)
 
 
 class AsyncSwarm:
@@ -114,6 +85,7 @@ class AsyncSwarm:
         self.averager: Averager | None = None  # set by start()
         self._provider = StateProvider(self.engine)
         self._rounds: set[asyncio.Task[RoundOutcome]] = set()  # rounds running in the background
+        self._awaiting = AwaitingRounds(self.average_round, self.start_round)
         self.joined: Joined | None = None  # the state adopted on joining, and refused providers
 
     @classmethod
@@ -184,7 +156,7 @@ class AsyncSwarm:
             seconds = time.perf_counter() - started
             self.peer.record_round(RoundFigures(False, reason, "", 0, 0, 0, seconds, seconds, 0.0))
             return RoundOutcome.failed(reason, round_s=_since(plan))
-        self.peer.record_round(round_figures(result, time.perf_counter() - started))
+        self.peer.record_round(result.figures(time.perf_counter() - started))
         return dataclasses.replace(outcome_of(result), round_s=_since(plan))
 
     def start_round(self, plan: RoundPlan) -> RoundHandle:
@@ -208,10 +180,14 @@ class AsyncSwarm:
         Returns:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
+        report = await self._step(samples, loss, self._awaiting)
+        await asyncio.sleep(0)  # one turn of the loop per step: a round in flight moves on
+        return report
+
+    async def _step(self, samples: float | None, loss: Any, rounds: Rounds) -> StepReport:
+        """One step, its rounds run by ``rounds`` (``Swarm`` drives this in its own thread)."""
         self.peer.progress.note_loss(loss)
-        return await arun_step(
-            self.engine.step(samples, loss), self.average_round, self.start_round
-        )
+        return await drive(self.engine.step(samples, loss), rounds)
 
     async def wait_round(self) -> StepReport | None:
         """Wait for the round in flight (overlap) and apply it; None when none runs.
@@ -219,7 +195,10 @@ class AsyncSwarm:
         Call before evaluating the swarm's model at the end of training; :meth:`save`,
         :meth:`load` and :meth:`average_parameters` call it themselves.
         """
-        return await arun_step(self.engine.wait_round(), self.average_round, self.start_round)
+        return await self._wait_round(self._awaiting)
+
+    async def _wait_round(self, rounds: Rounds) -> StepReport | None:
+        return await drive(self.engine.wait_round(), rounds)
 
     async def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
@@ -227,26 +206,10 @@ class AsyncSwarm:
         After a successful round with codec ``none`` every member holds the same model. Needs a
         dense codec (``none``/``fp16``/``bf16``/``int8``): raises TrainingError with top-K/1-bit.
         """
-        return await self._values_round()
-
-    async def _values_round(self) -> RoundOutcome:
-        codec = self.config.averaging.codec_spec
-        if not codec.dense_values_ok:
-            raise TrainingError(
-                f"average_parameters averages raw values, which {codec} would ruin; "
-                "run the swarm with a dense codec (none, fp16, int8) to use it"
-            )
-        e = self.engine
         await self.wait_round()  # the slots are the round in flight's until it lands
-        with e.lock:
-            e.outer.load_values()
-        # a peer still in a training round averages other values: the two never group. Equal
-        # weights: these are whole models, not the samples trained since the last round
-        plan = RoundPlan(e.outer.slots, 1.0, 0.0, purpose="values")
+        plan = self.engine.begin_values_round()
         outcome = await self.average_round(plan)
-        if outcome.averaged:
-            with e.lock:
-                e.outer.apply_values()
+        self.engine.finish_values_round(outcome)
         return outcome
 
     async def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:
@@ -256,12 +219,11 @@ class AsyncSwarm:
         Call again each epoch: peers joining or leaving move only their own shards.
         """
         peers = await self.peer.known_peers()
-        ids = {pid.digest for pid in peers} | {self.peer.peer_id.digest}
-        num_shards = num_shards or max(64, 4 * len(ids))
-        mine = assign_shards(ids, num_shards, salt=self.config.peer.run_id)
-        return shard_indices(num_items, mine[self.peer.peer_id.digest], num_shards)
+        ids = [pid.digest for pid in peers]
+        me = self.peer.peer_id.digest
+        return my_items(ids, me, num_items, num_shards, salt=self.config.peer.run_id)
 
-    async def known_peers(self) -> dict[Any, Any]:
+    async def known_peers(self) -> dict[PeerID, PeerRecord]:
         """Live peers of this run (PeerID -> PeerRecord), this one included."""
         return await self.peer.known_peers()
 
@@ -272,7 +234,8 @@ class AsyncSwarm:
         peers agree on after it.
         """
         await self.wait_round()
-        state = await asyncio.to_thread(self.engine.state_dict, _averager_state(self.averager))
+        averager_state = self.averager.state_dict() if self.averager is not None else {}
+        state = await asyncio.to_thread(self.engine.state_dict, averager_state)
         await asyncio.to_thread(write_checkpoint, path, state)
 
     async def load(self, path: str | Path) -> None:
@@ -280,7 +243,7 @@ class AsyncSwarm:
         state = await asyncio.to_thread(read_checkpoint, path)
         await self.wait_round()
         averager_state = await asyncio.to_thread(self.engine.load_state_dict, state)
-        if averager_state and hasattr(self.averager, "load_state_dict"):
+        if averager_state and self.averager is not None:
             self.averager.load_state_dict(averager_state)
 
     @property
@@ -299,7 +262,7 @@ class AsyncSwarm:
             task.cancel()
         await asyncio.gather(*rounds, return_exceptions=True)
         averager, self.averager = self.averager, None
-        if averager is not None and hasattr(averager, "close"):
+        if averager is not None:
             await averager.close()
         peer, self.peer = self.peer, None
         if peer is not None:
@@ -345,6 +308,7 @@ class Swarm:
             raise
         self.config = self._async.config
         self.engine = self._async.engine
+        self._blocking = BlockingRounds(self._round, self._start_round)
 
     async def _create(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]
@@ -382,12 +346,12 @@ class Swarm:
             loss: this step's training loss (float or scalar tensor), optional: a sharp rise
                 is logged as a WARNING and flagged in the report (``diverging``).
         """
-        self.peer.progress.note_loss(loss)
-        return run_step(self.engine.step(samples, loss), self._round, self._start_round)
+        # AsyncSwarm's step, driven in this thread: a round runs on the loop thread
+        return run_inline(self._async._step(samples, loss, self._blocking))
 
     def wait_round(self) -> StepReport | None:
         """Wait for the round in flight and apply it; see :meth:`AsyncSwarm.wait_round`."""
-        return run_step(self.engine.wait_round(), self._round, self._start_round)
+        return run_inline(self._async._wait_round(self._blocking))
 
     def _round(self, plan: RoundPlan) -> RoundOutcome:
         try:
@@ -412,7 +376,7 @@ class Swarm:
         """Indices of the items this peer trains on; see :meth:`AsyncSwarm.shard`."""
         return self._run(self._async.shard(num_items, num_shards), 60)
 
-    def known_peers(self) -> dict[Any, Any]:
+    def known_peers(self) -> dict[PeerID, PeerRecord]:
         """Live peers of this run (PeerID -> PeerRecord), this one included."""
         return self._run(self._async.known_peers(), 60)
 
@@ -421,24 +385,18 @@ class Swarm:
 
         A round in flight is waited for and applied first (see :meth:`AsyncSwarm.save`).
         """
-        self.wait_round()
-        write_checkpoint(path, self.engine.state_dict(_averager_state(self._async.averager)))
+        self._run(self._async.save(path))
 
     def load(self, path: str | Path) -> None:
         """Resume from a checkpoint. Raises CheckpointError if corrupt or of another model."""
-        state = read_checkpoint(path)
-        self.wait_round()
-        averager_state = self.engine.load_state_dict(state)
-        averager = self._async.averager
-        if averager_state and hasattr(averager, "load_state_dict"):
-            averager.load_state_dict(averager_state)
+        self._run(self._async.load(path))
 
     @property
     def round(self) -> int:
         return self.engine.round
 
     @property
-    def peer(self) -> Any:
+    def peer(self) -> Peer | None:
         return self._async.peer
 
     @property
@@ -484,34 +442,5 @@ def outcome_of(result: RoundResult) -> RoundOutcome:
     )
 
 
-def round_figures(result: Any, seconds: float) -> RoundFigures:
-    """What the monitor counts of one round (from the averaging layer's RoundResult)."""
-    group_id = getattr(result, "group_id", b"") or b""
-    return RoundFigures(
-        averaged=bool(result.averaged),
-        reason=str(result.reason or ""),
-        group=group_id[:4].hex(),
-        group_size=len(result.members),
-        bytes_sent=int(result.bytes_sent),
-        bytes_received=int(result.bytes_received),
-        seconds=seconds,
-        matchmaking_s=float(result.matchmaking_s),
-        allreduce_s=float(result.allreduce_s),
-    )
-
-
 def _since(plan: RoundPlan) -> float:
     return time.perf_counter() - plan.started if plan.started else 0.0
-
-
-def _averager_state(averager: Any) -> dict[str, Any]:
-    if averager is not None and hasattr(averager, "state_dict"):
-        return averager.state_dict()
-    return {}
-
-
-def _device_label(model: torch.nn.Module) -> str:
-    p = next(model.parameters(), None)
-    if p is None or p.device.type != "cuda":
-        return "cpu"
-    return f"cuda:{torch.cuda.get_device_name(p.device)}"

@@ -194,7 +194,7 @@ def test_sections_and_flat_keywords_combine_and_conflicts_are_refused() -> None:
 
 
 def test_environment_variables_set_the_same_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    from swarm.api import environment
+    from swarm.config_sources import environment
 
     env = {
         "SWARM_INITIAL_PEERS": "127.0.0.1:1, 127.0.0.2:2",  # a peer's field: swarm-peer's variable

@@ -12,8 +12,10 @@ from test_overlap import Rounds, _lockstep_loss, backward, no_blocking_round
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError, TrainingError
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
-from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, run_step
+from swarm.training.driver import run_step
+from swarm.training.engine import TrainingEngine
 from swarm.training.fragments import split
+from swarm.training.rounds import RoundOutcome, RoundPlan
 from swarm.training.tensors import ModelTensors
 
 

@@ -25,7 +25,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     4: ("compression", "net", "dht", "peer_config"),
     5: ("monitor", "protocols", "peer_flags"),
     6: ("peer", "config"),
-    7: ("averaging", "training", "dashboard"),
+    7: ("averaging", "training", "dashboard", "config_sources"),
     8: ("api", "cli"),
     9: ("optim", "distributed", "__main__"),  # built on api; the guarded entry point
 }

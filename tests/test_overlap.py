@@ -12,8 +12,10 @@ import torch
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError, TrainingError
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
-from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, run_step
+from swarm.training.driver import run_step
+from swarm.training.engine import TrainingEngine
 from swarm.training.overlap import RoundWait
+from swarm.training.rounds import RoundOutcome, RoundPlan
 from swarm.training.snapshot import unpack_snapshot
 
 INNER = 3

@@ -18,8 +18,10 @@ from swarm.config import Mode, PeerConfig, SwarmConfig
 from swarm.errors import ConfigError, TrainingError
 from swarm.identity import Identity
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
-from swarm.training.engine import RoundOutcome, RoundPlan, TrainingEngine, arun_step, run_step
+from swarm.training.driver import arun_step, run_step
+from swarm.training.engine import TrainingEngine
 from swarm.training.outer import outer_step
+from swarm.training.rounds import RoundOutcome, RoundPlan
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.snapshot import snapshot_size, unpack_snapshot
 from swarm.training.transfer import split_parts

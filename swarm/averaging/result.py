@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from swarm.identity import PeerID
+from swarm.monitor.tracker import RoundFigures
 
 
 class RefusalAction(str, enum.Enum):
@@ -62,6 +63,20 @@ class RoundResult:
     @property
     def group_size(self) -> int:
         return len(self.members)
+
+    def figures(self, seconds: float) -> RoundFigures:
+        """What the peer's monitor counts of this round, which took ``seconds`` in all."""
+        return RoundFigures(
+            averaged=self.averaged,
+            reason=self.reason,
+            group=self.group_id[:4].hex(),
+            group_size=len(self.members),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            seconds=seconds,
+            matchmaking_s=self.matchmaking_s,
+            allreduce_s=self.allreduce_s,
+        )
 
     def __str__(self) -> str:
         if not self.averaged:

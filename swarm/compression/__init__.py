@@ -11,8 +11,16 @@ Every codec turns a float32/float16/bfloat16 tensor into a self-describing paylo
     ef = ErrorFeedback(codec)                       # one per tensor or averaging slot
     payload = ef.encode(tensor)                     # what the codec drops is sent later
 
-Codecs: ``none`` (exact), ``fp16``, ``bf16``, ``int8`` (blockwise), ``topk`` (exact top-K with
-compact indices), ``1bit`` (signs + per-block mean magnitude). Encoding refuses inf/NaN with a
+Codecs: ``none`` (exact), ``fp16``, ``bf16`` (:mod:`~swarm.compression.floats`), ``int8``
+(blockwise; :mod:`~swarm.compression.int8`, bitsandbytes' map in
+:mod:`~swarm.compression.bnb`), ``topk`` (exact top-K with compact indices;
+:mod:`~swarm.compression.topk`, :mod:`~swarm.compression.indices`), ``1bit`` (signs + per-block
+mean magnitude; :mod:`~swarm.compression.onebit`), ``sparse`` (top-k inside chunks, 2-bit values;
+:mod:`~swarm.compression.sparse`). Shared parts: the codec interface
+(:mod:`~swarm.compression.base`), the payload header (:mod:`~swarm.compression.header`), blocks
+and bits (:mod:`~swarm.compression.blocks`, :mod:`~swarm.compression.bits`), lookup by spec
+(:mod:`~swarm.compression.codecs`, :mod:`~swarm.compression.spec`), error feedback
+(:mod:`~swarm.compression.feedback`). Encoding refuses inf/NaN with a
 :class:`~swarm.errors.CompressionError` naming their count, so a diverged peer cannot poison the
 others; decoding validates every header field before allocating and raises the same error type
 for any malformed or hostile payload.

@@ -1,10 +1,28 @@
 """Training with the swarm: DiLoCo / local SGD / gradient averaging, joiners, checkpoints.
 
-Modules: ``outer`` (the DiLoCo outer step and its fp32 state), ``tensors`` (what is averaged,
-schema hash), ``engine`` (the step/round state machine shared by both facades), ``transfer``
-(state download for late joiners), ``snapshot`` (its byte format), ``checkpoint`` (atomic,
-checksummed files), ``sharding`` (disjoint data shards without a coordinator), ``progress``
-(:class:`StepReport`). The user-facing classes live in :mod:`swarm.api`.
+The step and its rounds:
+
+- :mod:`~swarm.training.engine`: :class:`TrainingEngine`, the step/round state machine
+- :mod:`~swarm.training.rounds`: round plans and outcomes (what a step and the network exchange)
+- :mod:`~swarm.training.driver`: the one loop that answers a step, blocking or awaited
+- :mod:`~swarm.training.outer`: the DiLoCo outer step and its fp32 state
+- :mod:`~swarm.training.overlap`: overlapped rounds that land a few steps late
+- :mod:`~swarm.training.fragments`: Streaming DiLoCo's fragments of the model
+- :mod:`~swarm.training.tensors`: which tensors are averaged, and the schema hash
+- :mod:`~swarm.training.divergence`: a sharp rise of the loss, round by round
+- :mod:`~swarm.training.report`: :class:`StepReport`, what ``step()`` returns
+
+State kept and shared:
+
+- :mod:`~swarm.training.persistence`: snapshots for joiners and checkpoints of an engine
+- :mod:`~swarm.training.snapshot`: the byte format of a snapshot
+- :mod:`~swarm.training.checkpoint`: atomic, checksummed checkpoint files
+- :mod:`~swarm.training.transfer`: serving a snapshot and downloading one in parts
+- :mod:`~swarm.training.agreement`: which state a joiner adopts (weighted agreement, no I/O)
+- :mod:`~swarm.training.joining`: the joiner's side: ask, decide, download, or train its own
+- :mod:`~swarm.training.sharding`: disjoint data shards without a coordinator
+
+The user-facing classes live in :mod:`swarm.api`.
 """
 
 from swarm.training.outer import outer_step

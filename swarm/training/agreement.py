@@ -45,10 +45,11 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from swarm.identity import PeerID
+from swarm.net.record import PeerRecord
 from swarm.training.snapshot import MAX_ROUND
 
 ROUND_SLACK = 10  # rounds a provider may be ahead of or behind the median, at least
@@ -73,7 +74,7 @@ def provider_weight(age_s: float) -> float:
 class Manifest:
     """One provider's answer: which state it would send (all fields but ``age_s`` its claims)."""
 
-    provider: Any  # PeerRecord
+    provider: PeerRecord  # who answered (its signed record)
     round: int
     size: int
     sha256: str
@@ -85,8 +86,8 @@ class Manifest:
     subnet: str = ""  # of the address it was reached at (swarm.hosts); "" counts as its own
 
     @property
-    def provider_id(self) -> Any:
-        return getattr(self.provider, "peer_id", id(self.provider))
+    def provider_id(self) -> PeerID:
+        return self.provider.peer_id
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -102,7 +103,7 @@ class Verdict:
     majority: bool  # the accepted providers hold a strict majority of the valid offers' weight
     weight: float = 0.0  # of the accepted providers
     total: float = 0.0  # of every valid offer (broken ones count nowhere)
-    shares: dict[Any, float] = field(default_factory=dict, compare=False)  # provider -> weight
+    shares: dict[PeerID, float] = field(default_factory=dict, compare=False)  # provider -> weight
 
     def candidates(self, limit: int = 3) -> list[list[Manifest]]:
         """Groups of accepted providers holding one exact state, heaviest first, then the
@@ -148,14 +149,14 @@ def weighted_median(
     raise ValueError("the median of nothing")
 
 
-def shares_of(providers: Sequence[tuple[Any, float, str]]) -> dict[Any, float]:
+def shares_of(providers: Sequence[tuple[PeerID, float, str]]) -> dict[PeerID, float]:
     """The weight of each provider given as ``(id, age_s, subnet)``: its age's, the providers
     of one subnet sharing the weight of their oldest (see the module docstring); subnet ""
     counts as the provider's own."""
-    subnets: dict[Any, list[tuple[Any, float]]] = defaultdict(list)
+    subnets: dict[str | tuple[str, PeerID], list[tuple[PeerID, float]]] = defaultdict(list)
     for pid, age_s, subnet in providers:
         subnets[subnet or ("provider", pid)].append((pid, provider_weight(age_s)))
-    out: dict[Any, float] = {}
+    out: dict[PeerID, float] = {}
     for members in subnets.values():
         scale = max(w for _, w in members) / sum(w for _, w in members)
         out.update((pid, w * scale) for pid, w in members)
@@ -172,7 +173,7 @@ def _half(part: float, total: float) -> int:
 
 
 def _distinct(manifests: Sequence[Manifest]) -> list[Manifest]:
-    seen: set[Any] = set()
+    seen: set[PeerID] = set()
     out = []
     for m in manifests:
         if m.provider_id not in seen:
@@ -253,5 +254,5 @@ def agree(manifests: Sequence[Manifest], *, sketch_len: int) -> Verdict:
     return Verdict(tuple(left), tuple(refused), majority, weight, total, shares)
 
 
-def _weights(manifests: Sequence[Manifest], shares: dict[Any, float]) -> list[float]:
+def _weights(manifests: Sequence[Manifest], shares: dict[PeerID, float]) -> list[float]:
     return [shares[m.provider_id] for m in manifests]

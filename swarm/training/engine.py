@@ -3,8 +3,8 @@
 ``step()`` = (``gradients``: average the gradients) → ``optimizer.step()`` → (every
 ``inner_steps``: an averaging round; with ``fragments`` F, every ``inner_steps / F`` steps a round
 of the next fragment, :mod:`swarm.training.fragments`). :meth:`TrainingEngine.step` writes that
-sequence once, as a generator that yields what it needs from the network; the facades differ
-only in how they wait (:func:`run_step` blocks on the loop thread, :func:`arun_step` awaits). It
+sequence once, as a generator that yields what it needs from the network; one driver answers
+it for both facades, which differ only in how they wait (:mod:`swarm.training.driver`). It
 yields
 
 - a :class:`RoundPlan` with ``background`` False: run the round now, send its outcome back;
@@ -26,145 +26,23 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Generator
 from typing import Any
 
 import torch
 
 from swarm.config import Mode, SwarmConfig
-from swarm.errors import CheckpointError, TrainingError
-from swarm.training.checkpoint import check_checkpoint
+from swarm.errors import TrainingError
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait
+from swarm.training.persistence import PersistentState
 from swarm.training.report import StepReport, Utilization
-from swarm.training.snapshot import Snapshot, pack_snapshot
+from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
 from swarm.training.tensors import ModelTensors
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What the training layer needs from one averaging round."""
-
-    averaged: bool  # at least one other peer's values were averaged in
-    group_size: int  # members including this peer (0 when not averaged)
-    bytes_sent: int
-    bytes_received: int
-    reason: str = ""  # why not averaged
-    refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
-    round_s: float = 0.0  # seconds from the round's start to its outcome
-
-    @classmethod
-    def failed(cls, reason: str, round_s: float = 0.0) -> RoundOutcome:
-        """A round that averaged nothing, and why (this peer goes on alone)."""
-        return cls(False, 0, 0, 0, reason, round_s=round_s)
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """A round about to run: the fp32 tensors to average in place and this peer's weight."""
-
-    tensors: list[torch.Tensor]
-    weight: float
-    started: float  # perf_counter() when the round began
-    background: bool = False  # start it and hand back its handle instead of waiting for it
-    sync: list[torch.Tensor] | None = None  # anchors the group may also average (diloco)
-    sync_every: int = 0  # about one group in this many averages ``sync`` too
-    order: int | None = None  # this peer's round: orders the planned groups (see Averager)
-    purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
-    fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
-
-
-StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
-"""One step in progress: yields what it needs (see the module docstring), returns the report."""
-
-
-class _Ran(concurrent.futures.Future):  # type: ignore[type-arg]
-    """The handle of a background round that its driver ran in place: already done."""
-
-    def __init__(self, outcome: RoundOutcome):
-        super().__init__()
-        self.set_result(outcome)
-
-
-def run_step(
-    flow: StepFlow,
-    run_round: Callable[[RoundPlan], RoundOutcome],
-    start_round: Callable[[RoundPlan], RoundHandle] | None = None,
-) -> StepReport:
-    """Drive :meth:`TrainingEngine.step`, blocking on ``run_round`` for each round it asks for.
-
-    ``start_round`` starts a background round and returns its ``concurrent.futures.Future``;
-    without it a background round runs in place and lands at once, like a blocking one.
-    """
-    try:
-        request = next(flow)
-        while True:
-            if isinstance(request, RoundWait):
-                reply: Any = _wait(request)
-            elif request.background:
-                reply = start_round(request) if start_round else _Ran(run_round(request))
-            else:
-                reply = run_round(request)
-            request = flow.send(reply)
-    except StopIteration as done:
-        return done.value
-
-
-async def arun_step(
-    flow: StepFlow,
-    run_round: Callable[[RoundPlan], Awaitable[RoundOutcome]],
-    start_round: Callable[[RoundPlan], RoundHandle] | None = None,
-) -> StepReport:
-    """Drive :meth:`TrainingEngine.step`, awaiting ``run_round`` for each round it asks for.
-
-    ``start_round`` starts a background round as a task on this loop and returns the task.
-    """
-    try:
-        request = next(flow)
-        while True:
-            if isinstance(request, RoundWait):
-                reply: Any = await _await(request)
-            elif request.background:
-                reply = start_round(request) if start_round else _Ran(await run_round(request))
-            else:
-                reply = await run_round(request)
-            request = flow.send(reply)
-    except StopIteration as done:
-        # One turn of the loop per step, so a round in flight moves on between busy steps.
-        await asyncio.sleep(0)
-        return done.value
-
-
-def _wait(request: RoundWait) -> RoundOutcome:
-    handle: Any = request.handle
-    try:
-        return handle.result(request.timeout)
-    except concurrent.futures.TimeoutError:
-        handle.cancel()
-        return RoundOutcome.failed("round timed out")
-    except concurrent.futures.CancelledError:
-        return RoundOutcome.failed("round cancelled")
-
-
-async def _await(request: RoundWait) -> RoundOutcome:
-    handle: Any = request.handle
-    future = handle if asyncio.isfuture(handle) else asyncio.wrap_future(handle)
-    try:
-        return await asyncio.wait_for(asyncio.shield(future), request.timeout)
-    except asyncio.TimeoutError:
-        future.cancel()
-        return RoundOutcome.failed("round timed out")
-    except asyncio.CancelledError:
-        if not future.cancelled():
-            raise  # this step itself was cancelled, not the round
-        return RoundOutcome.failed("round cancelled")
 
 
 def _outcome(handle: RoundHandle) -> RoundOutcome:
@@ -175,7 +53,7 @@ def _outcome(handle: RoundHandle) -> RoundOutcome:
         return RoundOutcome.failed("round cancelled")
 
 
-class TrainingEngine:
+class TrainingEngine(PersistentState):
     """Mode logic, counters and state of one training peer (no networking)."""
 
     def __init__(
@@ -350,6 +228,31 @@ class TrainingEngine:
             self.samples_in_round = 0.0
         return self._round_report(outcome, waited, outcome.round_s or waited, norm, scale)
 
+    def begin_values_round(self) -> RoundPlan:
+        """The plan of a one-off round that averages the model's values themselves (equal
+        weights: whole models, not samples; a peer still in a training round averages other
+        values, so the two never group).
+
+        Raises:
+            TrainingError: the codec would ruin raw values, or a round is in flight.
+        """
+        codec = self.config.averaging.codec_spec
+        if not codec.dense_values_ok:
+            raise TrainingError(
+                f"average_parameters averages raw values, which {codec} would ruin; "
+                "run the swarm with a dense codec (none, fp16, int8) to use it"
+            )
+        self._no_flight("average the parameters")
+        with self.lock:
+            self.outer.load_values()
+        return RoundPlan(self.outer.slots, 1.0, 0.0, purpose="values")
+
+    def finish_values_round(self, outcome: RoundOutcome) -> None:
+        """Apply an averaged values round (the model and anchors take the average)."""
+        if outcome.averaged:
+            with self.lock:
+                self.outer.apply_values()
+
     def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
         cfg = self.config
         self._last_group_size = outcome.group_size if outcome.averaged else 1
@@ -469,116 +372,3 @@ class TrainingEngine:
             in_flight=self.in_flight,
             loss=self.last_loss,
         )
-
-    # -- snapshots for late joiners ---------------------------------------------------------
-    def snapshot_layout(self) -> list[tuple[str, int]]:
-        """``(name, numel)`` of every tensor in a snapshot of this model, in order."""
-        layout = [
-            (f"model.{n}", t.numel())
-            for n, t in zip(self.tensors.names, self.tensors.all, strict=True)
-        ]
-        if self.mode.has_outer_step:
-            layout += [
-                (f"momentum.{n}", t.numel())
-                for n, t in zip(self.tensors.param_names, self.tensors.params, strict=True)
-            ]
-        return layout
-
-    def snapshot(self) -> tuple[int, bytes]:
-        """(round, bytes) of the shared state: the anchor (diloco) or the model, and momentum.
-
-        Between rounds a DiLoCo or local-SGD peer's anchor is the state every peer agreed on
-        at the last round, so joiners get that (plus the averaged floating buffers) rather than
-        this peer's local drift. While a round is in flight the peers are about to move their
-        anchors, so this waits (bounded) for it to land and serves the state after it. Call
-        from a worker thread: it copies the whole model.
-        """
-        bound = min(self.config.averaging.round_timeout_s, self.config.state_timeout_s / 4)
-        with self._landed:
-            if not self._landed.wait_for(lambda: self._flight is None, bound):
-                logger.warning(
-                    "serving round %d's state: the round in flight did not land", self.round
-                )
-            values = list(
-                self.tensors.params if self.mode.averages_gradients else self.outer.anchor
-            )
-            values += self.outer.buffer_anchor
-            if self.mode.has_outer_step:
-                values += self.outer.momentum
-            names = [name for name, _ in self.snapshot_layout()]
-            named = list(zip(names, values, strict=True))
-            return self.round, pack_snapshot(self.round, self.schema, self.mode.value, named)
-
-    @torch.no_grad()
-    def load_snapshot(self, snap: Snapshot, steps_in_round: int) -> None:
-        """Adopt a downloaded state: model, anchor, momentum and round; inner state resets."""
-        self._no_flight("load a downloaded state")
-        with self.lock:
-            for name, t in zip(self.tensors.names, self.tensors.all, strict=True):
-                t.copy_(snap.tensors[f"model.{name}"].view(t.shape))
-            if self.mode.has_outer_step:
-                for name, m in zip(self.tensors.param_names, self.outer.momentum, strict=True):
-                    m.copy_(snap.tensors[f"momentum.{name}"].view(m.shape))
-            self.outer.reset_anchor()
-            self.round = self.offer_from_round = snap.round
-            # Align with the provider's phase so our next round meets theirs.
-            self.steps_in_round = max(0, min(steps_in_round, self.config.round_interval - 1))
-            self.samples_in_round = 0.0
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def state_dict(self, averager_state: dict[str, Any] | None) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "format": CHECKPOINT_FORMAT,
-                "schema": self.schema,
-                "mode": self.mode.value,
-                "round": self.round,
-                "step": self.step_count,
-                "steps_in_round": self.steps_in_round,
-                "samples_in_round": self.samples_in_round,
-                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(),
-                "outer": self.outer.state_dict(),
-                "averager": averager_state or {},
-            }
-
-    def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Restore a checkpoint; returns the averager's part. Raises CheckpointError."""
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"unsupported checkpoint format {state.get('format')!r}")
-        if state.get("schema") != self.schema:
-            raise CheckpointError("the checkpoint is of another model (schema hash differs)")
-        if state.get("mode") != self.mode.value:
-            raise CheckpointError(
-                f"the checkpoint was written in mode {state.get('mode')!r}, "
-                f"this swarm runs {self.mode.value!r}"
-            )
-        self._no_flight("load a checkpoint")
-        # All-or-nothing: everything is checked before the first value is written.
-        t = self.tensors
-        outer = {f"anchor.{n}": x.shape for n, x in zip(t.names, t.all, strict=True)}
-        for n, m in zip(t.param_names, self.outer.momentum, strict=False):
-            outer[f"momentum.{n}"] = m.shape
-        check_checkpoint(state, model=self.model, optimizer=self.optimizer, outer=outer)
-        with self.lock:
-            try:
-                self.optimizer.load_state_dict(state["optimizer"])  # checks, then replaces
-                self.model.load_state_dict(state["model"])
-                self._load_outer(state["outer"])
-                self.round = self.offer_from_round = int(state["round"])
-                self.step_count = int(state["step"])
-                self.steps_in_round = int(state["steps_in_round"])
-                self.samples_in_round = float(state["samples_in_round"])
-            except (KeyError, TypeError, ValueError, RuntimeError) as e:
-                raise CheckpointError(f"the checkpoint does not match this model: {e}") from e
-        averager = state.get("averager", {})
-        return averager if isinstance(averager, dict) else {}
-
-    def _no_flight(self, doing: str) -> None:
-        if self._flight is not None:
-            raise TrainingError(f"a round is in flight: land it (wait_round) before you {doing}")
-
-    def _load_outer(self, outer: dict[str, torch.Tensor]) -> None:
-        if not isinstance(outer, dict):
-            raise CheckpointError("the checkpoint's outer state is not a dict")
-        self.outer.load_state_dict(outer)

@@ -28,10 +28,13 @@ import random
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from swarm.address import PeerAddress
+from swarm.config import SwarmConfig
 from swarm.errors import SwarmError, TrainingError
+from swarm.identity import PeerID
+from swarm.net.record import PeerRecord
+from swarm.protocols import Peer, StreamTransport
 from swarm.training.agreement import (
     SKETCH_SLICES,
     Manifest,
@@ -58,8 +61,8 @@ class Joined:
 
     snapshot: Snapshot
     steps_in_round: int  # the providers' phase in the round (the joiner aligns with it)
-    providers: tuple[Any, ...]  # PeerIDs the state was downloaded from
-    refused: tuple[tuple[Any, str], ...]  # (PeerID, why) of every provider not copied
+    providers: tuple[PeerID, ...]  # the state was downloaded from these
+    refused: tuple[tuple[PeerID, str], ...]  # (provider, why) of every one not copied
     order: int | None = None  # the median round order of the agreeing providers (None: unknown)
 
 
@@ -72,11 +75,11 @@ class _Ask:
     """The answers to one ask."""
 
     manifests: list[Manifest]  # well-formed offers of a fitting size
-    refused: list[tuple[Any, str]]  # (PeerID, why) of malformed or oversized offers
+    refused: list[tuple[PeerID, str]]  # (provider, why) of malformed or oversized offers
     declined: int  # peers that have no state to offer yet
 
 
-def draw(records: Sequence[Any], count: int) -> list[Any]:
+def draw(records: Sequence[PeerRecord], count: int) -> list[PeerRecord]:
     """``count`` records drawn without replacement, each as likely as its provider weight
     (:func:`~swarm.training.agreement.shares_of`: identities crowding one subnet are drawn
     about as often as one), by Efraimidis-Spirakis: the largest ``u ** (1 / w)``."""
@@ -87,7 +90,11 @@ def draw(records: Sequence[Any], count: int) -> list[Any]:
 
 
 async def _ask(
-    transport: Any, records: Sequence[Any], schema: str, bound: int, timeout: float
+    transport: StreamTransport,
+    records: Sequence[PeerRecord],
+    schema: str,
+    bound: int,
+    timeout: float,
 ) -> _Ask:
     asked = draw(records, MAX_MANIFESTS)
     answers = await asyncio.gather(
@@ -111,7 +118,7 @@ async def _ask(
 
 
 async def _fetch(
-    transport: Any, group: Sequence[Manifest], engine: TrainingEngine, timeout: float
+    transport: StreamTransport, group: Sequence[Manifest], engine: TrainingEngine, timeout: float
 ) -> Snapshot:
     """Download the state ``group`` holds and check it (raises :class:`_Refuted` on proof)."""
     m = group[0]
@@ -136,14 +143,14 @@ async def _fetch(
 
 
 async def download_state(
-    transport: Any,
-    records: Sequence[Any],
+    transport: StreamTransport,
+    records: Sequence[PeerRecord],
     engine: TrainingEngine,
     *,
     parts: int,
     max_bytes: int,
     timeout: float,
-    refresh: Callable[[], Awaitable[Sequence[Any]]] | None = None,
+    refresh: Callable[[], Awaitable[Sequence[PeerRecord]]] | None = None,
     attempts: int = ASK_ATTEMPTS,
     wait_s: float = ASK_WAIT_S,
 ) -> Joined | None:
@@ -164,7 +171,7 @@ async def download_state(
     layout = engine.snapshot_layout()
     bound = min(max_bytes, snapshot_size(layout, schema=engine.schema, mode=engine.config.mode))
     sketch_len = min(SKETCH_SLICES, sum(n for _, n in layout))
-    refuted: dict[Any, str] = {}  # PeerID -> why: proved wrong, asked no more
+    refuted: dict[PeerID, str] = {}  # provider -> why: proved wrong, asked no more
     why = "no provider offers a state"
     offered = False  # some peer offered a state, even a broken one
     for attempt in range(attempts):
@@ -225,8 +232,8 @@ def _joined(
     snap: Snapshot,
     group: Sequence[Manifest],
     accepted: Sequence[Manifest],
-    refused: list[tuple[Any, str]],
-    refuted: dict[Any, str],
+    refused: list[tuple[PeerID, str]],
+    refuted: dict[PeerID, str],
 ) -> Joined:
     every = dict(refused)
     for pid, why in refuted.items():
@@ -250,7 +257,7 @@ def _joined(
     )
 
 
-async def initial_records(peer: Any, config: Any) -> list[Any]:
+async def initial_records(peer: Peer, config: SwarmConfig) -> list[PeerRecord]:
     """The signed records of the initial peers, asked directly: the peers the user named are
     always heard, even when the DHT's listing right after joining shows only others. They
     weigh like any provider (their DHT age, when the listing has them, is kept instead)."""
@@ -269,7 +276,7 @@ async def initial_records(peer: Any, config: Any) -> list[Any]:
     return found
 
 
-async def join_swarm(peer: Any, engine: TrainingEngine, config: Any) -> Joined | None:
+async def join_swarm(peer: Peer, engine: TrainingEngine, config: SwarmConfig) -> Joined | None:
     """Adopt the state the live peers agree on into ``engine``, or train its own.
 
     Args:
@@ -281,7 +288,7 @@ async def join_swarm(peer: Any, engine: TrainingEngine, config: Any) -> Joined |
         state, or no decision was possible (one WARNING says why). Never raises for want of one.
     """
 
-    async def others() -> list[Any]:
+    async def others() -> list[PeerRecord]:
         try:
             live = dict(await peer.known_peers())
         except SwarmError as e:

@@ -46,3 +46,14 @@ def shard_indices(num_items: int, shards: Sequence[int], num_shards: int) -> lis
         raise ValueError("num_shards must be >= 1 and num_items >= 0")
     mine = set(shards)
     return [i for i in range(num_items) if i % num_shards in mine]
+
+
+def my_items(
+    peers: Iterable[bytes], me: bytes, num_items: int, num_shards: int | None, *, salt: str
+) -> list[int]:
+    """The items peer ``me`` trains on among ``peers`` (``me`` counted in); ``num_shards``
+    defaults to ``max(64, 4 x peers)``, so shards stay small as the swarm grows."""
+    ids = set(peers) | {me}
+    num_shards = num_shards or max(64, 4 * len(ids))
+    mine = assign_shards(ids, num_shards, salt=salt)
+    return shard_indices(num_items, mine[me], num_shards)

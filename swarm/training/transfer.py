@@ -33,6 +33,9 @@ from typing import Any
 
 from swarm.errors import SwarmError, TrainingError, TransportError
 from swarm.hosts import scope_of
+from swarm.net.record import PeerRecord
+from swarm.net.streams import InboundStream, ReplyStream
+from swarm.protocols import StreamTransport
 from swarm.training.agreement import SKETCH_SLICES, Manifest, sketch_of
 from swarm.training.engine import TrainingEngine
 from swarm.training.snapshot import MAX_ROUND, pack_snapshot, snapshot_values, unpack_snapshot
@@ -128,7 +131,7 @@ class StateProvider:
         start = self.engine.offer_from_round
         return start is not None and self.engine.round >= start
 
-    async def handle(self, request: Any, reply: Any) -> None:
+    async def handle(self, request: InboundStream, reply: ReplyStream) -> None:
         """Stream handler: answers a manifest or a part request (see the module docstring)."""
         async for _ in request:  # a state request carries no body; reject one that does
             await reply.prepare({"ok": False, "reason": "unexpected body"})
@@ -186,7 +189,9 @@ class StateProvider:
         logger.debug("served %d bytes of round %d's state", length, round_)
 
 
-async def ask_manifest(transport: Any, record: Any, schema: str, timeout: float) -> Manifest | None:
+async def ask_manifest(
+    transport: StreamTransport, record: PeerRecord, schema: str, timeout: float
+) -> Manifest | None:
     """The manifest of ``record``'s peer, or None when it declines.
 
     Raises:
@@ -233,13 +238,13 @@ async def ask_manifest(transport: Any, record: Any, schema: str, timeout: float)
     )
 
 
-def subnet_of(record: Any) -> str:
+def subnet_of(record: PeerRecord) -> str:
     """The subnet (IPv4 /24, IPv6 /48) of the address ``record``'s peer is reached at."""
     return scope_of(record.address.host).subnet
 
 
 async def _fetch_part(
-    transport: Any,
+    transport: StreamTransport,
     m: Manifest,
     schema: str,
     buf: bytearray,
@@ -271,7 +276,7 @@ def split_parts(size: int, providers: int, min_part: int = MIN_PART_BYTES) -> li
 
 
 async def download_parts(
-    transport: Any, manifests: Sequence[Manifest], schema: str, timeout: float
+    transport: StreamTransport, manifests: Sequence[Manifest], schema: str, timeout: float
 ) -> bytearray:
     """The bytes of the state ``manifests``' providers hold, in parts from all of them at once.
 

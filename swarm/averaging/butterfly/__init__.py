@@ -17,4 +17,6 @@
 - :mod:`~swarm.averaging.butterfly.repair`: parts nobody averaged, averaged again (sans-I/O)
 - :mod:`~swarm.averaging.butterfly.rounds`: which round an inbound part stream belongs to
 - :mod:`~swarm.averaging.butterfly.allreduce`: one member's all-reduce over owner and senders
+- :mod:`~swarm.averaging.butterfly.runner`: this peer's all-reduces: plans, staging, residuals,
+  repairs, exclusions, and the route that serves part streams
 """

@@ -7,6 +7,9 @@
   the round order the groups agree on, peers known to be gone
 - :mod:`~swarm.averaging.groups.group`: declarations, the leader rule, the agreed group (sans-I/O)
 - :mod:`~swarm.averaging.groups.matchmaking`: forming a group through the DHT and the join RPC
+- :mod:`~swarm.averaging.groups.match_round`: one matchmaking round's state
+- :mod:`~swarm.averaging.groups.declarations`: declarations stored in and read from the DHT
+- :mod:`~swarm.averaging.groups.join_desk`: a leader's join RPC and its patience
 - :mod:`~swarm.averaging.groups.liveness`: one ping tells a killed peer from a slow one
 - :mod:`~swarm.averaging.groups.rates`: upload rates of other peers as this peer measured them
 """

@@ -1,0 +1,49 @@
+"""What a training step and the network hand each other (no I/O): round plans and outcomes."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarm.training.overlap import RoundWait
+from swarm.training.report import StepReport
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What the training layer needs from one averaging round."""
+
+    averaged: bool  # at least one other peer's values were averaged in
+    group_size: int  # members including this peer (0 when not averaged)
+    bytes_sent: int
+    bytes_received: int
+    reason: str = ""  # why not averaged
+    refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
+    round_s: float = 0.0  # seconds from the round's start to its outcome
+
+    @classmethod
+    def failed(cls, reason: str, round_s: float = 0.0) -> RoundOutcome:
+        """A round that averaged nothing, and why (this peer goes on alone)."""
+        return cls(False, 0, 0, 0, reason, round_s=round_s)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """A round about to run: the fp32 tensors to average in place and this peer's weight."""
+
+    tensors: list[torch.Tensor]
+    weight: float
+    started: float  # perf_counter() when the round began
+    background: bool = False  # start it and hand back its handle instead of waiting for it
+    sync: list[torch.Tensor] | None = None  # anchors the group may also average (diloco)
+    sync_every: int = 0  # about one group in this many averages ``sync`` too
+    order: int | None = None  # this peer's round: orders the planned groups (see Averager)
+    purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
+    fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
+
+
+StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
+"""One step in progress: yields what it needs (see the module docstring), returns the report."""
