@@ -2,7 +2,7 @@
 
 Prints one JSON object per line and configuration::
 
-    {"setting": "loopback"|"tbf100", "peers": N, "params": P, "codec": ..., "overlap": bool,
+    {"setting": "loopback"|"tbf100"|"tbf10", "peers": N, "params": P, "codec": ..., "overlap": bool,
      "fragments": F, "inner_steps": H, "step_s": ..., "round_s": ..., "utilization": ...,
      "final_loss": ..., "blocking_final_loss": ..., "gpu_mem_overhead_bytes_per_param": null}
 
@@ -35,10 +35,10 @@ steps), all for the same number of steps; ``blocking_final_loss`` is the first r
 On loopback all peers share this machine's cores, so a background round also slows the compute
 of the steps it overlaps. ``tbf100`` (Linux, as root) puts every peer in its own network
 namespace behind 100 Mbit/s ``tc tbf`` links both ways, the setting of ``allreduce.py`` (its
-namespace code is reused, not copied).
+namespace code is reused, not copied); ``tbf10`` does the same at 10 Mbit/s, a home uplink.
 
     python benchmarks/utilization.py [--peers 4] [--width 1024] [--inner-steps 20]
-        [--rounds 30] [--settings loopback tbf100] [--codec int8] [--min-group 2]
+        [--rounds 30] [--settings loopback tbf100 tbf10] [--codec int8] [--min-group 2]
         [--fragments 1 2]
 """
 
@@ -60,6 +60,7 @@ sys.path.insert(0, str(HERE))
 from allreduce import rate_limited_namespaces, tbf_available  # noqa: E402
 
 DIM, ITEMS = 64, 8192
+TBF_SETTINGS = {"tbf100": 100_000_000, "tbf10": 10_000_000}  # setting -> link rate, bits/s
 
 
 def peer_main(args: argparse.Namespace) -> None:
@@ -224,13 +225,13 @@ def main() -> None:
         peer_main(args)
         return
     for setting in args.settings:
-        if setting == "tbf100" and (why := tbf_available()):
-            print(f"skipping tbf100: {why}", file=sys.stderr)
+        if setting in TBF_SETTINGS and (why := tbf_available()):
+            print(f"skipping {setting}: {why}", file=sys.stderr)
             continue
         blocking = None
         for overlap, fragments in [("off", 1), *(("on", f) for f in args.fragments)]:
-            if setting == "tbf100":
-                with rate_limited_namespaces(args.peers, 100_000_000) as places:
+            if setting in TBF_SETTINGS:
+                with rate_limited_namespaces(args.peers, TBF_SETTINGS[setting]) as places:
                     rows = run(args, setting, overlap, fragments, places)
             else:
                 places = [([], f"127.0.0.{i + 1}") for i in range(args.peers)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from swarm.compression.spec import CodecSpec
 from swarm.errors import ConfigError
@@ -227,7 +227,7 @@ class SwarmConfig:
     from flat keywords, routed to the config that owns each one
     (:meth:`SwarmConfig.build`, which ``Swarm(...)`` uses)::
 
-        SwarmConfig.build(inner_steps=50, codec="int8", relay_peers=0, aggregator="mean")
+        SwarmConfig.build(inner_steps=50, codec="int8", relay_slots=0, aggregator="mean")
 
     Args:
         peer: how the peer joins the swarm (addresses, identity, membership, reachability).
@@ -238,7 +238,12 @@ class SwarmConfig:
             Text or a :class:`Mode`; it reads back as a :class:`Mode`.
         inner_steps: local optimizer steps between averaging rounds (forced to 1 for
             ``gradients``). More steps send fewer bytes; increase it on slow links, decrease it if
-            the loss jumps after each round.
+            the loss jumps after each round. ``"auto"``: the peer measures its step time and
+            its rounds' time and picks the steps so that a round hides behind them (overlapped)
+            or costs at most 5% of the time (blocking), within ``min_inner_steps`` and
+            ``max_inner_steps`` (see :mod:`swarm.training.cadence`); every step report and the
+            status table show the value in use.
+        min_inner_steps, max_inner_steps: the range ``"auto"`` picks from (ignored otherwise).
         outer_lr: outer learning rate (DiLoCo's 0.7 works for most models).
         outer_momentum: outer Nesterov momentum (DiLoCo: 0.9). A round with ``k`` peers uses at
             most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer alone takes no outer step at
@@ -279,7 +284,9 @@ class SwarmConfig:
     peer: PeerConfig = field(default_factory=PeerConfig, metadata=SECTION)
     averaging: AveragingConfig = field(default_factory=AveragingConfig, metadata=SECTION)
     mode: Mode | str = Mode.DILOCO
-    inner_steps: int = 100
+    inner_steps: int | Literal["auto"] = 100
+    min_inner_steps: int = 10
+    max_inner_steps: int = 500
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
@@ -301,13 +308,30 @@ class SwarmConfig:
             raise ConfigError(f"mode {self.mode!r}: use one of {', '.join(TRAINING_MODES)}")
         mode = Mode(self.mode)
         object.__setattr__(self, "mode", mode)
+        if isinstance(self.inner_steps, str) and self.inner_steps.strip().isdigit():
+            object.__setattr__(self, "inner_steps", int(self.inner_steps))
+        if self.inner_steps == "auto":
+            if not isinstance(self.min_inner_steps, int) or not isinstance(
+                self.max_inner_steps, int
+            ):
+                raise ConfigError("min_inner_steps and max_inner_steps must be integers")
+            if not 1 <= self.min_inner_steps <= self.max_inner_steps:
+                raise ConfigError("need 1 <= min_inner_steps <= max_inner_steps")
+            if self.max_inner_steps < self.fragments:
+                raise ConfigError("max_inner_steps must be at least fragments")
         if mode.averages_gradients:
             object.__setattr__(self, "inner_steps", 1)
             if self.averaging.gather_window_s is None:
                 lockstep = dataclasses.replace(self.averaging, gather_window_s=LOCKSTEP_GATHER_S)
                 object.__setattr__(self, "averaging", lockstep)
-        if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
-            raise ConfigError("inner_steps must be an integer >= 1")
+        if self.inner_steps != "auto" and (
+            isinstance(self.inner_steps, bool)
+            or not isinstance(self.inner_steps, int)
+            or self.inner_steps < 1
+        ):
+            raise ConfigError(
+                f"inner_steps must be an integer >= 1 or 'auto', not {self.inner_steps!r}"
+            )
         if not self.outer_lr > 0:
             raise ConfigError("outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
@@ -342,7 +366,7 @@ class SwarmConfig:
                 f"fragments stagger DiLoCo's outer rounds, which only mode='diloco' has; "
                 f"{mode.value} averages the whole model"
             )
-        if self.inner_steps % self.fragments:
+        if self.inner_steps != "auto" and self.inner_steps % self.fragments:
             raise ConfigError(
                 f"inner_steps ({self.inner_steps}) must be a multiple of fragments "
                 f"({self.fragments}): a fragment's round comes every inner_steps / fragments steps"
@@ -364,6 +388,13 @@ class SwarmConfig:
         return build_tree(cls, options)
 
     @property
+    def auto_inner_steps(self) -> bool:
+        """The peer fits ``inner_steps`` to its link (``inner_steps="auto"``)."""
+        return self.inner_steps == "auto"
+
+    @property
     def round_interval(self) -> int:
-        """Local steps between two rounds: ``inner_steps / fragments``."""
-        return self.inner_steps // self.fragments
+        """Local steps between two rounds: ``inner_steps / fragments`` (with ``"auto"``, before
+        anything was measured: from ``min_inner_steps``)."""
+        steps = self.min_inner_steps if self.inner_steps == "auto" else int(self.inner_steps)
+        return max(1, steps // self.fragments)

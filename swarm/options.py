@@ -159,13 +159,18 @@ def environment_options(
 
 
 def parser_of(hint: Any) -> str | None:
-    """How text becomes a value of ``hint``: bool, int, float, tuple, text; None: it cannot."""
+    """How text becomes a value of ``hint``: bool, int, float, tuple, text, an integer or a word
+    (``int | str``); None: it cannot."""
     args = set(typing.get_args(hint)) if _is_union(hint) else {hint}
     args.discard(type(None))
+    if any(typing.get_origin(a) is typing.Literal for a in args):
+        args = {str if typing.get_origin(a) is typing.Literal else a for a in args}
     if args == {bool}:
         return "bool"
     if args == {int}:
         return "int"
+    if args == {int, str}:
+        return "int_or_str"
     if args <= {int, float} and args:
         return "float"
     if any(typing.get_origin(a) is tuple for a in args):
@@ -197,6 +202,13 @@ def parse_value(hint: Any, text: str) -> Any:
             return int(stripped)
         except ValueError:
             raise ValueError("not an integer") from None
+    if kind == "int_or_str":
+        if stripped.lstrip("-").isdigit():
+            return int(stripped)
+        words = _words(hint)
+        if words and stripped not in words:
+            raise ValueError(f"not an integer or one of {', '.join(words)}")
+        return stripped
     if kind == "float":
         try:
             return float(stripped)
@@ -207,6 +219,16 @@ def parse_value(hint: Any, text: str) -> Any:
     if kind == "str":
         return stripped
     raise ValueError(f"a {hint} cannot be given as text")
+
+
+def _words(hint: Any) -> tuple[str, ...]:
+    """The text values a ``Literal`` part of ``hint`` allows (none: any text)."""
+    return tuple(
+        w
+        for a in typing.get_args(hint)
+        if typing.get_origin(a) is typing.Literal
+        for w in typing.get_args(a)
+    )
 
 
 def _is_union(hint: Any) -> bool:

@@ -29,6 +29,8 @@ WALK: dict[str, tuple[str, Any]] = {
     # SwarmConfig
     "mode": ("b", "local_sgd"),
     "inner_steps": ("a", 6),
+    "min_inner_steps": ("a", 4),
+    "max_inner_steps": ("a", 300),
     "outer_lr": ("a", 0.5),
     "outer_momentum": ("a", 0.8),
     "nesterov": ("a", False),

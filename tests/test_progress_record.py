@@ -132,10 +132,21 @@ def test_hostile_progress_refuses_the_whole_record(name: str) -> None:
 
 
 def test_a_short_or_unknown_format_progress_is_refused() -> None:
-    for wire_form in (progress().to_wire()[:-1], [99, *progress().to_wire()[1:]]):
+    # [:-2]: one item short of the resources (the last item, inner_steps, may be missing)
+    for wire_form in (progress().to_wire()[:-2], [99, *progress().to_wire()[1:]]):
         data = signed_record_bytes(Identity.generate(), {PROGRESS_FIELD: wire_form})
         with pytest.raises(TransportError, match="format-1 list"):
             PeerRecord.parse(data)
+
+
+def test_an_older_peers_progress_and_a_newer_ones_extra_items_are_read() -> None:
+    older = progress().to_wire()[:-1]  # a peer from before inner_steps was published
+    assert Progress.from_wire(older).inner_steps == 0
+    newer = [*progress().to_wire(), "a field of a later version"]
+    assert Progress.from_wire(newer) == progress()
+    bad = [*progress().to_wire()[:-1], -3]
+    with pytest.raises(ConfigError, match="inner_steps"):
+        Progress.from_wire(bad)
 
 
 @pytest.mark.parametrize("value", [1, False, "yes", None, [True]])
@@ -190,6 +201,9 @@ def test_tracker_turns_counters_into_rates() -> None:
         class utilization:  # mimics the engine's attribute
             value = 0.8
 
+        class cadence:  # mimics the engine's attribute
+            inner_steps = 25
+
     engine = Engine()
     tracker = ProgressTracker()
     tracker.attach(engine, "int8")
@@ -206,5 +220,6 @@ def test_tracker_turns_counters_into_rates() -> None:
     assert p.bytes_out_per_s == pytest.approx(400.0, rel=0.05)
     assert p.bytes_in_per_s == pytest.approx(200.0, rel=0.05)
     assert p.group_size == 3 and p.group == "abcd" and p.codec == "int8"
+    assert p.inner_steps == 25
     assert p.utilization == 0.8
     assert p.resources == machine_resources()

@@ -146,6 +146,7 @@ _COLUMNS = (
     ("ROLE", lambda r: r.get("role", "?")),
     ("ROUND", lambda r: str(r.get("round", ""))),
     ("STEP", lambda r: str(r.get("step", ""))),
+    ("H", lambda r: str(r.get("inner_steps") or "-")),  # inner steps per round in use
     ("SAMPLES/S", lambda r: _num(r.get("samples_per_s"))),
     ("LOSS", lambda r: "" if r.get("loss") is None else f"{r['loss']:.4f}"),
     ("GROUP", lambda r: str(r.get("group_size", "")) if r.get("group_size") else "-"),

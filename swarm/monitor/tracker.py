@@ -120,6 +120,7 @@ class ProgressTracker:
             reachability=reachability,
             uptime_s=min(now - self.started, MAX_RATE),
             resources=machine_resources(),
+            inner_steps=int(e.cadence.inner_steps) if e is not None else 0,
         )
 
 

@@ -6,8 +6,9 @@ the owner can write them; they are still another peer's claims, so every field i
 bounded here before a status table, a dashboard or a metric uses it, and text must be printable
 (a CPU name carrying terminal escapes is refused with the whole record).
 
-Wire form: a msgpack list ``[FORMAT, role, round, step, ...]`` in the order of the fields below,
-about 200 bytes. Trailing items a newer version may add are ignored.
+Wire form: a msgpack list ``[FORMAT, role, round, step, ...]`` in the order of the fields below
+up to the resources, then the resources, then the fields added since (read when present), about
+200 bytes. Trailing items a newer version may add are ignored.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Progress:
     reachability: str  # "public" (others dial it), "client" (behind NAT), "unknown"
     uptime_s: float  # seconds since the peer started
     resources: Resources
+    # added after the resources (an older peer's record ends before them)
+    inner_steps: int = 0  # inner steps per round in use (0: unknown, or a helper)
 
     def __post_init__(self) -> None:
         _word(self.role, "role", ROLES)
@@ -83,12 +86,14 @@ class Progress:
         _count(r.cores, "cores", MAX_CORES)
         _count(r.ram, "ram", MAX_COUNT)
         _count(r.gpu_memory, "gpu_memory", MAX_COUNT)
+        _count(self.inner_steps, "inner_steps", MAX_COUNT)
 
     def to_wire(self) -> list[Any]:
         """The msgpack-able form for ``PeerRecord.extra``."""
-        own = [getattr(self, f.name) for f in fields(self) if f.name != "resources"]
+        own = [getattr(self, f.name) for f in _own_fields()]
         r = self.resources
-        return [FORMAT, *own, r.cpu, r.cores, r.ram, r.gpu, r.gpu_memory]
+        later = [getattr(self, f.name) for f in _later_fields()]
+        return [FORMAT, *own, r.cpu, r.cores, r.ram, r.gpu, r.gpu_memory, *later]
 
     @classmethod
     def from_wire(cls, obj: Any) -> Progress:
@@ -97,7 +102,7 @@ class Progress:
         Raises:
             ConfigError: wrong shape, type, range or non-printable text.
         """
-        own = len(fields(cls)) - 1
+        own = len(_own_fields())
         width = 1 + own + len(fields(Resources))
         if not isinstance(obj, list) or len(obj) < width or obj[0] != FORMAT:
             raise ConfigError(f"progress: expected a format-{FORMAT} list of {width} items")
@@ -111,13 +116,24 @@ class Progress:
             ):
                 values[i] = float(values[i])
         resources = Resources(*obj[1 + own : width])
-        return cls(*values, resources=resources)  # type: ignore[misc]
+        later = {f.name: v for f, v in zip(_later_fields(), obj[width:], strict=False)}
+        return cls(*values, resources=resources, **later)  # type: ignore[misc]
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (resources nested), e.g. for ``swarm-peer status --json``."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "resources"}
         out["resources"] = {f.name: getattr(self.resources, f.name) for f in fields(Resources)}
         return out
+
+
+def _own_fields() -> list[Any]:
+    names = [f.name for f in fields(Progress)]
+    return list(fields(Progress))[: names.index("resources")]
+
+
+def _later_fields() -> list[Any]:
+    names = [f.name for f in fields(Progress)]
+    return list(fields(Progress))[names.index("resources") + 1 :]
 
 
 def check_extra_fields(extra: dict[str, Any]) -> None:

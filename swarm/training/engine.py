@@ -33,6 +33,7 @@ import torch
 
 from swarm.config import Mode, SwarmConfig
 from swarm.errors import TrainingError
+from swarm.training.cadence import Cadence
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
@@ -92,6 +93,14 @@ class TrainingEngine(PersistentState):
         self.samples_in_round = 0.0
         self.samples_seen = 0.0  # all samples trained on, for the published samples/s
         self.utilization = Utilization()
+        self.cadence = Cadence(
+            None if config.auto_inner_steps else int(config.inner_steps),
+            fragments=config.fragments,
+            lowest=config.min_inner_steps,
+            highest=config.max_inner_steps,
+            overlapped=bool(config.overlap),
+            start=config.min_inner_steps,
+        )
         # Held while the model/anchor change, so a snapshot for a joiner is never torn.
         self.lock = threading.Lock()
         self._landed = threading.Condition(self.lock)  # notified when a round in flight lands
@@ -166,11 +175,12 @@ class TrainingEngine(PersistentState):
         else:
             self.last_loss = None
         self.utilization.started()
+        self.cadence.step(self.utilization.waited)
         self.step_count += 1
         self.steps_in_round += 1
         self.samples_in_round += 1.0 if samples is None else float(samples)
         self.samples_seen += 1.0 if samples is None else float(samples)
-        return self.steps_in_round >= self.config.round_interval
+        return self.steps_in_round >= self.cadence.interval
 
     @property
     def fragment(self) -> int:
@@ -320,6 +330,7 @@ class TrainingEngine(PersistentState):
         ``norm`` is the averaged pseudo-gradient's norm (None where no outer step ran) and
         ``scale`` the factor the norm bound cut it by (1.0: not cut; 0.0: not finite).
         """
+        self.cadence.round_ended(round_s)  # "auto": the steps until the next rounds
         if outcome.averaged:
             self._last_failure = ""
             logger.debug("round %d averaged with %d peers", self.round, outcome.group_size - 1)
@@ -362,6 +373,7 @@ class TrainingEngine(PersistentState):
             diverging=bool(divergence),
             divergence=divergence,
             pseudo_grad_norm=norm,
+            inner_steps=self.cadence.inner_steps,
         )
 
     def local_report(self) -> StepReport:
@@ -371,4 +383,5 @@ class TrainingEngine(PersistentState):
             self.utilization.value,
             in_flight=self.in_flight,
             loss=self.last_loss,
+            inner_steps=self.cadence.inner_steps,
         )

@@ -16,6 +16,7 @@ import torch
 
 from swarm.config import Mode, SwarmConfig
 from swarm.errors import CheckpointError, TrainingError
+from swarm.training.cadence import Cadence
 from swarm.training.checkpoint import check_checkpoint
 from swarm.training.outer import OuterState
 from swarm.training.overlap import Flight
@@ -45,6 +46,7 @@ class PersistentState:
     steps_in_round: int
     samples_in_round: float
     offer_from_round: int | None
+    cadence: Cadence
 
     def snapshot_layout(self) -> list[tuple[str, int]]:
         """``(name, numel)`` of every tensor in a snapshot of this model, in order."""
@@ -97,7 +99,7 @@ class PersistentState:
             self.outer.reset_anchor()
             self.round = self.offer_from_round = snap.round
             # Align with the provider's phase so our next round meets theirs.
-            self.steps_in_round = max(0, min(steps_in_round, self.config.round_interval - 1))
+            self.steps_in_round = max(0, min(steps_in_round, self.cadence.interval - 1))
             self.samples_in_round = 0.0
 
     # -- checkpoints ------------------------------------------------------------------------

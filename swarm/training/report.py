@@ -33,6 +33,7 @@ class StepReport:
     # a round started in the background at this step, and its eager outer step moved the model
     # (overlap): the model changed although no round ended
     round_started: bool = False
+    inner_steps: int = 0  # the inner steps per round in use (fitted with inner_steps="auto")
     loss: float | None = None  # the loss passed to step(): this step's, or the round's mean
     diverging: bool = False  # a sharp loss rise or pseudo-gradient norm jump (see divergence)
     divergence: str = ""  # what was seen ("" when not diverging)
@@ -47,6 +48,7 @@ class StepReport:
         *,
         in_flight: bool = False,
         loss: float | None = None,
+        inner_steps: int = 0,
     ) -> StepReport:
         """The report of a plain local step: no round ended, nothing sent; a loss that is not
         finite is flagged as diverging."""
@@ -65,6 +67,7 @@ class StepReport:
             loss=loss,
             diverging=bad,
             divergence="the loss is not finite" if bad else "",
+            inner_steps=inner_steps,
         )
 
     def line(self, loss: float | None = None) -> str:

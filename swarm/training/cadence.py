@@ -1,0 +1,96 @@
+"""How many local steps between two rounds: fixed, or fitted to the link (``inner_steps="auto"``).
+
+A round costs a peer the time it takes on its link. Overlapped (``overlap``, the default in
+``diloco``) it runs behind the next inner steps, and costs no compute as long as those steps take
+longer than the round; a blocking round costs all its time. ``inner_steps="auto"`` measures both
+and picks the number of steps between rounds:
+
+- overlapped: enough steps to cover ``HIDE_MARGIN`` times the round (the round hides, with room
+  for a slower round);
+- blocking: enough that the round costs at most ``1 - BLOCKING_UTILIZATION`` of the wall time.
+
+Step time is the wall time of a step less what it waited on the swarm; both figures are
+exponential moving averages, so one slow round or step moves the choice a little, a slower link
+moves it all the way. The choice stays within ``[min_inner_steps, max_inner_steps]`` (DiLoCo's
+outer optimizer is stable for tens to hundreds of inner steps; far more lets the peers drift
+apart between rounds) and is a multiple of ``fragments``. It changes only when a round ends, and
+peers with different choices still average together: rounds weigh peers by their samples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+HIDE_MARGIN = 1.5  # overlapped: the inner steps cover this many round times
+BLOCKING_UTILIZATION = 0.95  # blocking: the round takes at most 5% of the wall time
+STEP_EMA = 0.1  # weight of the latest step time
+ROUND_EMA = 0.3  # weight of the latest round time
+
+
+class Cadence:
+    """Steps between rounds (``interval``): fixed, or fitted to measured step and round times.
+
+    Args:
+        inner_steps: steps per whole-model round, or ``None`` to fit them (``"auto"``).
+        fragments: rounds per ``inner_steps`` steps (Streaming DiLoCo); every choice divides.
+        lowest, highest: the range ``inner_steps`` is fitted in.
+        overlapped: rounds run behind the next steps (else they block the step).
+        start: ``inner_steps`` before anything was measured.
+    """
+
+    def __init__(
+        self,
+        inner_steps: int | None,
+        *,
+        fragments: int = 1,
+        lowest: int = 1,
+        highest: int = 1,
+        overlapped: bool = True,
+        start: int = 1,
+    ):
+        self.fixed = inner_steps is not None
+        self.fragments = fragments
+        self.lowest, self.highest = lowest, highest
+        self.overlapped = overlapped
+        self.inner_steps = inner_steps if inner_steps is not None else self._fit(start)
+        self.step_s: float | None = None  # moving average of a step's compute time
+        self.round_s: float | None = None  # moving average of a round's time
+        self._last: tuple[float, float] | None = None  # (wall, waited) at the last step
+
+    @property
+    def interval(self) -> int:
+        """Local steps between two rounds."""
+        return self.inner_steps // self.fragments
+
+    def step(self, waited_total: float, now: float | None = None) -> None:
+        """Note a step; ``waited_total`` is every second the peer has waited on the swarm."""
+        now = time.perf_counter() if now is None else now
+        if self._last is not None:
+            wall, waited = self._last
+            seconds = (now - wall) - (waited_total - waited)
+            if seconds > 0:
+                self.step_s = _ema(self.step_s, seconds, STEP_EMA)
+        self._last = (now, waited_total)
+
+    def round_ended(self, seconds: float) -> int:
+        """Note a round's time and, when fitting, choose the steps until the next ones."""
+        if seconds > 0 and math.isfinite(seconds):
+            self.round_s = _ema(self.round_s, seconds, ROUND_EMA)
+        if not self.fixed and self.step_s and self.round_s:
+            per_round = self.round_s / self.step_s  # steps one round takes
+            if self.overlapped:
+                steps = HIDE_MARGIN * per_round * self.fragments
+            else:
+                share = BLOCKING_UTILIZATION / (1 - BLOCKING_UTILIZATION)
+                steps = share * per_round * self.fragments
+            self.inner_steps = self._fit(math.ceil(steps))
+        return self.inner_steps
+
+    def _fit(self, steps: int) -> int:
+        steps = min(max(steps, self.lowest), self.highest)
+        return max(self.fragments, steps - steps % self.fragments)
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

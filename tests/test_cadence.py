@@ -1,0 +1,101 @@
+"""inner_steps="auto": the steps between rounds fitted to measured step and round times."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swarm.config import SwarmConfig
+from swarm.errors import ConfigError
+from swarm.training.cadence import BLOCKING_UTILIZATION, HIDE_MARGIN, Cadence
+from swarm.training.driver import run_step
+from swarm.training.engine import TrainingEngine
+from swarm.training.rounds import RoundOutcome
+
+
+def _steps(cadence: Cadence, seconds: float, count: int, start: float = 0.0) -> float:
+    now = start
+    for _ in range(count):
+        now += seconds
+        cadence.step(0.0, now=now)
+    return now
+
+
+def test_a_fixed_cadence_never_moves() -> None:
+    cadence = Cadence(40, fragments=4)
+    _steps(cadence, 0.01, 5)
+    assert cadence.round_ended(100.0) == 40 and cadence.interval == 10
+
+
+def test_overlapped_rounds_hide_behind_the_steps_they_need() -> None:
+    cadence = Cadence(None, lowest=5, highest=1000, overlapped=True, start=5)
+    assert cadence.inner_steps == 5
+    _steps(cadence, 0.02, 10)  # steps of 20 ms
+    chosen = cadence.round_ended(1.0)  # a round of 1 s: 50 steps
+    assert abs(chosen - HIDE_MARGIN * 50) <= 1  # float sums of the step times
+    assert cadence.interval == chosen
+
+
+def test_blocking_rounds_cost_at_most_five_percent() -> None:
+    cadence = Cadence(None, lowest=1, highest=10_000, overlapped=False, start=1)
+    _steps(cadence, 0.01, 10)
+    chosen = cadence.round_ended(0.1)  # 10 steps' worth
+    utilization = chosen * 0.01 / (chosen * 0.01 + 0.1)
+    assert utilization >= BLOCKING_UTILIZATION - 1e-9
+    assert (chosen - 1) * 0.01 / ((chosen - 1) * 0.01 + 0.1) < BLOCKING_UTILIZATION
+
+
+def test_bounds_fragments_and_waits_are_respected() -> None:
+    cadence = Cadence(None, fragments=4, lowest=10, highest=100, overlapped=True, start=10)
+    assert cadence.inner_steps == 8 and cadence.interval == 2  # 10 rounded down to 4's multiple
+    now = _steps(cadence, 0.01, 5)
+    cadence.step(5.0, now=now + 5.01)  # a step that waited 5 s on the swarm: 10 ms of compute
+    assert cadence.step_s == pytest.approx(0.01)
+    assert cadence.round_ended(60.0) == 100  # capped
+    assert cadence.round_ended(0.0) == 100  # a nonsense round time changes nothing
+    fast = Cadence(None, fragments=4, lowest=10, highest=100, start=10)
+    _steps(fast, 1.0, 5)
+    assert fast.round_ended(0.001) == 8  # at least the lowest, a multiple of fragments
+
+
+def test_auto_is_a_config_value_with_its_range() -> None:
+    config = SwarmConfig.build(inner_steps="auto", min_inner_steps=3, max_inner_steps=30)
+    assert config.auto_inner_steps and config.round_interval == 3
+    assert SwarmConfig.build(inner_steps="12").inner_steps == 12  # from text (an env variable)
+    for bad in (
+        {"inner_steps": "often"},
+        {"inner_steps": "auto", "min_inner_steps": 0},
+        {"inner_steps": "auto", "min_inner_steps": 9, "max_inner_steps": 3},
+        {"inner_steps": True},
+    ):
+        with pytest.raises(ConfigError):
+            SwarmConfig.build(**bad)
+
+
+def test_an_engine_with_auto_steps_fits_them_and_reports_them() -> None:
+    """Blocking rounds of about 10 steps' time: the engine moves from its lowest count to its
+    highest (19 x 10 steps would keep the rounds under 5%, capped at 40)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = SwarmConfig.build(
+        inner_steps="auto", min_inner_steps=2, max_inner_steps=40, overlap=False, codec="none"
+    )
+    engine = TrainingEngine(model, opt, config)
+
+    def slow_round(plan) -> RoundOutcome:
+        time.sleep(0.05)
+        return RoundOutcome(True, 2, 0, 0)
+
+    reports = []
+    for _ in range(60):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        time.sleep(0.005)  # a step's compute
+        reports.append(run_step(engine.step(8), slow_round))
+        opt.zero_grad()
+    rounds = [r for r in reports if r.round_due]
+    assert rounds[0].inner_steps > 2  # fitted after the first round
+    assert reports[-1].inner_steps == 40
+    assert sum(r.round_due for r in reports[-40:]) <= 2  # rounds now come every 40 steps
