@@ -18,15 +18,14 @@ def attacker_hosts(count: int, subnet: str = "127.0.9") -> list[str]:
     return [f"{subnet}.{i + 1}" for i in range(count)]
 
 
-def ground_identities(count: int, below: bytes) -> list[Identity]:
-    """``count`` identities whose public keys sort below ``below`` (what an attacker grinds for
-    to come first in a key-ordered listing)."""
-    found: list[Identity] = []
-    while len(found) < count:
-        identity = Identity.generate()
-        if identity.public_key < below:
-            found.append(identity)
-    return found
+def ground_identities(count: int, honest: int) -> tuple[list[Identity], list[Identity]]:
+    """``count`` identities whose public keys all sort below those of ``honest`` others (what an
+    attacker grinds for to come first in a key-ordered listing): (ground, honest).
+
+    Drawn as one batch and split by key, so the cost does not depend on how low the honest keys
+    happen to fall (grinding below random honest keys took minutes at times)."""
+    batch = sorted((Identity.generate() for _ in range(count + honest)), key=lambda i: i.public_key)
+    return batch[:count], batch[count:]
 
 
 def forged_copy(entry: DHTEntry) -> DHTEntry:

@@ -27,16 +27,21 @@ async def swarm_of(
     *,
     hosts: Sequence[str] = (HOST,),
     hostile: bool = False,
+    identities: Sequence[Identity] | None = None,
     **kwargs,
 ) -> AsyncIterator[list[DHTNode]]:
-    """``count`` nodes, node ``i`` on ``hosts[i % len(hosts)]``, each bootstrapped through the
-    first. Unless ``hostile`` (a test that floods on purpose), no node may have refused anything
-    for a budget when the block ends: honest peers, however many share a loopback address,
-    never meet the per-host and per-subnet budgets."""
+    """``count`` nodes, node ``i`` on ``hosts[i % len(hosts)]`` (with ``identities[i]`` when
+    given), each bootstrapped through the first. Unless ``hostile`` (a test that floods on
+    purpose), no node may have refused anything for a budget when the block ends: honest peers,
+    however many share a loopback address, never meet the per-host and per-subnet budgets."""
     membership = membership or Membership.open()
     nodes = [
         await DHTNode.create(
-            Identity.generate(), membership, host=hosts[i % len(hosts)], port=0, **kwargs
+            identities[i] if identities else Identity.generate(),
+            membership,
+            host=hosts[i % len(hosts)],
+            port=0,
+            **kwargs,
         )
         for i in range(count)
     ]

@@ -58,9 +58,9 @@ async def listing(seed: DHTNode, host: str = READER_HOST) -> dict:
 @pytest.mark.parametrize("spread", [1, 16], ids=["one-host", "16-addresses-of-a-24"])
 async def test_a_listing_stays_complete_with_200_ground_identities(keyed: bool, spread: int):
     membership = Membership.with_key(SECRET) if keyed else Membership.open()
-    async with swarm_of(len(HONEST_HOSTS), membership, hosts=HONEST_HOSTS) as honest:
+    ground, keys = ground_identities(GROUND, honest=len(HONEST_HOSTS))
+    async with swarm_of(len(keys), membership, hosts=HONEST_HOSTS, identities=keys) as honest:
         lowest = min(n.identity.public_key for n in honest)
-        ground = ground_identities(GROUND, below=lowest)
         digest = key_digest(PEERS_KEY)
         expiration = time.time() + MAX_TTL_S - 60
         value = os.urandom(MAX_VALUE_BYTES)

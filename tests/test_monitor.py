@@ -167,6 +167,7 @@ async def test_joins_and_leaves_are_logged(caplog: pytest.LogCaptureFixture) -> 
 def test_swarm_peer_logs_joins_leaves_and_a_periodic_status() -> None:
     argv = [sys.executable, "-m", "swarm.cli", "--listen", "127.0.0.1:0", "--run-id", "cli-log"]
     argv += ["--heartbeat", "0.5", "--status-interval", "0.5"]
+    argv += ["--record-ttl-s", "60"]  # a slow exit must not let the record expire first
     first = OutputProcess(argv)
     second = None
     try:
