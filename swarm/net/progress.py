@@ -13,6 +13,7 @@ up to the resources, then the resources, then the fields added since (read when 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -126,14 +127,16 @@ class Progress:
         return out
 
 
-def _own_fields() -> list[Any]:
+@functools.cache  # every record read and written asks: the fields never change
+def _own_fields() -> tuple[Any, ...]:
     names = [f.name for f in fields(Progress)]
-    return list(fields(Progress))[: names.index("resources")]
+    return fields(Progress)[: names.index("resources")]
 
 
-def _later_fields() -> list[Any]:
+@functools.cache
+def _later_fields() -> tuple[Any, ...]:
     names = [f.name for f in fields(Progress)]
-    return list(fields(Progress))[names.index("resources") + 1 :]
+    return fields(Progress)[names.index("resources") + 1 :]
 
 
 def check_extra_fields(extra: dict[str, Any]) -> None:
