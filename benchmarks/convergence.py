@@ -1,19 +1,32 @@
 """Convergence vs bytes: DiLoCo with compression against per-step gradient averaging (DDP-like).
 
-    python benchmarks/convergence.py [--quick] [--peers 4] [--steps 400] [--plot-dir DIR]
+    python benchmarks/convergence.py [--quick] [--peers 4] [--steps 900] [--seeds 3]
+        [--codecs none int8 topk:0.01 1bit sparse] [--plot-dir docs]
 
-A fixed task (a small CNN with BatchNorm on generated 16x16 images of 10 classes), N peers in one
-process (threads; each with its own Swarm, loop thread and loopback port), each on a disjoint
-shard, the same number of steps and samples for every configuration:
+The task (``convergence_task.py``): a small CNN with BatchNorm on an endless stream of noisy,
+shifted images of 10 classes; every peer draws fresh samples at every step, so nothing can be
+memorized, and the inner optimizer (AdamW) follows the same warmup and cosine schedule in every
+configuration. N peers run in one process (threads, each its own Swarm, loop thread and
+loopback port; ``--backend sim``: the engines in one thread with an exact in-memory average):
 
 - ``gradients`` + ``none``: the reference, gradients averaged every step in fp32 (what DDP does);
-- ``diloco`` with ``none``, ``int8``, ``topk:0.01`` and ``1bit`` (error feedback on).
+- ``diloco`` with each codec of ``--codecs`` (error feedback on, overlapped rounds: the defaults).
 
-Prints one JSON object per configuration (fields ``mode``, ``codec``, ``peers``, ``final_loss``,
-``reference_final_loss``, ``bytes_sent_per_peer``, ``bytes_ratio_vs_reference``,
-``step_overhead`` and a few more), then draws loss vs samples and loss vs bytes into PNGs when
-matplotlib is installed (skipped with a note otherwise). ``step_overhead`` is the extra time of
-``swarm.step()`` over ``optimizer.step()`` on steps that do not average.
+Every ``--eval-every`` steps each peer evaluates its own model (eval mode, its own BatchNorm
+statistics) on a fixed test set. The last step starts a round (``steps`` is a multiple of
+``inner_steps``); ``wait_round()`` lands it before any inner step, so each peer holds its
+group's new anchor; then, with a dense codec, ``average_parameters()`` averages the models once
+more (sparse codecs cannot average raw weights: their last DiLoCo round is the last average).
+``final_loss`` is the mean over peers, averaged over the last ``--last-evals`` evaluation
+points (the last one being after that final average), then over seeds, with its spread.
+
+Prints one JSON object per configuration (``mode``, ``codec``, ``peers``, ``seeds``,
+``final_loss`` with ``final_loss_min``/``_max``/``_std`` and ``final_loss_per_seed``,
+``reference_final_loss``, ``loss_vs_reference``, ``bytes_sent_per_peer``,
+``bytes_ratio_vs_reference``, ``diverged``, ``averaged_share``, ``step_overhead`` and a few more)
+and draws loss vs samples and vs bytes (means over seeds) into PNGs when matplotlib is
+installed. ``step_overhead`` is the extra time of ``swarm.step()`` over ``optimizer.step()`` on
+steps that do not average.
 """
 
 from __future__ import annotations
@@ -21,74 +34,96 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import threading
 import time
 
 import torch
+from convergence_task import CLASSES, evaluate, make_model, sample, test_set
 from torch import nn
 
 from swarm.api import Swarm
 
-IMAGE, CLASSES = 16, 10
+WARMUP = 30  # steps of linear warmup before the cosine decay
 
 
-def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noisy, shifted copies of 10 fixed class patterns; 20% of labels are random, so the loss
-    has a floor well above 0 and relative loss differences mean something."""
-    g = torch.Generator().manual_seed(1234)  # the class patterns are shared by every split
-    patterns = torch.randn(CLASSES, 3, IMAGE, IMAGE, generator=g)
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(CLASSES, (n,), generator=g)
-    images = patterns[labels] + 2.0 * torch.randn(n, 3, IMAGE, IMAGE, generator=g)
-    noisy = torch.rand(n, generator=g) < 0.2
-    return images, torch.where(noisy, torch.randint(CLASSES, (n,), generator=g), labels)
+def make_optimizer(model: nn.Module, args: argparse.Namespace):
+    """AdamW with linear warmup and cosine decay to 10% over ``args.steps`` local steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def factor(step: int) -> float:
+        cosine = 0.5 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))
+        return min(1.0, (step + 1) / WARMUP) * (0.1 + 0.9 * cosine)
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-
-    def block(cin: int, cout: int) -> list[nn.Module]:
-        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
-
-    return nn.Sequential(
-        *block(3, 32),
-        nn.MaxPool2d(2),
-        *block(32, 64),
-        nn.MaxPool2d(2),
-        *block(64, 64),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(64, CLASSES),
-    )
+def outer_options(args: argparse.Namespace) -> dict:
+    """The outer optimizer's settings given on the command line (else the library's defaults)."""
+    options = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+    return {k: v for k, v in options.items() if v is not None}
 
 
-def evaluate(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> float:
-    model.eval()
-    with torch.no_grad():
-        loss = nn.functional.cross_entropy(model(data[0]), data[1]).item()
-    model.train()
-    return loss
+def generator(seed: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1_000_003 * seed + rank)
 
 
-def run(mode: str, codec: str, args: argparse.Namespace, train, test) -> dict:
-    """Train ``args.peers`` peers for ``args.steps`` steps; returns curves and totals."""
+class Recorder:
+    """Evaluations of every peer at the same steps, and bytes and rounds per peer."""
+
+    def __init__(self, n: int):
+        self.losses: dict[int, list[float]] = {}  # step -> loss of each peer
+        self.sent: dict[int, list[int]] = {}  # step -> bytes sent so far by each peer
+        self.bytes = [0] * n
+        self.rounds = [0] * n
+        self.averaged = [0] * n
+        self.lock = threading.Lock()
+
+    def count(self, rank: int, report) -> None:
+        self.bytes[rank] += report.bytes_sent
+        if report.round_due:
+            self.rounds[rank] += 1
+            self.averaged[rank] += report.averaged
+
+    def evaluate(self, rank: int, step: int, model: nn.Module, test) -> None:
+        loss = evaluate(model, test)
+        with self.lock:
+            self.losses.setdefault(step, [math.nan] * len(self.bytes))[rank] = loss
+            self.sent.setdefault(step, [0] * len(self.bytes))[rank] = self.bytes[rank]
+
+    def result(self, samples_per_step: int, last: int) -> dict:
+        steps = sorted(self.losses)
+        curve = [
+            (s * samples_per_step, statistics.mean(self.sent[s]), statistics.mean(self.losses[s]))
+            for s in steps
+        ]
+        return {
+            "curve": curve,
+            "final": statistics.mean(c[2] for c in curve[-last:]),
+            "final_point": curve[-1][2],
+            "bytes": statistics.mean(self.bytes),
+            "averaged_share": sum(self.averaged) / max(sum(self.rounds), 1),
+        }
+
+
+def run(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dict:
+    """One configuration, one seed: ``args.peers`` Swarm peers on loopback, in threads."""
     inner = 1 if mode == "gradients" else args.inner_steps
     n = args.peers
     swarms: list[Swarm | None] = [None] * n
-    curves: list[list[tuple[int, int, float]]] = [[] for _ in range(n)]
-    sent = [0] * n
+    rec = Recorder(n)
     barrier = threading.Barrier(n)
     errors: list[BaseException] = []
 
     def peer(rank: int, initial: list[str]) -> None:
         try:
-            model = make_model()
-            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            model = make_model(seed)
+            opt, schedule = make_optimizer(model, args)
             with Swarm(
                 model,
                 opt,
-                run_id=f"bench-{mode}-{codec}".replace(":", "-"),
+                run_id=f"bench-{mode}-{codec}-{seed}".replace(":", "-"),
                 initial_peers=initial,
                 listen="127.0.0.1:0",
                 mode=mode,
@@ -98,30 +133,33 @@ def run(mode: str, codec: str, args: argparse.Namespace, train, test) -> dict:
                 target_group_size=n,
                 matchmaking_timeout_s=10.0,
                 round_timeout_s=60.0,
+                **outer_options(args),
             ) as swarm:
                 swarms[rank] = swarm
                 barrier.wait()
-                x, y = train[0][rank::n], train[1][rank::n]
-                g = torch.Generator().manual_seed(rank)
+                g = generator(seed, rank)
                 for step in range(1, args.steps + 1):
-                    idx = torch.randint(len(x), (args.batch,), generator=g)
-                    nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-                    report = swarm.step(samples=args.batch)
+                    x, y = sample(args.batch, g)
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    rec.count(rank, swarm.step(samples=args.batch))
                     opt.zero_grad(set_to_none=True)
-                    sent[rank] += report.bytes_sent
-                    eval_now = (report.round_due and mode == "diloco") or (
-                        mode == "gradients" and step % args.inner_steps == 0
-                    )
-                    if rank == 0 and eval_now:
-                        curves[0].append((step * args.batch * n, sent[0], evaluate(model, test)))
+                    schedule.step()
+                    if step % args.eval_every == 0 and step < args.steps:
+                        rec.evaluate(rank, step, model, test)
+                report = swarm.wait_round()  # lands the last round before any inner step
+                if report is not None:
+                    rec.count(rank, report)
                 barrier.wait()
-                if rank == 0:
-                    curves[0].append((args.steps * args.batch * n, sent[0], evaluate(model, test)))
+                if swarm.config.averaging.codec_spec.dense_values_ok:
+                    rec.bytes[rank] += swarm.average_parameters().bytes_sent
+                barrier.wait()
+                rec.evaluate(rank, args.steps, model, test)
                 barrier.wait()
         except BaseException as e:  # reported by the main thread
             errors.append(e)
             barrier.abort()
 
+    start = time.perf_counter()
     first = threading.Thread(target=peer, args=(0, []))
     first.start()
     while swarms[0] is None and first.is_alive():
@@ -133,139 +171,83 @@ def run(mode: str, codec: str, args: argparse.Namespace, train, test) -> dict:
         ]
     for t in threads[1:]:
         t.start()
-    start = time.perf_counter()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return {
-        "curve": curves[0],
-        "bytes": statistics.mean(sent),
-        "final": curves[0][-1][2],
-        "wall_s": time.perf_counter() - start,
-    }
+    result = rec.result(args.batch * n, args.last_evals)
+    result["wall_s"] = time.perf_counter() - start
+    return result
 
 
-class _EmulatedCodec:
-    """Stand-in used only when swarm.compression is unavailable: same maths, sizes estimated."""
+def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dict:
+    """The same training in one thread: N engines, blocking rounds, an exact butterfly in memory.
 
-    def __init__(self, spec: str, block: int = 4096):
-        self.name, _, arg = spec.partition(":")
-        self.fraction = float(arg) if arg else 0.01
-        self.block = block
-
-    def roundtrip(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        n = x.numel()
-        if self.name == "none":
-            return x.clone(), 4 * n
-        if self.name in ("fp16", "bf16"):
-            dtype = torch.float16 if self.name == "fp16" else torch.bfloat16
-            return x.to(dtype).float(), 2 * n
-        pad = (-n) % self.block
-        blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, self.block)
-        if self.name == "int8":
-            scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-            out = (blocks / scale).round().clamp(-127, 127) * scale
-            return out.flatten()[:n], n + 4 * blocks.shape[0]
-        if self.name == "1bit":
-            scale = blocks.abs().mean(dim=1, keepdim=True)
-            out = torch.where(blocks >= 0, scale, -scale)
-            return out.flatten()[:n], (n + 7) // 8 + 4 * blocks.shape[0]
-        k = max(1, int(n * self.fraction))
-        idx = x.abs().topk(k).indices
-        out = torch.zeros_like(x)
-        out[idx] = x[idx]
-        return out, k * 4  # fp16 values + ~2-byte index deltas
-
-
-def _codec_roundtrip(spec: str):
-    """(x -> (decoded, payload bytes)) through swarm.compression when present, else emulated."""
-    try:
-        from swarm.compression import decode, get_codec
-    except ImportError:
-        return _EmulatedCodec(spec).roundtrip, "emulated"
-    codec = get_codec(spec)
-
-    def roundtrip(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        payload = codec.encode(x)
-        return decode(payload).to(x.device).float(), len(payload)
-
-    return roundtrip, "swarm.compression"
-
-
-def run_simulated(mode: str, codec: str, args: argparse.Namespace, train, test) -> dict:
-    """The same training in one thread: N engines, an exact butterfly average in memory.
-
-    Each peer compresses its vector with error feedback, the part owners average the decoded
-    values and send back the average compressed with their own error feedback (as the butterfly
-    all-reduce does); bytes per peer per round are 2(N-1)/N x the payload.
+    Each peer encodes its vector with error feedback, the part owners average the decoded
+    values and encode the mean with their own error feedback (as the butterfly all-reduce
+    does); bytes per peer per round are 2(N-1)/N x the payload. No network, no overlap.
     """
+    from swarm.compression import decode, get_codec
+    from swarm.compression.feedback import ErrorFeedback
     from swarm.config import SwarmConfig
     from swarm.training.engine import TrainingEngine
     from swarm.training.rounds import RoundOutcome
 
     n = args.peers
     inner = 1 if mode == "gradients" else args.inner_steps
-    roundtrip, codec_source = _codec_roundtrip(codec)
-    engines = []
+    config = SwarmConfig.build(
+        mode=mode, inner_steps=inner, codec=codec, overlap=False, **outer_options(args)
+    )
+    engines, schedules = [], []
     for _ in range(n):
-        model = make_model()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        engines.append(
-            TrainingEngine(model, opt, SwarmConfig.build(mode=mode, inner_steps=inner, codec=codec))
-        )
-    residual = [None] * n
-    owner_residual = None
-    shards = [(train[0][r::n], train[1][r::n]) for r in range(n)]
-    gens = [torch.Generator().manual_seed(r) for r in range(n)]
-    sent, curve = 0.0, []
-    start = time.perf_counter()
+        model = make_model(seed)
+        opt, schedule = make_optimizer(model, args)
+        engines.append(TrainingEngine(model, opt, config))
+        schedules.append(schedule)
+    feedback = [ErrorFeedback(get_codec(codec)) for _ in range(n + 1)]  # the last: the owner
+    gens = [generator(seed, r) for r in range(n)]
+    rec, start = Recorder(n), time.perf_counter()
+
+    def average(plans: list) -> None:
+        flat = [torch.cat([t.flatten() for t in p.tensors]) for p in plans]
+        payloads = [f.encode(v) for f, v in zip(feedback[:n], flat, strict=True)]
+        total = sum(p.weight for p in plans)
+        mean = sum(p.weight * decode(b).float() for p, b in zip(plans, payloads, strict=True))
+        values = decode(feedback[n].encode(mean / total)).float()
+        for r, p in enumerate(plans):
+            rec.bytes[r] += int(2 * (n - 1) / n * max(map(len, payloads)))
+            offset = 0
+            for t in p.tensors:
+                t.copy_(values[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
     for step in range(1, args.steps + 1):
         due = False
-        for e, (x, y), g in zip(engines, shards, gens, strict=True):
-            idx = torch.randint(len(x), (args.batch,), generator=g)
-            nn.functional.cross_entropy(e.model(x[idx]), y[idx]).backward()
+        for e, g in zip(engines, gens, strict=True):
+            x, y = sample(args.batch, g)
+            nn.functional.cross_entropy(e.model(x), y).backward()
             due = e.count(args.batch)
             if mode != "gradients":
                 e.inner_step()
         if due:
             plans = [e.begin_round() for e in engines]
-            flat = [torch.cat([t.flatten() for t in p.tensors]) for p in plans]
-            decoded, payload = [], 0
-            for r, v in enumerate(flat):
-                v = v + (residual[r] if residual[r] is not None else 0)
-                d, size = roundtrip(v)
-                residual[r] = v - d
-                decoded.append(d)
-                payload = max(payload, size)
-            weights = [p.weight for p in plans]
-            mean = sum(w * d for w, d in zip(weights, decoded, strict=True)) / sum(weights)
-            mean = mean + (owner_residual if owner_residual is not None else 0)
-            back, _ = roundtrip(mean)
-            owner_residual = mean - back
-            sent += 2 * (n - 1) / n * payload
-            for e, plan in zip(engines, plans, strict=True):
-                offset = 0
-                for t in plan.tensors:
-                    t.copy_(back[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
-                e.finish_round(plan, RoundOutcome(True, n, 0, 0))
+            average(plans)
+            for r, (e, plan) in enumerate(zip(engines, plans, strict=True)):
+                rec.count(r, e.finish_round(plan, RoundOutcome(True, n, 0, 0)))
                 if mode == "gradients":
                     e.inner_step()
-        for e in engines:
+        for e, schedule in zip(engines, schedules, strict=True):
             e.optimizer.zero_grad(set_to_none=True)
-        if step % args.inner_steps == 0 or step == args.steps:
-            curve.append((step * args.batch * n, int(sent), evaluate(engines[0].model, test)))
-    return {
-        "curve": curve,
-        "bytes": sent,
-        "final": curve[-1][2],
-        "wall_s": time.perf_counter() - start,
-        "codec_source": codec_source,
-    }
+            schedule.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            for r, e in enumerate(engines):
+                rec.evaluate(r, step, e.model, test)
+    result = rec.result(args.batch * n, args.last_evals)
+    result["wall_s"] = time.perf_counter() - start
+    return result
 
 
-def step_overhead(args: argparse.Namespace, train, backend: str) -> float:
+def step_overhead(args: argparse.Namespace, backend: str) -> float:
     """Extra time of swarm.step() over optimizer.step() on steps that do not average.
 
     The two are timed in alternation (median of 9 x 200 steps) so load from other processes
@@ -277,7 +259,7 @@ def step_overhead(args: argparse.Namespace, train, backend: str) -> float:
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    x, y = train[0][: args.batch], train[1][: args.batch]
+    x, y = sample(args.batch, generator(0, 0))
     nn.functional.cross_entropy(model(x), y).backward()
     swarm = None
     if backend == "swarm":
@@ -305,7 +287,15 @@ def step_overhead(args: argparse.Namespace, train, backend: str) -> float:
     return statistics.median(times["swarm"]) / statistics.median(times["optimizer"]) - 1.0
 
 
-def plot(results: dict, plot_dir: str) -> str:
+def mean_curve(runs: list[dict]) -> list[tuple[float, float, float]]:
+    """The seeds' curves averaged point by point (they share their evaluation steps)."""
+    return [
+        tuple(statistics.mean(c[i] for c in points) for i in range(3))
+        for points in zip(*(r["curve"] for r in runs), strict=True)
+    ]
+
+
+def plot(curves: dict[str, list], plot_dir: str) -> str:
     try:
         import matplotlib
 
@@ -315,80 +305,90 @@ def plot(results: dict, plot_dir: str) -> str:
         return "matplotlib is not installed: plots skipped"
     for xi, label in ((0, "samples"), (1, "bytes sent per peer")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, r in results.items():
-            ax.plot([c[xi] for c in r["curve"]], [c[2] for c in r["curve"]], label=name)
+        for name, curve in curves.items():
+            ax.plot([c[xi] for c in curve], [c[2] for c in curve], label=name, marker=".")
         ax.set_xlabel(label)
-        ax.set_ylabel("test loss")
+        ax.set_ylabel("test loss (mean over peers and seeds)")
         if xi == 1:
-            ax.set_xscale("symlog")
+            ax.set_xscale("log")
         ax.legend()
-        fig.savefig(f"{plot_dir}/loss_vs_{label.split()[0]}.png", dpi=120)
+        fig.tight_layout()
+        fig.savefig(f"{plot_dir}/convergence_loss_vs_{label.split()[0]}.png", dpi=120)
         plt.close(fig)
     return f"plots written to {plot_dir}"
 
 
+def summary(name: str, runs: list[dict], reference: dict, args, overhead: float) -> dict:
+    mode, codec = name.split("/", 1)
+    finals = [r["final"] for r in runs]
+    final, ref_final = statistics.mean(finals), reference["final"]
+    sent = statistics.mean(r["bytes"] for r in runs)
+    return {
+        "mode": mode,
+        "codec": codec,
+        "peers": args.peers,
+        "steps": args.steps,
+        "inner_steps": 1 if mode == "gradients" else args.inner_steps,
+        "seeds": len(runs),
+        "final_loss": round(final, 5),
+        "final_loss_min": round(min(finals), 5),
+        "final_loss_max": round(max(finals), 5),
+        "final_loss_std": round(statistics.pstdev(finals), 5),
+        "final_loss_per_seed": [round(f, 5) for f in finals],
+        "last_point_loss": round(statistics.mean(r["final_point"] for r in runs), 5),
+        "reference_final_loss": round(ref_final, 5),
+        "loss_vs_reference": round(final / ref_final - 1, 4),
+        "bytes_sent_per_peer": int(sent),
+        "bytes_ratio_vs_reference": round(reference["bytes"] / max(sent, 1), 1),
+        # chance is ln(classes): a final loss above it, or not finite, is a divergence
+        "diverged": any(not f < math.log(CLASSES) for f in finals),
+        "averaged_share": round(statistics.mean(r["averaged_share"] for r in runs), 3),
+        "step_overhead": round(overhead, 4),
+        "backend": args.backend,
+        "wall_s": round(sum(r["wall_s"] for r in runs), 1),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps (a few minutes)")
+    p.add_argument("--quick", action="store_true", help="one seed, fewer steps (minutes)")
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--steps", type=int, default=900)
     p.add_argument("--inner-steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--codecs", nargs="+", default=["none", "int8", "topk:0.1", "topk:0.01", "1bit"])
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--outer-lr", type=float, help="default: the library's (0.7)")
+    p.add_argument("--outer-momentum", type=float, help="default: the library's (0.9)")
+    p.add_argument("--eval-every", type=int, default=60)
+    p.add_argument("--last-evals", type=int, default=3, help="evaluations the final loss averages")
+    p.add_argument("--test-size", type=int, default=2048)
+    p.add_argument("--codecs", nargs="+", default=["none", "int8", "topk:0.01", "1bit", "sparse"])
     p.add_argument("--plot-dir", default=".")
-    p.add_argument(
-        "--backend",
-        choices=["auto", "swarm", "sim"],
-        default="auto",
-        help="swarm: real peers on loopback; sim: one process, exact in-memory "
-        "butterfly (used by auto when the network stack is not importable)",
-    )
+    p.add_argument("--backend", choices=["swarm", "sim"], default="swarm")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.inner_steps = 300, 30
+        args.steps, args.seeds = 300, 1
+    if args.steps % args.inner_steps or args.steps % args.eval_every:
+        p.error("--steps must be a multiple of --inner-steps and of --eval-every")
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
-    train, test = make_data(32768, seed=1), make_data(2048, seed=2)
-    backend = args.backend
-    if backend == "auto":
-        try:
-            from swarm.averaging import Averager  # noqa: F401
-            from swarm.peer import Peer  # noqa: F401
-        except ImportError:
-            backend = "sim"
-        else:
-            backend = "swarm"
-    runner = run if backend == "swarm" else run_simulated
-    overhead = step_overhead(args, train, backend)
-    results = {"gradients/none": runner("gradients", "none", args, train, test)}
-    reference = results["gradients/none"]
-    for codec in args.codecs:
-        results[f"diloco/{codec}"] = runner("diloco", codec, args, train, test)
-    for name, r in results.items():
-        mode, codec = name.split("/", 1)
-        print(
-            json.dumps(
-                {
-                    "mode": mode,
-                    "codec": codec,
-                    "peers": args.peers,
-                    "steps": args.steps,
-                    "inner_steps": 1 if mode == "gradients" else args.inner_steps,
-                    "final_loss": round(r["final"], 5),
-                    "reference_final_loss": round(reference["final"], 5),
-                    "loss_vs_reference": round(r["final"] / reference["final"] - 1, 4),
-                    "bytes_sent_per_peer": int(r["bytes"]),
-                    "bytes_ratio_vs_reference": round(reference["bytes"] / max(r["bytes"], 1), 1),
-                    "step_overhead": round(overhead, 4),
-                    "backend": backend,
-                    "codec_impl": r.get("codec_source", "swarm.compression"),
-                    "wall_s": round(r["wall_s"], 1),
-                }
-            ),
-            flush=True,
-        )
-    print(json.dumps({"note": plot(results, args.plot_dir)}), flush=True)
+    test = test_set(args.test_size)
+    runner = run if args.backend == "swarm" else run_simulated
+    overhead = step_overhead(args, args.backend)
+    configs = [("gradients", "none")] + [("diloco", c) for c in args.codecs]
+    results = {
+        f"{mode}/{codec}": [runner(mode, codec, s, args, test) for s in range(args.seeds)]
+        for mode, codec in configs
+    }
+    reference = {
+        "final": statistics.mean(r["final"] for r in results["gradients/none"]),
+        "bytes": statistics.mean(r["bytes"] for r in results["gradients/none"]),
+    }
+    for name, runs in results.items():
+        print(json.dumps(summary(name, runs, reference, args, overhead)), flush=True)
+    curves = {name: mean_curve(runs) for name, runs in results.items()}
+    print(json.dumps({"note": plot(curves, args.plot_dir)}), flush=True)
 
 
 if __name__ == "__main__":

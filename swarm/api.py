@@ -145,6 +145,7 @@ class AsyncSwarm:
                     weight=plan.weight,
                     sync=plan.sync,
                     sync_every=plan.sync_every,
+                    sync_codec=plan.sync_codec,
                     order=plan.order,
                     purpose=plan.purpose,
                     fragment=plan.fragment,
@@ -439,6 +440,7 @@ def outcome_of(result: RoundResult) -> RoundOutcome:
         bytes_received=result.bytes_received,
         reason="" if result.averaged else (result.reason or "not averaged"),
         refusals=tuple(str(r) for r in result.refusals),
+        synced=result.synced,
     )
 
 

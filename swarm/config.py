@@ -88,6 +88,9 @@ class Aggregator(str, enum.Enum):
 
 GROUPINGS = tuple(g.value for g in Grouping)
 AGGREGATORS = tuple(a.value for a in Aggregator)
+DENSE_ANCHOR_SYNC_EVERY = 4  # anchor_sync_every's default with a dense codec (+25% bytes)
+SPARSE_ANCHOR_SYNC_EVERY = 8  # ... and with a sparse one (see the README's fidelity notes)
+SPARSE_ANCHOR_SYNC_CODEC = "int8"  # anchor_sync_codec's default with a sparse codec
 ROUND_CLEANUP_S = 1.0  # of a round's time, kept for closing streams after the all-reduce
 LOCKSTEP_GATHER_S = 0.05  # gather window of gradients mode: every step is a round, peers in step
 
@@ -250,13 +253,25 @@ class SwarmConfig:
             all (plain local training), so the default is stable at every group size; see
             :func:`swarm.training.outer.outer_rule`.
         nesterov: use Nesterov momentum in the outer step; False gives heavy-ball momentum.
-        anchor_sync_every: ``diloco`` with a dense codec: about one group in this many also
-            averages the members' anchors (the shared weights the outer step moves), after
-            the pseudo-gradients and within the same group. Groups smaller than the swarm apply
-            different outer steps, so without it the peers' anchors drift apart for good; the
-            extra all-reduce costs one more vector on those rounds. An overlapped round syncs
-            the anchors it started from, and its landing starts from their mean. 0 turns it
-            off (sparse codecs never sync: top-K or 1-bit would ruin raw weights).
+        anchor_sync_every: ``diloco``: about one group in this many also averages the
+            members' anchors (the shared weights the outer step moves), after the
+            pseudo-gradients and within the same group, in ``anchor_sync_codec``. Groups smaller
+            than the swarm apply different outer steps, so without it the peers' anchors drift
+            apart for good; the extra all-reduce costs one more vector on those rounds. An
+            overlapped round syncs the anchors it started from, and its landing starts from
+            their mean. A group whose members joined with the same anchors (a group of the
+            whole swarm, all healthy) skips it: nothing would move. With a sparse codec the
+            members of a group that synced also restart their outer momentum from zero, so
+            that they leave with one outer state, bit for bit. 0 turns it off; None (the
+            default) means :data:`DENSE_ANCHOR_SYNC_EVERY` with a dense codec and
+            :data:`SPARSE_ANCHOR_SYNC_EVERY` with a sparse one, whose rounds are so small that
+            one dense sync costs as much as about 40 of them; the value in use is
+            :attr:`anchor_sync_period`. Lower it if the peers' losses part, raise it if the
+            bytes matter more (the README has the measured trade-off).
+        anchor_sync_codec: the codec of that sync: a dense one (``none``, ``fp16``, ``bf16``,
+            ``int8``), since top-K or 1-bit would ruin raw weights. None (the default) means
+            ``codec`` when it is dense and ``int8`` when it is sparse; the value in use is
+            :attr:`anchor_sync_spec`.
         sync_on_join: a peer started with ``initial_peers`` downloads the current model and outer
             state from live peers before its first step (a late joiner); a first peer finds none
             and starts from its own weights.
@@ -290,7 +305,8 @@ class SwarmConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    anchor_sync_every: int = 4
+    anchor_sync_every: int | None = None
+    anchor_sync_codec: str | None = None
     sync_on_join: bool = True
     state_timeout_s: float = 120.0
     max_state_bytes: int = 16 << 30
@@ -336,8 +352,17 @@ class SwarmConfig:
             raise ConfigError("outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
             raise ConfigError("outer_momentum must be in [0, 1)")
-        if not isinstance(self.anchor_sync_every, int) or self.anchor_sync_every < 0:
-            raise ConfigError("anchor_sync_every must be an integer >= 0 (0: never)")
+        every = self.anchor_sync_every
+        if every is not None and (type(every) is not int or every < 0):
+            raise ConfigError("anchor_sync_every must be an integer >= 0 (0: never) or None")
+        if self.anchor_sync_codec is not None:
+            anchors = CodecSpec.parse(self.anchor_sync_codec)
+            if not anchors.dense_values_ok:
+                raise ConfigError(
+                    f"anchor_sync_codec {anchors} would ruin raw weights: use a dense codec "
+                    "(none, fp16, bf16, int8)"
+                )
+            object.__setattr__(self, "anchor_sync_codec", anchors.text)
         codec = self.averaging.codec_spec
         if mode.averages_values and not codec.dense_values_ok:
             raise ConfigError(
@@ -391,6 +416,22 @@ class SwarmConfig:
     def auto_inner_steps(self) -> bool:
         """The peer fits ``inner_steps`` to its link (``inner_steps="auto"``)."""
         return self.inner_steps == "auto"
+
+    @property
+    def anchor_sync_period(self) -> int:
+        """``anchor_sync_every`` in use: about one group in this many syncs (0: never)."""
+        if self.anchor_sync_every is not None:
+            return self.anchor_sync_every
+        sparse = self.averaging.codec_spec.sparse
+        return SPARSE_ANCHOR_SYNC_EVERY if sparse else DENSE_ANCHOR_SYNC_EVERY
+
+    @property
+    def anchor_sync_spec(self) -> CodecSpec:
+        """``anchor_sync_codec`` in use: the round's codec when dense, else ``int8``."""
+        if self.anchor_sync_codec is not None:
+            return CodecSpec.parse(self.anchor_sync_codec)
+        codec = self.averaging.codec_spec
+        return codec if codec.dense_values_ok else CodecSpec.parse(SPARSE_ANCHOR_SYNC_CODEC)
 
     @property
     def round_interval(self) -> int:

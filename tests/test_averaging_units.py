@@ -221,11 +221,15 @@ def test_group_info_round_trip_and_validation(records):
     assert back == group and back.order == 41
     assert back.index_of(me) == list(back.peer_ids).index(me)
     wire = group.to_wire()
-    legacy = {"g": wire["g"], "m": wire["m"]}  # no order: 0
+    legacy = {"g": wire["g"], "m": wire["m"]}  # no order: 0; not known to agree: False
     assert GroupInfo.from_wire(legacy, me=me, leader=leader).order == 0
+    assert not GroupInfo.from_wire(legacy, me=me, leader=leader).agreed
+    agreed = GroupInfo.create(records, agreed=True).to_wire()
+    assert GroupInfo.from_wire(agreed, me=me, leader=leader).agreed
     bad = [
         None,
         *({**wire, "o": junk} for junk in (-1, True, 2**53, 1.5, "7", None)),
+        *({**wire, "a": junk} for junk in (1, "yes", None, b"\x01")),
         {"g": b"short", "m": wire["m"]},
         {"g": wire["g"], "m": wire["m"][:1]},
         {"g": wire["g"], "m": [*wire["m"], wire["m"][0]]},

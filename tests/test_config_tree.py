@@ -35,6 +35,7 @@ WALK: dict[str, tuple[str, Any]] = {
     "outer_momentum": ("a", 0.8),
     "nesterov": ("a", False),
     "anchor_sync_every": ("a", 2),
+    "anchor_sync_codec": ("a", "bf16"),
     "sync_on_join": ("b", False),
     "state_timeout_s": ("a", 30.0),
     "max_state_bytes": ("a", 1 << 30),
@@ -147,6 +148,7 @@ def test_every_field_reaches_the_component_that_uses_it(tmp_path: Path) -> None:
             assert a.peer.nat.port_mapping is False and a.peer.nat.budget.peers == 2
             assert b.peer.nat is None  # reachability "direct": no dial-back, no relay
             assert a._async.averager.codec.name == "fp16"
+            assert a.engine._sync_codec == "bf16"  # the anchors sync in their own codec
             assert a.engine.config.round_interval == 2  # inner_steps 6 in 3 fragments
 
 

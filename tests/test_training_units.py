@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from swarm.api import outcome_of
 from swarm.averaging.result import RoundResult
-from swarm.config import Mode, PeerConfig, SwarmConfig
+from swarm.config import (
+    DENSE_ANCHOR_SYNC_EVERY,
+    SPARSE_ANCHOR_SYNC_EVERY,
+    Mode,
+    PeerConfig,
+    SwarmConfig,
+)
 from swarm.errors import ConfigError, TrainingError
 from swarm.identity import Identity
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
@@ -179,6 +185,7 @@ def test_outcome_of_reads_a_round_result_by_its_fields() -> None:
     failed = outcome_of(RoundResult(False, reason="no group", members=members, bytes_sent=5))
     assert failed == RoundOutcome(False, 0, 5, 0, "no group")
     assert outcome_of(RoundResult(False)).reason == "not averaged"
+    assert outcome_of(RoundResult(True, members=members, synced=True)).synced  # anchors too
 
 
 def test_failed_diloco_round_is_plain_local_training() -> None:
@@ -295,6 +302,9 @@ def test_config_validation() -> None:
         {"round_timeout_s": 1.0, "matchmaking_timeout_s": 2.0},
         {"anchor_sync_every": -1},
         {"anchor_sync_every": 2.5},
+        {"anchor_sync_codec": "sparse"},  # raw weights need a dense codec
+        {"anchor_sync_codec": "1bit"},
+        {"anchor_sync_codec": "nope"},
     ):
         with pytest.raises(ConfigError):
             SwarmConfig.build(**bad)
@@ -378,22 +388,25 @@ def test_sparse_codecs_keep_batchnorm_buffers_local() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kw", "synced"),
+    ("kw", "every", "codec"),
     [
-        ({}, True),
-        ({"anchor_sync_every": 0}, False),
-        ({"overlap": True}, True),  # the step hands the launch copies instead (test_overlap)
-        ({"codec": "topk:0.1"}, False),
-        ({"mode": "local_sgd"}, False),
+        ({}, DENSE_ANCHOR_SYNC_EVERY, "int8"),
+        ({"anchor_sync_every": 0}, 0, ""),
+        ({"overlap": True}, 4, "int8"),  # the step hands the launch copies instead (test_overlap)
+        ({"codec": "fp16", "anchor_sync_every": 2}, 2, "fp16"),
+        # sparse codecs: rarely, and in a dense codec (top-K or 1-bit would ruin raw weights)
+        ({"codec": "topk:0.1"}, SPARSE_ANCHOR_SYNC_EVERY, "int8"),
+        ({"codec": "sparse", "anchor_sync_codec": "bf16"}, SPARSE_ANCHOR_SYNC_EVERY, "bf16"),
+        ({"mode": "local_sgd"}, 0, ""),
     ],
 )
-def test_rounds_offer_the_anchors_to_sync_only_where_it_is_sound(kw: dict, synced: bool) -> None:
+def test_rounds_offer_the_anchors_to_sync_in_a_dense_codec(kw: dict, every: int, codec: str):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     e = TrainingEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), SwarmConfig.build(**kw))
     plan = e.begin_round()
-    if synced:
-        assert plan.sync_every == 4 and plan.sync is not None
+    if every:
+        assert plan.sync_every == every and plan.sync is not None and plan.sync_codec == codec
         assert [t.data_ptr() for t in plan.sync] == [a.data_ptr() for a in e.outer.anchor]
     else:
         assert plan.sync is None

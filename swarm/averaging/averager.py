@@ -31,6 +31,7 @@ from swarm.averaging.butterfly.flat import check_tensors
 from swarm.averaging.butterfly.parts import schema_hash
 from swarm.averaging.butterfly.reducer import check_weight
 from swarm.averaging.butterfly.runner import ButterflyRunner, RoundKind
+from swarm.averaging.digest import state_digest
 from swarm.averaging.faults import Fault, FaultInjector
 from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo, NoGroup, matchmaking_key
 from swarm.averaging.groups.liveness import Liveness
@@ -39,7 +40,7 @@ from swarm.averaging.groups.planner import GroupPlanner, RoundKey
 from swarm.averaging.groups.prober import Prober
 from swarm.averaging.groups.rates import PeerRates
 from swarm.averaging.result import RoundResult
-from swarm.compression import get_codec
+from swarm.compression import Codec, get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AveragingError, ConfigError
 from swarm.protocols import Peer
@@ -73,6 +74,7 @@ class Averager:
         if not isinstance(config, AveragingConfig):
             raise ConfigError("config must be an AveragingConfig")
         self.codec = get_codec(config.codec)  # raises ConfigError for an unknown codec
+        self._codecs: dict[str, Codec] = {}  # of synced tensors, by spec (see average)
         self.config = config
         # a leader waits this long for the members its plan expects (latency/random grouping)
         self.patience = config.matchmaking_timeout_s / 2
@@ -122,6 +124,7 @@ class Averager:
         round_: int | None = None,
         sync: Sequence[torch.Tensor] | None = None,
         sync_every: int = 0,
+        sync_codec: str | None = None,
         order: int | None = None,
         purpose: str = "",
         fragment: str = "",
@@ -152,13 +155,19 @@ class Averager:
             sync / sync_every: more tensors (e.g. DiLoCo anchors) that about one group in
                 ``sync_every`` averages as well, in a second all-reduce right after the first
                 (its own error feedback; the choice comes from the group id, so every member
-                makes the same one). Only peers with the same ``sync_every`` group together.
+                makes the same one), unless every member joined with the same digest of them
+                (:attr:`GroupInfo.agreed`): a group of a whole healthy swarm never pays for it.
+                Only peers with the same ``sync_every`` group together.
+            sync_codec: the codec of that second all-reduce (default: the averager's), e.g. a
+                dense ``int8`` for raw weights when the first one is sparse; only peers with
+                the same one group together.
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
 
         Raises:
             AveragingError: invalid tensors or weight, or the averager is closed.
+            ConfigError: an unknown ``sync_codec``.
         """
         tensors = list(tensors)
         check_tensors(tensors)
@@ -168,8 +177,13 @@ class Averager:
         numel = sum(t.numel() for t in tensors)
         syncing = list(sync) if sync is not None and sync_every > 0 else []
         check_tensors(syncing)
+        sync_with = self._codec(sync_codec) if syncing else self.codec
         async with self._lock:
             started = time.monotonic()
+            loop = asyncio.get_running_loop()
+            state = (
+                await loop.run_in_executor(self._pool, state_digest, syncing) if syncing else b""
+            )
             planned = RoundKey(group_key) if group_key else await self.planner.plan(round_, order)
             if planned.key is None:
                 return RoundResult(False, planned.idle, matchmaking_s=time.monotonic() - started)
@@ -180,7 +194,7 @@ class Averager:
             if fragment:
                 spec += f"|fragment={fragment}"
             if syncing:
-                spec += f"|sync={sync_every}:{schema_hash(syncing, '')}"
+                spec += f"|sync={sync_every}:{schema_hash(syncing, sync_with.spec)}"
             key = matchmaking_key(self.peer.run_id, planned.key, schema_hash(tensors, spec))
             group = await self.matchmaker.form_group(
                 key,
@@ -192,6 +206,7 @@ class Averager:
                 leader=planned.leader,
                 planned=planned.members,
                 order=planned.order,
+                state=state,
             )
             matchmaking_s = time.monotonic() - started
             self.planner.forget(self.liveness.gone)
@@ -205,8 +220,8 @@ class Averager:
                 tensors, numel, weight, group, matchmaking_s, deadline, kind
             )
             self.planner.forget(self.liveness.gone)
-            if not syncing or not syncs(group, sync_every):
-                return result
+            if not syncing or group.agreed or not syncs(group, sync_every):
+                return result  # (agreed: every member holds the same bits already)
             # the same members average the synced tensors under a derived group id
             derived = dataclasses.replace(
                 group, group_id=hashlib.sha256(b"sync" + group.group_id).digest()[:GROUP_ID_BYTES]
@@ -219,6 +234,7 @@ class Averager:
                 0.0,
                 deadline,
                 dataclasses.replace(kind, synced=True),
+                sync_with,
             )
             self.planner.forget(self.liveness.gone)
             return dataclasses.replace(
@@ -228,6 +244,15 @@ class Averager:
                 bytes_received=result.bytes_received + synced.bytes_received,
                 allreduce_s=result.allreduce_s + synced.allreduce_s,
             )
+
+    def _codec(self, spec: str | None) -> Codec:
+        """The codec of ``spec`` (None: the averager's), built once."""
+        if spec is None or spec == self.codec.spec:
+            return self.codec
+        codec = self._codecs.get(spec)
+        if codec is None:
+            codec = self._codecs[spec] = get_codec(spec)  # ConfigError for an unknown one
+        return codec
 
     @property
     def order(self) -> int:

@@ -64,10 +64,13 @@ class TrainingEngine(PersistentState):
         self.optimizer = optimizer
         self.config = config
         self.mode = Mode(config.mode)
-        dense = config.averaging.codec_spec.dense_values_ok
-        self.tensors = ModelTensors.of(model, with_buffers=dense)
-        # raw anchors survive only a dense codec (top-K or 1-bit would ruin them)
-        self._sync_every = config.anchor_sync_every if self.mode is Mode.DILOCO and dense else 0
+        sparse = config.averaging.codec_spec.sparse
+        self.tensors = ModelTensors.of(model, with_buffers=not sparse)
+        # anchors sync in a dense codec (top-K or 1-bit would ruin raw weights); after a sparse
+        # round's rare sync its members restart their momentum, to leave with one outer state
+        self._sync_every = config.anchor_sync_period if self.mode is Mode.DILOCO else 0
+        self._sync_codec = config.anchor_sync_spec.text
+        self._restart_momentum = sparse
         self.schema = self.tensors.schema_hash()
         self.outer = OuterState(
             self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
@@ -205,6 +208,7 @@ class TrainingEngine(PersistentState):
             time.perf_counter(),
             sync=outer.anchor + outer.buffer_anchor if self._sync_every else None,
             sync_every=self._sync_every,
+            sync_codec=self._sync_codec,
             order=self.round,
             fragment=self.fragments[self.fragment].label,
         )
@@ -227,6 +231,9 @@ class TrainingEngine(PersistentState):
                     # A cut round may have half-written the slots: use our own values again.
                     self._load_slots()
                 if self.mode.has_outer_step:
+                    if outcome.synced and self._restart_momentum:
+                        for m in outer.momentum:
+                            m.zero_()
                     # Alone: plain local training; small groups: capped momentum (outer_rule).
                     step = self._outer_rule(outcome)
                     norm = None if step.solitary else outer.pseudo_grad_norm()
@@ -301,6 +308,8 @@ class TrainingEngine(PersistentState):
                 waited,
             )
         with self._landed:
+            if outcome.synced and self._restart_momentum:
+                self._overlaps[flight.fragment].restart_momentum()
             norm, scale = self._overlaps[flight.fragment].land(
                 self._outer_rule(outcome),
                 nesterov=self.config.nesterov,

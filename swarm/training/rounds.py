@@ -23,6 +23,7 @@ class RoundOutcome:
     reason: str = ""  # why not averaged
     refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
     round_s: float = 0.0  # seconds from the round's start to its outcome
+    synced: bool = False  # the group also averaged the synced tensors (anchors)
 
     @classmethod
     def failed(cls, reason: str, round_s: float = 0.0) -> RoundOutcome:
@@ -40,6 +41,7 @@ class RoundPlan:
     background: bool = False  # start it and hand back its handle instead of waiting for it
     sync: list[torch.Tensor] | None = None  # anchors the group may also average (diloco)
     sync_every: int = 0  # about one group in this many averages ``sync`` too
+    sync_codec: str | None = None  # the codec ``sync`` travels in (None: the round's)
     order: int | None = None  # this peer's round: orders the planned groups (see Averager)
     purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
     fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group

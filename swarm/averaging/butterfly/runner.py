@@ -88,7 +88,7 @@ class ButterflyRunner:
         self.feedbacks: dict[RoundKind, FlatFeedback] = {}
         self.saved_feedback: dict[str, dict[str, Any]] = {}  # by fragment label, until used
         self._stagings: dict[tuple[str, bool], FlatStaging] = {}
-        self._chunk_elems: dict[int, int] = {}  # chunk bytes -> elements, for this codec
+        self._chunk_elems: dict[tuple[str, int], int] = {}  # (codec, chunk bytes) -> elements
         self._pool = pool
         self._rounds = RoundRegistry()
         peer.transport.add_stream(self.stream_name, self.handle_part)
@@ -106,12 +106,15 @@ class ButterflyRunner:
         matchmaking_s: float,
         deadline: float,
         kind: RoundKind,
+        codec: Codec | None = None,
     ) -> RoundResult:
         """Average ``tensors`` (``numel`` values) in place with ``group``, by ``deadline``
-        (monotonic); only the parts that averaged are written back."""
+        (monotonic), in ``codec`` (default: the averager's); only the parts that averaged are
+        written back."""
+        codec = codec if codec is not None else self.codec
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
-        plan = self._plan(group, numel)
+        plan = self._plan(group, numel, codec)
         staging = self._stagings.setdefault(kind.staging, FlatStaging())
         flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
@@ -120,7 +123,7 @@ class ButterflyRunner:
             group=group,
             me=me,
             weight=weight,
-            feedback=self.feedback_for(numel, flat.device, kind),
+            feedback=self.feedback_for(numel, flat.device, kind, codec),
             workers=Workers(self._pool),
             stall=self.stall,
             deadline=deadline,
@@ -181,16 +184,17 @@ class ButterflyRunner:
             refusals=tuple(refusals),
         )
 
-    def _plan(self, group: GroupInfo, numel: int) -> PartPlan:
+    def _plan(self, group: GroupInfo, numel: int, codec: Codec) -> PartPlan:
         bandwidths = effective_bandwidths(group.bandwidths, group.measured)
         # an owner this peer accused owns nothing in its plan (and its streams are refused)
         for i, m in enumerate(group.members):
             if m.peer_id in self.excluded:
                 bandwidths[i] = 0.0
         chunk_bytes = chunk_bytes_for(group.measured, len(group.members))
-        chunk_elems = self._chunk_elems.get(chunk_bytes)
+        chunk_elems = self._chunk_elems.get((codec.spec, chunk_bytes))
         if chunk_elems is None:
-            chunk_elems = self._chunk_elems[chunk_bytes] = chunk_elems_for(self.codec, chunk_bytes)
+            chunk_elems = chunk_elems_for(codec, chunk_bytes)
+            self._chunk_elems[(codec.spec, chunk_bytes)] = chunk_elems
         return PartPlan.create(numel, bandwidths, chunk_elems, self.config.max_share)
 
     def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
@@ -228,13 +232,14 @@ class ButterflyRunner:
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self._pool, repair.gather, flat)
         sub_result = torch.empty_like(sub)
-        plan = self._plan(repair.group, repair.numel)
+        codec = ctx.feedback.codec
+        plan = self._plan(repair.group, repair.numel, codec)
         sub_ctx = dataclasses.replace(
             ctx,
             group=repair.group,
             me=repair.group.index_of(self.peer.peer_id),
             # its residuals would not line up with the round's: this short vector goes without
-            feedback=FlatFeedback(self.codec, repair.numel, sub.device),
+            feedback=FlatFeedback(codec, repair.numel, sub.device),
             deadline=deadline,
             excluded=self._excluded_in(repair.group),
             parent=ctx.group.group_id,
@@ -256,11 +261,14 @@ class ButterflyRunner:
             outcome.bytes_received + fixed.bytes_received,
         )
 
-    def feedback_for(self, numel: int, device: torch.device, kind: RoundKind) -> FlatFeedback:
-        """The error feedback of one kind of round, new when its size moved."""
+    def feedback_for(
+        self, numel: int, device: torch.device, kind: RoundKind, codec: Codec | None = None
+    ) -> FlatFeedback:
+        """The error feedback of one kind of round, new when its size or codec moved."""
+        codec = codec if codec is not None else self.codec
         fb = self.feedbacks.get(kind)
-        if fb is None or fb.numel != numel or fb.device != device:
-            fb = self.feedbacks[kind] = FlatFeedback(self.codec, numel, device)
+        if fb is None or fb.numel != numel or fb.device != device or fb.codec.spec != codec.spec:
+            fb = self.feedbacks[kind] = FlatFeedback(codec, numel, device)
             if kind.saved and kind.fragment in self.saved_feedback:
                 fb.load_state_dict(self.saved_feedback[kind.fragment])
         return fb

@@ -132,6 +132,9 @@ class GroupInfo:
     # the leader's measured upload rate of each member in bytes/s (0: never measured; empty:
     # none measured); parts are planned with min(announced, measured), see plan.py
     measured: tuple[float, ...] = ()
+    # every member joined with the same digest of the values it would sync (the leader's
+    # word, as the member list is): a sync would move nothing, so the group skips it
+    agreed: bool = False
 
     @classmethod
     def create(
@@ -139,19 +142,22 @@ class GroupInfo:
         members: Sequence[PeerRecord],
         order: int = 0,
         measured: Mapping[PeerID, float] | None = None,
+        *,
+        agreed: bool = False,
     ) -> GroupInfo:
         """A new group with a fresh id; members are ordered by PeerID and carry the leader's
         ``measured`` rates (missing: 0.0, never measured)."""
         ordered = tuple(sorted(members, key=lambda r: r.peer_id.digest))
         rates = tuple(measured.get(r.peer_id, 0.0) for r in ordered) if measured else ()
-        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, order, rates)
+        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, order, rates, agreed)
 
     def subgroup(self, group_id: bytes, keep: Iterable[int]) -> GroupInfo:
         """The members at indices ``keep`` (in order), with their measurements, under
         ``group_id``."""
         kept = sorted(set(keep))
         measured = tuple(self.measured[i] for i in kept) if self.measured else ()
-        return GroupInfo(group_id, tuple(self.members[i] for i in kept), self.order, measured)
+        members = tuple(self.members[i] for i in kept)
+        return GroupInfo(group_id, members, self.order, measured, self.agreed)
 
     @property
     def peer_ids(self) -> tuple[PeerID, ...]:
@@ -178,6 +184,7 @@ class GroupInfo:
             "m": [r.serialize() for r in self.members],
             "o": self.order,
             "r": list(self.measured),
+            "a": self.agreed,
         }
 
     @classmethod
@@ -213,9 +220,13 @@ class GroupInfo:
             raise AveragingError("group info: measured rates must be a list, one per member")
         if not all(isinstance(m, float) and 0 <= m < math.inf for m in measured):
             raise AveragingError("group info: measured rates must be finite floats >= 0")
-        return cls(group_id, members, order, tuple(measured))
+        agreed = obj.get("a", False)
+        if not isinstance(agreed, bool):
+            raise AveragingError("group info: agreed must be a bool")
+        return cls(group_id, members, order, tuple(measured), agreed)
 
 
+MAX_STATE_BYTES = 32  # a state digest in a join (see GroupInfo.agreed)
 MAX_ORDER = 2**53  # a round order above this is refused (it stays exact in every encoding)
 ORDER_SLACK = 1024  # a member's order further ahead of ours than this is not followed
 

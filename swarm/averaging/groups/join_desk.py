@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from swarm.averaging.groups.group import is_order
+from swarm.averaging.groups.group import MAX_STATE_BYTES, is_order
 from swarm.averaging.groups.match_round import Follower, MatchRound
 from swarm.errors import SwarmError
 from swarm.identity import PeerID
@@ -86,7 +86,10 @@ class JoinDesk:
         order = payload.get("o", 0)
         if not is_order(order):
             return {"ok": False, "why": "bad order"}
-        rnd.followers[sender.peer_id] = Follower(record, deadline, order)
+        state = payload.get("s", b"")
+        if not isinstance(state, bytes) or len(state) > MAX_STATE_BYTES:
+            return {"ok": False, "why": "bad state digest"}
+        rnd.followers[sender.peer_id] = Follower(record, deadline, order, state)
         rnd.role = "leader"
         rnd.changed.set()
         self.declare(rnd, leading=True)  # with the new size, for leaders that may merge

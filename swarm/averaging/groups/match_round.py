@@ -19,6 +19,7 @@ class Follower:
     record: PeerRecord
     deadline: float  # wall clock
     order: int  # its round order
+    state: bytes = b""  # digest of the values it would sync (empty: none)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class MatchRound:
     planned_leader: PeerRecord | None = None
     planned: tuple[PeerRecord, ...] = ()  # the other planned members (their records)
     order: int = 0  # this peer's round order; the group closes with the largest of its members'
+    state: bytes = b""  # digest of the values this peer would sync; see GroupInfo.agreed
     role: str = "candidate"  # candidate | leader | joining | closed
     declared: int = 0  # declarations stored this round (each one expires a little later)
     followers: dict[PeerID, Follower] = field(default_factory=dict)

@@ -102,6 +102,7 @@ class Matchmaker:
         leader: PeerRecord | None = None,
         planned: tuple[PeerRecord, ...] = (),
         order: int = 0,
+        state: bytes = b"",
     ) -> GroupInfo | NoGroup:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
 
@@ -119,12 +120,17 @@ class Matchmaker:
         ``planned``: the records of the other planned members; those that have not joined when
         the gather window ends are checked for life, and the gone ones are not waited for.
 
+        ``state``: a digest of the values this peer would sync after the round; the group says
+        whether every member joined with the same one (:attr:`GroupInfo.agreed`).
+
         Returns:
             The agreed group, or :class:`NoGroup` with a short reason (never raises for that).
         """
         now = time.time()
         patience = min(patience, timeout)
-        rnd = MatchRound(key, now + timeout, now, expected, now + patience, leader, planned, order)
+        rnd = MatchRound(
+            key, now + timeout, now, expected, now + patience, leader, planned, order, state
+        )
         self.desk.round = rnd
         group: GroupInfo | NoGroup = NoGroup("matchmaking did not finish")
         try:
@@ -321,7 +327,8 @@ class Matchmaker:
             if self.rates is not None
             else None
         )
-        group = GroupInfo.create(members, order, measured)
+        agreed = bool(rnd.state) and all(f.state == rnd.state for f in followers)
+        group = GroupInfo.create(members, order, measured, agreed=agreed)
         rnd.closed.set_result(group)
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group
@@ -340,6 +347,8 @@ class Matchmaker:
             "r": self.peer.transport.record().serialize(),
             "o": rnd.order,
         }
+        if rnd.state:
+            payload["s"] = rnd.state
         timeout = max(1.0, min(leader.deadline, rnd.deadline) - time.time() + _JOIN_SLACK_S)
         started = time.monotonic()
         try:
