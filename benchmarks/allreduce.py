@@ -4,7 +4,8 @@ Prints one JSON object per line and configuration::
 
     {"n": peers, "numel": elements, "codec": ..., "setting": "loopback",
      "matchmaking_s": ..., "allreduce_s": ..., "bytes_sent_per_peer": ...,
-     "peak_rss_mb": ..., "efficiency": null, "rounds": ...}
+     "rss_before_mb": ..., "peak_rss_mb": ..., "round_growth_vectors": ...,
+     "efficiency": null, "rounds": ...}
 
 Every peer is its own process (this script with ``--peer``) bound to its own 127.0.0.x address,
 with one :class:`~swarm.averaging.Averager` (``grouping="fixed"``, min = target = N, gather
@@ -14,7 +15,10 @@ splits the group). Each runs a warm-up round, then ``--rounds`` timed rounds of 
 tensor.
 ``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
 of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
-``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included);
+``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included),
+``rss_before_mb`` the largest before the first round (its vector made), and
+``round_growth_vectors`` the largest growth of one peer over its own ``rss_before_mb``, in
+vectors (the goal for a streaming round is at most 1.5);
 ``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
 seconds of all peer processes together per timed round. Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
@@ -122,11 +126,17 @@ def parse_numel(text: str) -> int:
 # ---- one peer process
 
 
-def print_usage(cpu_start: float, rounds: int) -> None:
-    """This peer process's last line: its peak resident set and CPU seconds per timed round."""
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def print_usage(cpu_start: float, rounds: int, rss_before_mb: float) -> None:
+    """This peer process's last line: its resident set before the first round (the peak so far,
+    its vector included), its peak, and CPU seconds per timed round."""
     cpu = (time.process_time() - cpu_start) / max(rounds, 1)
-    print(json.dumps({"peak_rss_mb": rss_mb, "cpu_s_per_round": cpu}), flush=True)
+    usage = {"rss_before_mb": rss_before_mb, "peak_rss_mb": peak_rss_mb(), "cpu_s_per_round": cpu}
+    print(json.dumps(usage), flush=True)
 
 
 RAW_PORT = 47_311
@@ -177,6 +187,7 @@ async def raw_peer_main(args: argparse.Namespace) -> None:
 
     loop = asyncio.get_running_loop()
     others = [host for i, host in enumerate(peers) if i != me]
+    rss_before = peak_rss_mb()
     cpu_start = 0.0
     for rnd in range(args.rounds + 1):
         if rnd == 1:  # after the warm-up round
@@ -194,7 +205,7 @@ async def raw_peer_main(args: argparse.Namespace) -> None:
         row = {"round": rnd, "averaged": True, "reason": "", "matchmaking_s": 0.0}
         row.update(allreduce_s=time.perf_counter() - started, bytes_sent=per_link * len(others) * 2)
         print(json.dumps(row), flush=True)
-    print_usage(cpu_start, args.rounds)
+    print_usage(cpu_start, args.rounds, rss_before)
     await asyncio.sleep(0.5)  # the others' last connections end
     server.close()
     await server.wait_closed()
@@ -243,6 +254,7 @@ async def peer_main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         g = torch.Generator().manual_seed(args.seed)
         tensor = torch.randn(args.numel, generator=g)
+        rss_before = peak_rss_mb()
         cpu_start = 0.0
         for rnd in range(args.rounds + 1):
             if rnd == 1:  # after the warm-up round
@@ -260,7 +272,7 @@ async def peer_main(args: argparse.Namespace) -> None:
                 "bytes_sent": result.bytes_sent,
             }
             print(json.dumps(row), flush=True)
-        print_usage(cpu_start, args.rounds)
+        print_usage(cpu_start, args.rounds, rss_before)
         await asyncio.sleep(0.5)  # let the others read their last replies
     finally:
         if scraper is not None:
@@ -419,7 +431,10 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
     whole = [max(rs[i]["matchmaking_s"] + rs[i]["allreduce_s"] for rs in per_round) for i in ok]
     matchmaking = [max(rs[i]["matchmaking_s"] for rs in per_round) for i in ok]
     sent = statistics.mean(rs[i]["bytes_sent"] for rs in per_round for i in ok)
-    rss = max(r["peak_rss_mb"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
+    usage = [r for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r]
+    rss = max(r["peak_rss_mb"] for r in usage)
+    before = max(r["rss_before_mb"] for r in usage)
+    growth = max(r["peak_rss_mb"] - r["rss_before_mb"] for r in usage)
     cpu = sum(r["cpu_s_per_round"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
     return {
         "n": n,
@@ -430,7 +445,10 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
         "allreduce_s": round(statistics.median(slowest), 4),
         "round_s": round(statistics.median(whole), 4),
         "bytes_sent_per_peer": int(sent),
+        "rss_before_mb": round(before, 1),
         "peak_rss_mb": round(rss, 1),
+        # the largest growth of one peer over its RSS before the first round, in vectors
+        "round_growth_vectors": round(growth * 1e6 / 2**20 / (numel * 4 / 1e6), 2),
         "cpu_s_per_round": round(cpu, 4),  # all peer processes together, timed rounds only
         "efficiency": (
             round(sent * 8 / TBF_RATE_BITS / statistics.median(slowest), 3)

@@ -124,6 +124,8 @@ def test_wrong_swarm_key_cannot_join(spawn, tmp_path):
             RUN_ID,
             "--initial-peers",
             a_addr,
+            "--dht-request-timeout-s",
+            "0.5",  # refused: it waits out its timeouts, kept short
         ],
         capture_output=True,
         text=True,
