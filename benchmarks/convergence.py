@@ -15,8 +15,8 @@ loopback port; ``--backend sim``: the engines in one thread with an exact in-mem
 Every ``--eval-every`` steps each peer evaluates its own model (eval mode, its own BatchNorm
 statistics) on a fixed test set. The last step starts a round (``steps`` is a multiple of
 ``inner_steps``); ``wait_round()`` lands it before any inner step, so each peer holds its
-group's new anchor; then, with a dense codec, ``average_parameters()`` averages the models once
-more (sparse codecs cannot average raw weights: their last DiLoCo round is the last average).
+group's new anchor; then ``average_parameters()`` averages the models once more (in int8 where
+the codec is sparse), so that every peer ends with one model.
 ``final_loss`` is the mean over peers, averaged over the last ``--last-evals`` evaluation
 points (the last one being after that final average), then over seeds, with its spread.
 
@@ -150,8 +150,8 @@ def run(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dic
                 if report is not None:
                     rec.count(rank, report)
                 barrier.wait()
-                if swarm.config.averaging.codec_spec.dense_values_ok:
-                    rec.bytes[rank] += swarm.average_parameters().bytes_sent
+                # (in anchor_sync_codec, int8, where the codec would ruin raw values)
+                rec.bytes[rank] += swarm.average_parameters().bytes_sent
                 barrier.wait()
                 rec.evaluate(rank, args.steps, model, test)
                 barrier.wait()

@@ -146,6 +146,7 @@ class AsyncSwarm:
                     sync=plan.sync,
                     sync_every=plan.sync_every,
                     sync_codec=plan.sync_codec,
+                    codec=plan.codec,
                     order=plan.order,
                     purpose=plan.purpose,
                     fragment=plan.fragment,
@@ -204,8 +205,8 @@ class AsyncSwarm:
     async def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
 
-        After a successful round with codec ``none`` every member holds the same model. Needs a
-        dense codec (``none``/``fp16``/``bf16``/``int8``): raises TrainingError with top-K/1-bit.
+        After a successful round with codec ``none`` every member holds the same model. Under
+        top-K, 1-bit or ``sparse`` it averages the parameters only, in ``anchor_sync_codec``.
         """
         await self.wait_round()  # the slots are the round in flight's until it lands
         plan = self.engine.begin_values_round()

@@ -50,8 +50,9 @@ def two_nodes(tmp_path, *extra: str, first: tuple[str, ...] = ()) -> dict[tuple[
             time.sleep(0.1)
         address = address_file.read_text()
         b = torchrun(1, "127.0.0.42:0", tmp_path, "--initial-peers", address, *extra)
-        assert a.proc.wait(timeout=240) == 0, a.output()
-        assert b.proc.wait(timeout=240) == 0, b.output()
+        both = lambda: f"node 0:\n{a.output()}\nnode 1:\n{b.output()}"  # noqa: E731
+        assert a.proc.wait(timeout=240) == 0, both()
+        assert b.proc.wait(timeout=240) == 0, both()
     finally:
         a.kill()
         if b is not None:

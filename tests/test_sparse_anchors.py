@@ -258,3 +258,28 @@ async def test_a_leader_says_whether_its_members_joined_with_the_same_digest() -
     finally:
         await maker.close()
         await asyncio.gather(leader.close(), follower.close())
+
+
+async def test_average_parameters_under_a_sparse_codec_travels_in_the_dense_sync_codec() -> None:
+    """One model for every peer at the end of a sparse run: the parameters themselves, which
+    top-k would ruin, are averaged in int8."""
+    swarms = await _swarm(2, 185)
+    try:
+        params = [list(s.model.parameters()) for s in swarms]
+        with torch.no_grad():
+            for i, ps in enumerate(params):  # two different models, as training leaves them
+                g = torch.Generator().manual_seed(i)
+                for p in ps:
+                    p.add_(torch.randn(p.shape, generator=g))
+        mean = [(a.detach() + b.detach()) / 2 for a, b in zip(*params, strict=True)]
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged for o in outcomes), outcomes
+        numel = sum(p.numel() for p in params[0])
+        # each sends half of the vector at about a byte per value (sparse: 0.03 bytes per value)
+        assert all(o.bytes_sent > numel / 4 for o in outcomes), outcomes
+        for a, b, m in zip(*params, mean, strict=True):
+            bound = float(m.abs().max()) / 100  # int8 blocks: absmax / 254 at most, per block
+            torch.testing.assert_close(a.detach(), m, rtol=0, atol=bound)
+            torch.testing.assert_close(b.detach(), m, rtol=0, atol=bound)
+    finally:
+        await asyncio.gather(*(s.close() for s in swarms))

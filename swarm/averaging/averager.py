@@ -125,6 +125,7 @@ class Averager:
         sync: Sequence[torch.Tensor] | None = None,
         sync_every: int = 0,
         sync_codec: str | None = None,
+        codec: str | None = None,
         order: int | None = None,
         purpose: str = "",
         fragment: str = "",
@@ -161,6 +162,9 @@ class Averager:
             sync_codec: the codec of that second all-reduce (default: the averager's), e.g. a
                 dense ``int8`` for raw weights when the first one is sparse; only peers with
                 the same one group together.
+            codec: the codec of this round's own all-reduce (default: the averager's), e.g. a
+                dense one for a round of raw values under a sparse training codec; only peers
+                with the same one group together.
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -178,6 +182,7 @@ class Averager:
         syncing = list(sync) if sync is not None and sync_every > 0 else []
         check_tensors(syncing)
         sync_with = self._codec(sync_codec) if syncing else self.codec
+        round_codec = self._codec(codec)
         async with self._lock:
             started = time.monotonic()
             loop = asyncio.get_running_loop()
@@ -188,7 +193,7 @@ class Averager:
             if planned.key is None:
                 return RoundResult(False, planned.idle, matchmaking_s=time.monotonic() - started)
             # peers that would cut the vector differently never group
-            spec = f"{self.codec.spec}|share={self.config.max_share:g}"
+            spec = f"{round_codec.spec}|share={self.config.max_share:g}"
             if purpose:
                 spec += f"|for={purpose}"
             if fragment:
@@ -217,7 +222,7 @@ class Averager:
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             kind = RoundKind(purpose, fragment)
             result = await self.butterfly.allreduce(
-                tensors, numel, weight, group, matchmaking_s, deadline, kind
+                tensors, numel, weight, group, matchmaking_s, deadline, kind, round_codec
             )
             self.planner.forget(self.liveness.gone)
             if not syncing or group.agreed or not syncs(group, sync_every):

@@ -250,19 +250,18 @@ class TrainingEngine(PersistentState):
         weights: whole models, not samples; a peer still in a training round averages other
         values, so the two never group).
 
+        Under a codec that would ruin raw values (top-K, 1-bit, ``sparse``) it travels in the
+        dense ``anchor_sync_codec``, as anchor syncs do.
+
         Raises:
-            TrainingError: the codec would ruin raw values, or a round is in flight.
+            TrainingError: a round is in flight.
         """
         codec = self.config.averaging.codec_spec
-        if not codec.dense_values_ok:
-            raise TrainingError(
-                f"average_parameters averages raw values, which {codec} would ruin; "
-                "run the swarm with a dense codec (none, fp16, int8) to use it"
-            )
+        dense = codec if codec.dense_values_ok else self.config.anchor_sync_spec
         self._no_flight("average the parameters")
         with self.lock:
             self.outer.load_values()
-        return RoundPlan(self.outer.slots, 1.0, 0.0, purpose="values")
+        return RoundPlan(self.outer.slots, 1.0, 0.0, purpose="values", codec=dense.text)
 
     def finish_values_round(self, outcome: RoundOutcome) -> None:
         """Apply an averaged values round (the model and anchors take the average)."""

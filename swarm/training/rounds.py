@@ -42,6 +42,7 @@ class RoundPlan:
     sync: list[torch.Tensor] | None = None  # anchors the group may also average (diloco)
     sync_every: int = 0  # about one group in this many averages ``sync`` too
     sync_codec: str | None = None  # the codec ``sync`` travels in (None: the round's)
+    codec: str | None = None  # the codec ``tensors`` travel in (None: the swarm's)
     order: int | None = None  # this peer's round: orders the planned groups (see Averager)
     purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
     fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
