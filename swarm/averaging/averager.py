@@ -186,10 +186,14 @@ class Averager:
         async with self._lock:
             started = time.monotonic()
             loop = asyncio.get_running_loop()
-            state = (
-                await loop.run_in_executor(self._pool, state_digest, syncing) if syncing else b""
-            )
-            planned = RoundKey(group_key) if group_key else await self.planner.plan(round_, order)
+            # the digest (a pass over the synced tensors) runs while the round is planned
+            digest = loop.run_in_executor(self._pool, state_digest, syncing) if syncing else None
+            try:
+                planned = (
+                    RoundKey(group_key) if group_key else await self.planner.plan(round_, order)
+                )
+            finally:
+                state = await digest if digest is not None else b""
             if planned.key is None:
                 return RoundResult(False, planned.idle, matchmaking_s=time.monotonic() - started)
             # peers that would cut the vector differently never group
