@@ -26,6 +26,7 @@ and 2 of 8 attackers; lying owners detected within 3 rounds; overhead_vs_mean <=
 
     python benchmarks/byzantine.py                       # the issue's scale
     python benchmarks/byzantine.py --numel 1M --time-numel 4M --rounds 2   # quicker
+    python benchmarks/byzantine.py --training   # slow poison over training (byzantine_training)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 
 import torch
 
@@ -187,6 +189,11 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def cli() -> None:
+    if "--training" in sys.argv[1:]:  # slow poison over whole training runs
+        from byzantine_training import cli as training_cli
+
+        training_cli(sys.argv[1:])
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peers", type=int, nargs="+", default=[4, 8])
     p.add_argument("--numel", type=parse_numel, default=parse_numel("1M"))

@@ -150,6 +150,7 @@ class AsyncSwarm:
                     order=plan.order,
                     purpose=plan.purpose,
                     fragment=plan.fragment,
+                    updates=plan.updates,
                 ),
                 self.config.averaging.round_timeout_s,
             )

@@ -147,6 +147,14 @@ class AveragingConfig:
         check_owners: a member refuses a part whose returned average lies implausibly far from
             its own values compared with the other parts (:mod:`swarm.averaging.butterfly.checks`),
             accuses its owner in the round report and excludes it from its later rounds.
+        score_updates: in rounds that average updates (DiLoCo pseudo-gradients, gradients), the
+            owner of a part scores each sender's alignment with the group's robust mean and
+            weighs it by its record of that peer (:mod:`swarm.averaging.butterfly.scoring`):
+            updates that keep pointing away from the group's lose their weight. ``centered_clip``
+            only. Off by default: it stops inverted updates (IPM) and free riders when peers
+            draw from one data distribution, but peers with unusual data (non-IID shards) point
+            away from the group for honest reasons and lose their weight too (README, "Slow
+            poison").
     """
 
     codec: str = "int8"
@@ -169,6 +177,7 @@ class AveragingConfig:
     weight_cap: float = 2.0
     max_share: float = 2.0
     check_owners: bool = True
+    score_updates: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "codec", CodecSpec.parse(self.codec).text)

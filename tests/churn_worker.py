@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,9 @@ def main() -> None:
     )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    for name in os.environ.get("SWARM_TEST_INFO", "").split(","):  # loggers to hear at INFO
+        if name:
+            logging.getLogger(name).setLevel(logging.INFO)
     torch.set_num_threads(1)
     task = SmallTask() if args.task == "small" else MlpTask()
     test = task.test_set()

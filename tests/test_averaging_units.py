@@ -899,3 +899,24 @@ async def test_a_repair_that_never_starts_here_is_refused_once_its_round_settled
     registry.settle(b"x" * 16)
     assert await registry.find(other, b"x" * 16) is started  # it started here: found
     assert registry._children == {}
+
+
+def test_a_members_exclusions_never_change_the_groups_plan(records):
+    """Every member computes the same plan from the group's agreed info: an owner this member
+    accused keeps its part there (this member sends it nothing, and the part is repaired),
+    so the other members' parts keep their sizes and nobody refuses anybody's streams."""
+    from types import SimpleNamespace
+
+    from swarm.averaging.butterfly.runner import ButterflyRunner
+    from swarm.config import AveragingConfig
+
+    group = GroupInfo.create(
+        records, measured={r.peer_id: 1e6 * (i + 1) for i, r in enumerate(records)}
+    )
+    runner = SimpleNamespace(config=AveragingConfig(), _chunk_elems={}, excluded={})
+    codec = get_codec("int8")
+    plan = ButterflyRunner._plan(runner, group, 100_000, codec)
+    accused = max(range(len(records)), key=plan.size)
+    runner.excluded = {group.members[accused].peer_id: "accused in an earlier round"}
+    assert ButterflyRunner._plan(runner, group, 100_000, codec) == plan
+    assert plan.size(accused) > 0

@@ -82,6 +82,7 @@ WALK: dict[str, tuple[str, Any]] = {
     "weight_cap": ("a", 3.0),
     "max_share": ("a", 1.5),
     "check_owners": ("a", False),
+    "score_updates": ("a", True),
 }
 
 # what a config makes of a value it normalizes

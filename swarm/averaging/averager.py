@@ -129,6 +129,7 @@ class Averager:
         order: int | None = None,
         purpose: str = "",
         fragment: str = "",
+        updates: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -165,6 +166,10 @@ class Averager:
             codec: the codec of this round's own all-reduce (default: the averager's), e.g. a
                 dense one for a round of raw values under a sparse training codec; only peers
                 with the same one group together.
+            updates: the tensors are updates (e.g. DiLoCo pseudo-gradients), not values: the
+                parts this peer owns score each sender's alignment with the group's robust mean
+                and weigh it by this peer's record of it (see
+                :mod:`swarm.averaging.butterfly.scoring`); the robust aggregator only.
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -226,7 +231,7 @@ class Averager:
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             kind = RoundKind(purpose, fragment)
             result = await self.butterfly.allreduce(
-                tensors, numel, weight, group, matchmaking_s, deadline, kind, round_codec
+                tensors, numel, weight, group, matchmaking_s, deadline, kind, round_codec, updates
             )
             self.planner.forget(self.liveness.gone)
             if not syncing or group.agreed or not syncs(group, sync_every):

@@ -15,6 +15,8 @@ import struct
 
 import torch
 
+from swarm.averaging import poison
+
 _FAULT_SLEEP_S = 3600.0
 HUGE = 1e30
 OVERFLOW = 3e38  # near the float32 limit: a plain float32 accumulator overflows
@@ -41,6 +43,12 @@ class Fault(enum.Enum):
     OVERCLAIM = "overclaim"  # announce 1e300 bytes/s, upload on a slow link (honest values)
     CUT_ONE_REPLY = "cut-one-reply"  # as an owner, break the reply to one sender before its
     # verdict (a connection lost at the end): the only member whose part fails
+    # slow poison: in update rounds only (honest elsewhere), inside the clip radius
+    ALIE = "alie"  # mean - z std of the colluders' updates (alone: its own update - |update|)
+    IPM = "ipm"  # -0.5 x its own update (inner-product manipulation)
+    FREE_RIDE = "free-ride"  # a zero update, its full samples claimed
+    STALE = "stale"  # its update of 10 rounds ago
+    INSIDE_RADIUS = "scaled-inside-radius"  # its update turned around, just inside the radius
 
 
 _CONTRIBUTIONS = {
@@ -52,12 +60,26 @@ _LIARS = (Fault.LYING_OWNER, Fault.HUGE_BANDWIDTH)
 LIARS = (*_LIARS, Fault.NAN_OWNER)  # faults of an owner: accused, then excluded
 
 
-class FaultInjector:
-    """The hooks of one averager's fault; ``triggered`` is set when it fires."""
+SLOW_POISON = (Fault.ALIE, Fault.IPM, Fault.FREE_RIDE, Fault.STALE, Fault.INSIDE_RADIUS)
 
-    def __init__(self, fault: Fault = Fault.NONE, triggered: asyncio.Event | None = None):
+
+class FaultInjector:
+    """The hooks of one averager's fault; ``triggered`` is set when it fires.
+
+    ``collusion`` is shared by colluding attackers (ALIE pools their updates).
+    """
+
+    def __init__(
+        self,
+        fault: Fault = Fault.NONE,
+        triggered: asyncio.Event | None = None,
+        collusion: poison.Collusion | None = None,
+    ):
         self.fault = fault
         self.triggered = triggered or asyncio.Event()
+        self.collusion = collusion if collusion is not None else poison.Collusion()
+        self.history = poison.History()
+        self.radius = poison.RadiusEstimate()
 
     @property
     def active(self) -> bool:
@@ -69,8 +91,11 @@ class FaultInjector:
             return HUGE_BANDWIDTH
         return announced
 
-    def contribution(self, flat: torch.Tensor) -> torch.Tensor:
-        """The values to contribute instead of ``flat`` (never modified in place)."""
+    def contribution(self, flat: torch.Tensor, updates: bool = False) -> torch.Tensor:
+        """The values to contribute instead of ``flat`` (never modified in place); ``updates``:
+        the round averages updates (the slow-poison faults act there only)."""
+        if self.fault in SLOW_POISON:
+            return self._poison(flat) if updates else flat
         if self.fault in _CONTRIBUTIONS:
             self.triggered.set()
             return torch.full_like(flat, _CONTRIBUTIONS[self.fault])
@@ -78,6 +103,24 @@ class FaultInjector:
             self.triggered.set()
             return flat * FLIP_SCALE
         return flat
+
+    def _poison(self, flat: torch.Tensor) -> torch.Tensor:
+        self.triggered.set()
+        if self.fault is Fault.IPM:
+            return poison.ipm(flat)
+        if self.fault is Fault.FREE_RIDE:
+            return torch.zeros_like(flat)
+        if self.fault is Fault.STALE:
+            return self.history.stale(flat)
+        if self.fault is Fault.INSIDE_RADIUS:
+            return poison.inside_radius(flat, self.radius.distance(flat.numel()))
+        return self.collusion.alie(self, flat)
+
+    def observe_radius(self, radius: float, numel: int) -> None:
+        """Owner side: a chunk of ``numel`` values was clipped with ``radius`` (what an
+        attacker learns of the honest spread from the part it owns)."""
+        if self.fault is Fault.INSIDE_RADIUS:
+            self.radius.add(radius, numel)
 
     def weight(self, weight: float) -> float:
         """The weight to claim."""

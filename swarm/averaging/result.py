@@ -20,6 +20,7 @@ class RefusalAction(str, enum.Enum):
     REFUSED = "refused"  # what it sent was malformed or out of bounds
     ACCUSED = "accused"  # as an owner, it returned an implausible average
     EXCLUDED = "excluded"  # left out of this round for an earlier accusation
+    DOWNWEIGHTED = "down-weighted"  # its updates keep pointing away from the group's
 
     def __str__(self) -> str:
         return self.value
@@ -59,6 +60,8 @@ class RoundResult:
     allreduce_s: float = 0.0  # time of the all-reduce itself
     refusals: tuple[Refusal, ...] = ()  # peers clipped, capped, dropped, refused or accused
     synced: bool = False  # the group also averaged the synced tensors (part of them at least)
+    # an update round: this peer's record (weight factor) of each member it scored so far
+    trust: dict[PeerID, float] = field(default_factory=dict)
 
     @property
     def group_size(self) -> int:

@@ -211,6 +211,7 @@ class TrainingEngine(PersistentState):
             sync_codec=self._sync_codec,
             order=self.round,
             fragment=self.fragments[self.fragment].label,
+            updates=not self.mode.averages_values,
         )
 
     def finish_round(self, plan: RoundPlan, outcome: RoundOutcome) -> StepReport:

@@ -46,6 +46,7 @@ class RoundPlan:
     order: int | None = None  # this peer's round: orders the planned groups (see Averager)
     purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
     fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
+    updates: bool = False  # ``tensors`` are updates (pseudo-gradients, gradients), not values
 
 
 StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]

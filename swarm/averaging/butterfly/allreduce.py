@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class RoundParts:
     refusals: tuple[Refusal, ...]  # peers clipped, capped, dropped, refused or accused
     bytes_sent: int
     bytes_received: int
+    scores: dict[int, tuple[float, str]] = field(default_factory=dict)  # sender -> its score
 
 
 class AllReduce:
@@ -81,10 +82,12 @@ class AllReduce:
         if end > start:
             rel = tuple((s - start, e - start) for s, e in plan.chunks(ctx.me))
             self.owner = PartOwner(ctx, flat[start:end], result[start:end], rel, start)
+        # an owner this member accused gets nothing from it, and its average is not applied;
+        # the plan is the group's, the same for every member (the part is repaired instead)
         self.senders = [
             PartSender(ctx, transport, stream_name, j, plan.chunks(j), flat, result)
             for j in plan.owned()
-            if j != ctx.me
+            if j != ctx.me and j not in ctx.excluded
         ]
 
     async def run(self) -> RoundParts:
@@ -110,6 +113,7 @@ class AllReduce:
         await self.workers.drain()
         parts: dict[int, tuple[int, ...]] = {}
         refusals: list[Refusal] = []
+        scores: dict[int, tuple[float, str]] = {}
         notes = ["a part did not finish by the all-reduce deadline"] if pending else []
         for task in done:
             outcome = task.result()
@@ -119,6 +123,8 @@ class AllReduce:
             if outcome.note:
                 notes.append(outcome.note)
             refusals.extend(outcome.refusals)
+            if isinstance(outcome, OwnedPart):
+                scores = outcome.scores
         if parts:
             refusals.extend(await self._check_parts(parts, notes))
         sides = [*self.senders, *([self.owner] if self.owner is not None else [])]
@@ -128,6 +134,7 @@ class AllReduce:
             tuple(refusals),
             sum(s.bytes_sent for s in sides),
             sum(s.bytes_received for s in sides),
+            scores,
         )
 
     def _measure(self, owner: PartOwner) -> None:

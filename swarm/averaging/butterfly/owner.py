@@ -26,6 +26,7 @@ from swarm.averaging.butterfly.intake import PartIntake
 from swarm.averaging.butterfly.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
 from swarm.averaging.butterfly.reducer import PartReducer
 from swarm.averaging.butterfly.replies import PartReplies
+from swarm.averaging.butterfly.scoring import part_scores
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
@@ -60,7 +61,11 @@ class PartOwner:
         self.values, self.start = values, start
         senders = [i for i in range(len(ctx.group.members)) if i != ctx.me]
         senders = [i for i in senders if i not in ctx.excluded]
-        self.reducer = PartReducer(acc, chunks, senders, ctx.aggregator, ctx.weight_cap)
+        self.reducer = PartReducer(
+            acc, chunks, senders, ctx.aggregator, ctx.weight_cap, ctx.trust, score=ctx.updates
+        )
+        if self.faults.active:
+            self.reducer.observe_radius = self.faults.observe_radius
         self.intake = PartIntake(ctx, self.reducer)
         self.replies = PartReplies(len(chunks), self.faults.hold)
         self._begun = asyncio.Event()
@@ -106,7 +111,7 @@ class PartOwner:
             self.replies.resolve(attempt, PartOutcome.OK, averaged)
             failed = reducer.failed()
             note = f"part {self.me}: dropped {list(failed)}" if failed else ""
-            return OwnedPart(averaged, note, self._report())
+            return OwnedPart(averaged, note, self._report(), self._scores(contributors))
 
     async def serve(
         self, request: InboundStream, reply: ReplyStream, sender: int, header: dict[str, Any]
@@ -153,6 +158,16 @@ class PartOwner:
         self.intake.new_attempt()
         self.replies.new_attempt()
 
+    def _scores(self, contributors: tuple[int, ...]) -> dict[int, tuple[float, str]]:
+        """In an update round, each complete sender's score (see butterfly.scoring)."""
+        alignment = self.reducer.alignment
+        if alignment is None:
+            return {}
+        cosines = alignment.cosines({-1, *contributors})
+        if -1 in cosines:
+            cosines[self.me] = cosines.pop(-1)
+        return part_scores(cosines, self.me)
+
     def _report(self) -> tuple[Refusal, ...]:
         """Every sender this part refused, dropped, clipped or capped, logged once each."""
         peer = self.group.members
@@ -160,7 +175,10 @@ class PartOwner:
         for s, scale in sorted(self.reducer.clipped.items()):
             found.append(
                 Refusal(
-                    peer[s].peer_id, RefusalAction.CLIPPED, self.me, f"offset scaled by {scale:.2g}"
+                    peer[s].peer_id,
+                    RefusalAction.CLIPPED,
+                    self.me,
+                    f"offset scaled by {scale:.2g}" + ("" if self.ctx.updates else " (values)"),
                 )
             )
         for s, claimed in sorted(self.reducer.capped.items()):
@@ -173,7 +191,10 @@ class PartOwner:
                 )
             )
         for r in found:
-            logger.warning("all-reduce %s: %s", self.group.group_id.hex()[:8], r)
+            # clipping, capping and dropping are the aggregation doing its job (honest peers
+            # meet them too: a late joiner's values, a peer that left); malformed bytes are not
+            level = logging.WARNING if r.action is RefusalAction.REFUSED else logging.INFO
+            logger.log(level, "all-reduce %s: %s", self.group.group_id.hex()[:8], r)
         return tuple(found)
 
     async def _average_chunks(self) -> int:

@@ -28,19 +28,21 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from swarm.averaging.butterfly.robust import cap_weights, centered_clip
+from swarm.averaging.butterfly.robust import ClipResult, cap_weights, centered_clip
+from swarm.averaging.butterfly.scoring import PartAlignment, chunk_factors
 from swarm.compression import decode_into, read_header
 from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError
 
 MAX_WEIGHT = 1e30
 
-CLIPPED_BELOW = 0.1  # a sender whose offset was scaled below this is reported as clipped
+CLIPPED_BELOW = 0.1  # an owner whose own offset was scaled below this is the odd one out
+REPORTED_BELOW = 0.5  # a sender whose offset was scaled below this is reported as clipped
 
 
 def check_weight(weight: object) -> float:
@@ -81,6 +83,10 @@ class PartReducer:
         aggregator: ``centered_clip`` or ``mean``.
         weight_cap: with ``centered_clip``, no weight counts for more than this times the median
             weight of the group.
+        trust: with ``centered_clip``, sender -> the factor its claimed weight is multiplied by
+            (this peer's record of it; missing: 1.0).
+        score: with ``centered_clip``, measure every contribution's alignment with the robust
+            mean (:attr:`alignment`; the owner's own under the key ``-1``): the part is an update.
     """
 
     def __init__(
@@ -90,6 +96,8 @@ class PartReducer:
         senders: Iterable[int],
         aggregator: str = "centered_clip",
         weight_cap: float = 2.0,
+        trust: Mapping[int, float] | None = None,
+        score: bool = False,
     ):
         if aggregator not in AGGREGATORS:
             raise AveragingError(f"aggregator must be one of {AGGREGATORS}, not {aggregator!r}")
@@ -98,6 +106,10 @@ class PartReducer:
         self.expected = tuple(senders)
         self.robust = aggregator == "centered_clip"
         self.weight_cap = weight_cap
+        self.trust = dict(trust or {})
+        self.alignment = PartAlignment() if score and self.robust else None
+        # (radius, values) of every clipped chunk, for a test's attacker (see faults)
+        self.observe_radius: Callable[[float, int], None] | None = None
         self._slots = {s: i + 1 for i, s in enumerate(self.expected)}
         # centered_clip, per chunk in flight: row 0 the owner's values, row slot(s) sender s's
         self._rows: dict[int, torch.Tensor] = {}
@@ -178,7 +190,8 @@ class PartReducer:
         if self._own is None:
             raise AveragingError("finish_chunk() before begin()")
         live = sorted(self.delivered(index), key=self._slots.__getitem__)  # row order
-        weights = cap_weights([self.own_weight, *(self._senders[s].weight for s in live)])
+        trusted = [self._senders[s].weight * self.trust.get(s, 1.0) for s in live]
+        weights = cap_weights([self.own_weight, *trusted])
         out = self.acc[start:end]
         with self._locks[index]:
             if not live or sum(weights) <= 0:
@@ -192,18 +205,38 @@ class PartReducer:
                 rows = buffer[:, : end - start]
             else:
                 rows = buffer[torch.tensor(slots, device=buffer.device), : end - start]
-            clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
+            if self.alignment is None:
+                clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
+            else:
+                clip = self._scored_clip(rows, weights)
             out.copy_(clip.center)
             self._release_rows(index)
+        if self.observe_radius is not None and clip.radius > 0:
+            self.observe_radius(clip.radius, end - start)
+        if self.alignment is not None and clip.dots:
+            self.alignment.add_chunk([-1, *live], clip.dots, clip.norms2, clip.center_norm2)
         if clip.scales[0] < CLIPPED_BELOW:  # only ever set here: chunks reduce in parallel
             self.own_clipped = True
         for sender, scale in zip(live, clip.scales[1:], strict=True):
-            if scale < CLIPPED_BELOW:
+            if scale < REPORTED_BELOW:
                 self.clipped[sender] = min(scale, self.clipped.get(sender, 1.0))
-        for sender, w in zip(live, weights[1:], strict=True):
-            if w < self._senders[sender].weight:
+        for sender, w, t in zip(live, weights[1:], trusted, strict=True):
+            if w < t:
                 self.capped[sender] = self._senders[sender].weight
         return out
+
+    @staticmethod
+    def _scored_clip(rows: torch.Tensor, weights: list[float]) -> ClipResult:
+        """CenteredClip of an update chunk; again with each weight times the row's score when
+        a row points away from the others (see butterfly.scoring)."""
+        clip = centered_clip(rows, weights, score=True)
+        if not clip.dots:
+            return clip
+        factors = chunk_factors(clip.dots, clip.norms2, clip.center_norm2)
+        if min(factors[1:]) >= 1.0:
+            return clip
+        scored = [weights[0], *(w * f for w, f in zip(weights[1:], factors[1:], strict=True))]
+        return centered_clip(rows, scored, overwrite=True, score=True)
 
     def restart(self) -> tuple[int, ...]:
         """Reset to the owner's values for a new attempt with the complete senders only.
@@ -217,6 +250,8 @@ class PartReducer:
         self.expected = self.contributors()
         self._senders = {}
         self.own_clipped = False  # judged again from the new attempt's rows
+        if self.alignment is not None:
+            self.alignment.reset()
         self.attempt += 1
         self.tainted = False
         return self.expected

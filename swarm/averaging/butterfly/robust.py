@@ -51,6 +51,11 @@ class ClipResult:
     center: torch.Tensor  # the robust mean (on the rows' device; float32 or float64)
     scales: tuple[float, ...]  # per row, the factor its offset was scaled by (1.0: untouched)
     radius: float  # the last clipping radius
+    # with ``score``: per row its dot product with the center and its squared norm, and the
+    # center's squared norm (see :mod:`swarm.averaging.butterfly.scoring`); empty otherwise
+    dots: tuple[float, ...] = ()
+    norms2: tuple[float, ...] = ()
+    center_norm2: float = 0.0
 
 
 def centered_clip(
@@ -58,6 +63,7 @@ def centered_clip(
     weights: Sequence[float],
     iterations: int = CLIP_ITERATIONS,
     overwrite: bool = False,
+    score: bool = False,
 ) -> ClipResult:
     """CenteredClip of ``rows`` (one contribution per row) with ``weights``.
 
@@ -66,6 +72,7 @@ def centered_clip(
         weights: ``k`` weights >= 0; when they sum to 0 every row counts the same.
         iterations: clipping steps after the medoid start.
         overwrite: ``rows`` is scratch space the call may overwrite (saves a ``k x n`` copy).
+        score: also return each row's alignment sums with the center (groups of 3 or more).
     """
     k = rows.shape[0]
     if k == 1:
@@ -108,7 +115,20 @@ def centered_clip(
             break
         c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v) = (1 - sum c) v + x^T c
         v = torch.addmv(v, x.T, c, beta=float(1 - c.sum()))
-    return ClipResult(v.add_(origin), tuple(float(s) for s in scale.cpu()), tau)
+    sums = _alignment(x, sq, origin.to(x.dtype), v) if score else ((), (), 0.0)
+    return ClipResult(v.add_(origin), tuple(float(s) for s in scale.cpu()), tau, *sums)
+
+
+def _alignment(
+    x: torch.Tensor, sq: torch.Tensor, origin: torch.Tensor, v: torch.Tensor
+) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """Rows ``r_i = x_i + o`` against the center ``c = v + o``: ``r_i . c``, ``|r_i|^2`` and
+    ``|c|^2``, from one pass over ``x`` (the rows were shifted by ``o`` for the clip)."""
+    xo, xv = (x @ torch.stack([origin, v]).T).unbind(1)
+    oo, ov, vv = float(origin @ origin), float(origin @ v), float(v @ v)
+    dots = (xv + xo + ov + oo).tolist()
+    norms2 = torch.clamp(sq + 2 * xo + oo, min=0).tolist()
+    return tuple(dots), tuple(norms2), max(0.0, vv + 2 * ov + oo)
 
 
 def _medoid(gram: torch.Tensor) -> tuple[int, torch.Tensor]:

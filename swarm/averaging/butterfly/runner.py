@@ -32,6 +32,7 @@ from swarm.averaging.butterfly.parts import (
 from swarm.averaging.butterfly.repair import Repair
 from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.averaging.butterfly.rounds import RoundRegistry
+from swarm.averaging.butterfly.scoring import LOWERED_BELOW, Reputation
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
@@ -83,6 +84,8 @@ class ButterflyRunner:
         # owners this peer accused of returning implausible averages: they own no part in this
         # peer's plans and their part streams are refused, for the rest of the run
         self.excluded: dict[PeerID, str] = {}
+        # this peer's record of the others' updates: the factor on their weight in its parts
+        self.reputation = Reputation()
         # error feedback per kind of round, so that rounds taking turns keep their own
         # residuals; staging buffers per fragment (see RoundKind)
         self.feedbacks: dict[RoundKind, FlatFeedback] = {}
@@ -107,17 +110,21 @@ class ButterflyRunner:
         deadline: float,
         kind: RoundKind,
         codec: Codec | None = None,
+        updates: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` (``numel`` values) in place with ``group``, by ``deadline``
         (monotonic), in ``codec`` (default: the averager's); only the parts that averaged are
-        written back."""
+        written back. With ``updates`` the tensors are updates (pseudo-gradients): the parts
+        this peer owns score and weigh their senders by its record of them (unless the
+        averager's ``score_updates`` is off)."""
+        updates = updates and self.config.score_updates
         codec = codec if codec is not None else self.codec
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
         plan = self._plan(group, numel, codec)
         staging = self._stagings.setdefault(kind.staging, FlatStaging())
         flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
-        flat, weight = self.faults.contribution(flat), self.faults.weight(weight)
+        flat, weight = self.faults.contribution(flat, updates), self.faults.weight(weight)
         started = time.monotonic()
         ctx = RoundContext(
             group=group,
@@ -133,6 +140,8 @@ class ButterflyRunner:
             excluded=self._excluded_in(group),
             liveness=self.liveness,
             rates=self.rates,
+            updates=updates,
+            trust=self._trust_in(group, me) if updates else {},
         )
         outcome = await self._run(ctx, plan, flat, result)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
@@ -147,6 +156,7 @@ class ButterflyRunner:
         ]
         if not kind.synced:
             refusals.extend(unbelieved_claims(group))
+        refusals.extend(self._file_scores(group, outcome.scores))
         for r in outcome.refusals:
             refusals.append(r)
             if r.action is RefusalAction.ACCUSED and r.peer not in self.excluded:
@@ -182,20 +192,35 @@ class ButterflyRunner:
             matchmaking_s=matchmaking_s,
             allreduce_s=allreduce_s,
             refusals=tuple(refusals),
+            trust={p: self.reputation.trust(p) for p in ids if p != self.peer.peer_id}
+            if updates
+            else {},
         )
 
     def _plan(self, group: GroupInfo, numel: int, codec: Codec) -> PartPlan:
+        """The group's plan: every member computes the same one from the group's agreed info
+        (this peer's own exclusions change what it sends, never the plan)."""
         bandwidths = effective_bandwidths(group.bandwidths, group.measured)
-        # an owner this peer accused owns nothing in its plan (and its streams are refused)
-        for i, m in enumerate(group.members):
-            if m.peer_id in self.excluded:
-                bandwidths[i] = 0.0
         chunk_bytes = chunk_bytes_for(group.measured, len(group.members))
         chunk_elems = self._chunk_elems.get((codec.spec, chunk_bytes))
         if chunk_elems is None:
             chunk_elems = chunk_elems_for(codec, chunk_bytes)
             self._chunk_elems[(codec.spec, chunk_bytes)] = chunk_elems
         return PartPlan.create(numel, bandwidths, chunk_elems, self.config.max_share)
+
+    def _trust_in(self, group: GroupInfo, me: int) -> dict[int, float]:
+        return {i: self.reputation.trust(m.peer_id) for i, m in enumerate(group.members) if i != me}
+
+    def _file_scores(self, group: GroupInfo, scores: dict[int, tuple[float, str]]) -> list[Refusal]:
+        """File this round's scores in the record; the members whose record is now low."""
+        lowered = []
+        for i, (score, why) in sorted(scores.items()):
+            peer = group.members[i].peer_id
+            standing = self.reputation.observe(peer, score, why)
+            if standing.trust < LOWERED_BELOW:
+                text = f"weight x{standing.trust:.2f} after {standing.rounds} scored rounds ({why})"
+                lowered.append(Refusal(peer, RefusalAction.DOWNWEIGHTED, i, text))
+        return lowered
 
     def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
         return frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded)
@@ -242,6 +267,10 @@ class ButterflyRunner:
             feedback=FlatFeedback(codec, repair.numel, sub.device),
             deadline=deadline,
             excluded=self._excluded_in(repair.group),
+            trust=self._trust_in(repair.group, repair.group.index_of(self.peer.peer_id))
+            if ctx.updates
+            else {},
+            updates=False,  # scores are filed from the round itself
             parent=ctx.group.group_id,
             gone=set(),
             suspected={},
@@ -259,6 +288,7 @@ class ButterflyRunner:
             (*outcome.refusals, *fixed.refusals),
             outcome.bytes_sent + fixed.bytes_sent,
             outcome.bytes_received + fixed.bytes_received,
+            outcome.scores,
         )
 
     def feedback_for(
