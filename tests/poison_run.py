@@ -176,6 +176,7 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
         "honest_clip_rate": clipped / contributions if contributions else 0.0,
         "averaged_rounds_min": min(x.rounds for x in honest),
         "wall_s": wall,
+        "attack_fired": any(x.swarm.averager.faults.triggered.is_set() for x in logs if x.attacker),
     }
 
 

@@ -182,3 +182,14 @@ def test_a_calm_run_clips_and_lowers_no_honest_peer() -> None:
     assert got["honest_record_min"] > LOWERED_BELOW, got
     assert got["honest_clip_rate"] < 0.1, got
     assert got["averaged_rounds_min"] >= 8, got
+
+
+def test_attackers_attack_whether_or_not_the_victims_score() -> None:
+    """Scoring is the honest peers' setting: an attacker's poison must not depend on it (it
+    once did, which made every undefended run an honest one)."""
+
+    async def attack() -> bool:
+        got = await run(peers=4, attackers=1, fault=Fault.IPM, rounds=3, score_updates=False)
+        return got["attack_fired"]
+
+    assert asyncio.run(attack())

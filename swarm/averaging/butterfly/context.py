@@ -36,9 +36,10 @@ class RoundContext:
     liveness: Liveness | None = None  # checks members that keep us waiting (None: never)
     rates: PeerRates | None = None  # where this member's owner side files senders' rates
     parent: bytes | None = None  # a repair's: the group id of the round it repairs
-    # the round averages updates (pseudo-gradients): an owner scores each contribution's
-    # alignment with the group's (see swarm.averaging.butterfly.scoring)
-    updates: bool = False
+    updates: bool = False  # the round averages updates (pseudo-gradients), not values
+    # an owner scores each contribution's alignment with the group's (updates only; see
+    # swarm.averaging.butterfly.scoring)
+    score: bool = False
     trust: Mapping[int, float] = field(default_factory=dict)  # member -> its weight factor
     # members whose address refused our connection this round, or that answered that the
     # group is not theirs (over there, or never started): gone, so the owner side stops

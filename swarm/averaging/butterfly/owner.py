@@ -62,7 +62,7 @@ class PartOwner:
         senders = [i for i in range(len(ctx.group.members)) if i != ctx.me]
         senders = [i for i in senders if i not in ctx.excluded]
         self.reducer = PartReducer(
-            acc, chunks, senders, ctx.aggregator, ctx.weight_cap, ctx.trust, score=ctx.updates
+            acc, chunks, senders, ctx.aggregator, ctx.weight_cap, ctx.trust, score=ctx.score
         )
         if self.faults.active:
             self.reducer.observe_radius = self.faults.observe_radius

@@ -117,7 +117,7 @@ class ButterflyRunner:
         written back. With ``updates`` the tensors are updates (pseudo-gradients): the parts
         this peer owns score and weigh their senders by its record of them (unless the
         averager's ``score_updates`` is off)."""
-        updates = updates and self.config.score_updates
+        score = updates and self.config.score_updates
         codec = codec if codec is not None else self.codec
         loop = asyncio.get_running_loop()
         me = group.index_of(self.peer.peer_id)
@@ -141,7 +141,8 @@ class ButterflyRunner:
             liveness=self.liveness,
             rates=self.rates,
             updates=updates,
-            trust=self._trust_in(group, me) if updates else {},
+            score=score,
+            trust=self._trust_in(group, me) if score else {},
         )
         outcome = await self._run(ctx, plan, flat, result)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
@@ -193,7 +194,7 @@ class ButterflyRunner:
             allreduce_s=allreduce_s,
             refusals=tuple(refusals),
             trust={p: self.reputation.trust(p) for p in ids if p != self.peer.peer_id}
-            if updates
+            if score
             else {},
         )
 
@@ -268,9 +269,9 @@ class ButterflyRunner:
             deadline=deadline,
             excluded=self._excluded_in(repair.group),
             trust=self._trust_in(repair.group, repair.group.index_of(self.peer.peer_id))
-            if ctx.updates
+            if ctx.score
             else {},
-            updates=False,  # scores are filed from the round itself
+            score=False,  # scores are filed from the round itself
             parent=ctx.group.group_id,
             gone=set(),
             suspected={},
