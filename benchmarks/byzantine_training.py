@@ -10,14 +10,17 @@ attack and configuration, the figures the mean over ``--seeds`` runs::
     honest_only_final_loss   the same for the honest peers alone (peers - attackers, no attack)
     undefended_final_loss    the attack with update scoring off (CenteredClip alone)
     ratio                    final_loss / honest_only_final_loss
+    per_seed, ...            the same figures seed by seed (how far one run is from the mean)
     rounds_to_downweight     rounds until every honest peer that scored an attacker holds its
                              record below 0.5 (the worst seed; null: not in every seed)
     honest_excluded          honest peers whose record fell below 0.5 in some honest view
     honest_clip_rate         honest contributions scaled below 0.5, over all update rounds
     overhead                 wall time of the defended run without attackers against the same
                              run with the defences off (plain mean, no scoring)
+    scoring_overhead         the same against CenteredClip without scoring (calm row only)
 
-``--non-iid`` gives each peer two of the eight classes (the calm configuration of the issue).
+``--non-iid`` gives each peer two of the ten classes; ``--attacks`` with no name runs only the
+calm row.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from swarm.averaging.faults import SLOW_POISON
 async def mean_run(seeds: int, **kw) -> dict:
     rows = [await run(seed=s, **kw) for s in range(seeds)]
     out = {k: statistics.fmean(r[k] for r in rows) for k in ("final_loss", "wall_s")}
+    out["per_seed"] = [round(r["final_loss"], 4) for r in rows]
     out["honest_clip_rate"] = statistics.fmean(r["honest_clip_rate"] for r in rows)
     downs = [r["rounds_to_downweight"] for r in rows]
     out["rounds_to_downweight"] = None if None in downs else max(downs)
@@ -63,6 +67,9 @@ async def main(args: argparse.Namespace) -> None:
             score_updates=False,
             **common,
         )
+        clip = await mean_run(
+            args.seeds, peers=peers, attackers=0, fault=Fault.NONE, score_updates=False, **common
+        )
         base = {"peers": peers, "rounds": args.rounds, "seeds": args.seeds}
         base["non_iid"] = args.non_iid
         print(
@@ -73,9 +80,12 @@ async def main(args: argparse.Namespace) -> None:
                     "attackers": 0,
                     "final_loss": calm["final_loss"],
                     "honest_only_final_loss": honest["final_loss"],
+                    "per_seed": calm["per_seed"],
+                    "honest_only_per_seed": honest["per_seed"],
                     "honest_excluded": calm["honest_excluded"],
                     "honest_clip_rate": calm["honest_clip_rate"],
                     "overhead": calm["wall_s"] / off["wall_s"],
+                    "scoring_overhead": calm["wall_s"] / clip["wall_s"],
                 }
             ),
             flush=True,
@@ -92,6 +102,8 @@ async def main(args: argparse.Namespace) -> None:
                 "honest_only_final_loss": honest["final_loss"],
                 "undefended_final_loss": bare["final_loss"],
                 "ratio": got["final_loss"] / honest["final_loss"],
+                "per_seed": got["per_seed"],
+                "undefended_per_seed": bare["per_seed"],
                 "rounds_to_downweight": got["rounds_to_downweight"],
                 "honest_excluded": got["honest_excluded"],
                 "honest_clip_rate": got["honest_clip_rate"],
@@ -112,7 +124,7 @@ def cli(argv: list[str]) -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--non-iid", action="store_true")
-    p.add_argument("--attacks", type=Fault, nargs="+", default=list(SLOW_POISON))
+    p.add_argument("--attacks", type=Fault, nargs="*", default=list(SLOW_POISON))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     asyncio.run(main(args))

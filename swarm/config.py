@@ -148,13 +148,13 @@ class AveragingConfig:
             its own values compared with the other parts (:mod:`swarm.averaging.butterfly.checks`),
             accuses its owner in the round report and excludes it from its later rounds.
         score_updates: in rounds that average updates (DiLoCo pseudo-gradients, gradients), the
-            owner of a part scores each sender's alignment with the group's robust mean and
-            weighs it by its record of that peer (:mod:`swarm.averaging.butterfly.scoring`):
-            updates that keep pointing away from the group's lose their weight. ``centered_clip``
-            only. Off by default: it stops inverted updates (IPM) and free riders when peers
-            draw from one data distribution, but peers with unusual data (non-IID shards) point
-            away from the group for honest reasons and lose their weight too (README, "Slow
-            poison").
+            owner of a part measures each sender's alignment with the part's robust mean, keeps
+            a record of every peer it scored, and weighs a sender by how far its record lies
+            below the owner's own alignment (:mod:`swarm.averaging.butterfly.scoring`): updates
+            that keep pointing away (IPM, a turned-around update, a free rider's zero) lose their
+            weight within a few rounds. ``centered_clip`` only. Off by default: measured on
+            equal peers, with like and with unlike data (README, "Slow poison"), not yet on
+            peers of unequal speed.
     """
 
     codec: str = "int8"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from swarm.api import Swarm
+from swarm.averaging import Fault
 from swarm.errors import SwarmError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +86,9 @@ def main() -> None:
     p.add_argument("--matchmaking-timeout", type=float, default=3.0)
     p.add_argument("--round-timeout", type=float, default=10.0)
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--score-updates", action="store_true")
+    p.add_argument("--fault", default="none", help="a Fault for the peers of --fault-seeds")
+    p.add_argument("--fault-seeds", type=int, nargs="*", default=[])
     p.add_argument("--stop-at", type=float, required=True, help="time.time() to stop at")
     p.add_argument("--go-file", help="train once this file exists (the run's clock starts)")
     p.add_argument(
@@ -121,6 +125,7 @@ def main() -> None:
                 round_timeout_s=args.round_timeout,
                 state_timeout_s=args.round_timeout,
                 heartbeat_s=2.0,
+                score_updates=args.score_updates,
             )
             break
         except SwarmError as e:  # no agreed state, or no answer yet (peers restarting): retry
@@ -138,6 +143,8 @@ def main() -> None:
             address=swarm.address,
             loss=joined_loss if math.isfinite(joined_loss) else None,
         )
+        if args.seed in args.fault_seeds:
+            swarm._async.averager.faults.fault = Fault(args.fault)  # a hostile peer
         while args.go_file and not Path(args.go_file).exists():
             time.sleep(0.01)  # the first peers start training together, when all are up
         g = torch.Generator().manual_seed(args.seed)

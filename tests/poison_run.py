@@ -4,13 +4,14 @@ Shared by tests/test_poison.py and ``benchmarks/byzantine.py --training``. Every
 :class:`~swarm.api.AsyncSwarm` on loopback (real DHT, transport, averager and DiLoCo engine);
 the last ``attackers`` of them switch a :class:`~swarm.averaging.Fault` on (colluding: ALIE
 pools their updates). Every peer trains ``rounds`` rounds of ``inner_steps`` steps on its own
-stream of data (with ``non_iid``, two of the eight classes each), and the run reports the honest
+stream of data (with ``non_iid``, two of the ten classes each), and the run reports the honest
 peers' test loss at the end, how the honest peers' records of the attackers fell, and what the
-aggregation did to honest contributions.
+aggregation did to honest contributions. With ``slander``, the attackers also accuse the first
+honest peer (the victim) and hold its record at the floor, every round.
 
-The task: a fixed linear teacher labels random points in 32 dimensions (8 classes); an MLP
-32-64-8, Adam 3e-3, batch 64. Its loss keeps falling steadily over the run (0.39 after 160
-steps of one peer, 0.14 after 1000, 0.10 after 2000), so an attack that slows training shows.
+The task: a fixed linear teacher labels random points in 32 dimensions (10 classes); an MLP
+32-64-10, Adam 3e-3, batch 64. Its loss keeps falling over the run, so an attack that slows
+training shows.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from torch import nn
 
 from swarm.api import AsyncSwarm
 from swarm.averaging import Fault
-from swarm.averaging.butterfly.scoring import LOWERED_BELOW
+from swarm.averaging.butterfly.scoring import LOWERED_BELOW, TRUST_FLOOR, PartScores
 from swarm.averaging.poison import Collusion
+from swarm.identity import PeerID
 
-DIM, CLASSES, BATCH, LR = 32, 8, 64, 3e-3
+DIM, CLASSES, BATCH, LR = 32, 10, 64, 3e-3
 TEACHER = torch.randn(DIM, CLASSES, generator=torch.Generator().manual_seed(99))
 _CLIP = re.compile(r"^(\S+) clipped in part \d+: offset scaled by ([0-9.e+-]+)$")
 
@@ -63,6 +65,16 @@ def test_loss(m: nn.Module) -> float:
         return nn.functional.cross_entropy(m(TEST[0]), TEST[1]).item()
 
 
+def anchor_loss(swarm: AsyncSwarm) -> float:
+    """The test loss of the peer's last averaged parameters (its anchor), without the steps it
+    trained alone since: with non-IID shards those steps fit its own two classes."""
+    m = model()
+    with torch.no_grad():
+        for p, a in zip(m.parameters(), swarm.engine.outer.anchor, strict=True):
+            p.copy_(a)
+    return test_loss(m)
+
+
 @dataclass
 class PeerLog:
     """One peer's run."""
@@ -74,23 +86,40 @@ class PeerLog:
     contributions: int = 0  # others' contributions to its parts in those rounds (bound)
     clipped: list[str] = field(default_factory=list)  # short ids it clipped below 0.5
     refusals: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)  # why each due round it did not average
+    waits: list[float] = field(default_factory=list)  # seconds each due round blocked step()
     trust: list[dict[str, float]] = field(default_factory=list)  # per round: short id -> record
 
 
-async def _train(log: PeerLog, seed: int, rounds: int, inner_steps: int) -> None:
+def _slander(swarm: AsyncSwarm, victim: PeerID) -> None:
+    """Accuse ``victim`` and hold its record at the floor, in ``swarm``'s own view."""
+    runner = swarm.averager.butterfly
+    runner.excluded[victim] = "accused by colluders"
+    while runner.reputation.trust(victim) > TRUST_FLOOR:
+        runner.reputation.observe(PartScores(1.0, {0: -1.0}), {0: victim})
+
+
+async def _train(
+    log: PeerLog, seed: int, rounds: int, inner_steps: int, victim: PeerID | None
+) -> None:
     swarm, g = log.swarm, torch.Generator().manual_seed(seed)
     loss_fn = nn.functional.cross_entropy
     runner = swarm.averager.butterfly
     while swarm.round < rounds:
+        if victim is not None:
+            _slander(swarm, victim)
         x, y = data(BATCH, g, log.classes)
         loss = loss_fn(swarm.model(x), y)
         loss.backward()
         report = await swarm.step(samples=BATCH)
         swarm.optimizer.zero_grad()
         if report.round_due:
+            log.waits.append(report.wait_s)
             if report.averaged:
                 log.rounds += 1
                 log.contributions += report.group_size - 1
+            else:
+                log.missed.append(report.reason)
             for r in report.refusals:
                 log.refusals.append(r)
                 m = _CLIP.match(r)
@@ -112,6 +141,7 @@ async def run(
     non_iid: bool = False,
     codec: str = "none",
     seed: int = 0,
+    slander: bool = False,
 ) -> dict:
     """Train a swarm of ``peers`` (the last ``attackers`` with ``fault``) for ``rounds``."""
     options = {
@@ -143,13 +173,18 @@ async def run(
             classes = ((2 * i) % CLASSES, (2 * i + 1) % CLASSES) if non_iid else None
             logs.append(PeerLog(swarm, attacker, classes))
         await asyncio.sleep(2 * options["heartbeat_s"])  # every record stored and read once
+        victim = logs[0].swarm.peer.peer_id if slander else None
         await asyncio.gather(
-            *(_train(log, seed * 1000 + i, rounds, inner_steps) for i, log in enumerate(logs))
+            *(
+                _train(log, seed * 1000 + i, rounds, inner_steps, victim if log.attacker else None)
+                for i, log in enumerate(logs)
+            )
         )
         for log in logs:
             await log.swarm.wait_round()
         wall = time.perf_counter() - started
-        return _figures(logs, rounds, wall)
+        figures = _figures(logs, rounds, wall)
+        return {**figures, **_victim(logs)} if slander else figures
     finally:
         for log in logs:
             await log.swarm.close()
@@ -166,6 +201,7 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
         "rounds": rounds,
         "final_loss": max(losses),
         "final_loss_mean": statistics.fmean(losses),
+        "anchor_loss": max(anchor_loss(x.swarm) for x in honest),
         "nan": any(not math.isfinite(v) for v in losses),
         "rounds_to_downweight": _rounds_to_downweight(honest, attacker_ids),
         "honest_downweighted": sorted(_lowered(honest, honest_ids)),
@@ -177,6 +213,26 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
         "averaged_rounds_min": min(x.rounds for x in honest),
         "wall_s": wall,
         "attack_fired": any(x.swarm.averager.faults.triggered.is_set() for x in logs if x.attacker),
+    }
+
+
+def _victim(logs: list[PeerLog]) -> dict:
+    """How the first honest peer fared under the colluders' accusations."""
+    victim = logs[0].swarm.peer.peer_id
+    honest = [x for x in logs[1:] if not x.attacker]
+    colluders = [x.swarm.averager.butterfly for x in logs if x.attacker]
+    views = [t.get(victim.short, 1.0) for x in honest for t in x.trust]
+    return {
+        "victim_excluded_by_honest": sum(
+            victim in x.swarm.averager.butterfly.excluded for x in honest
+        ),
+        "victim_trust_min": min(views, default=1.0),
+        "victim_averaged": logs[0].rounds,
+        "others_averaged": statistics.median(x.rounds for x in honest),
+        "victim_missed": logs[0].missed,
+        "victim_slandered": all(
+            victim in c.excluded and c.reputation.trust(victim) < LOWERED_BELOW for c in colluders
+        ),
     }
 
 

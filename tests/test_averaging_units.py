@@ -64,6 +64,18 @@ def test_split_parts_covers_exactly_in_proportion(numel, bws):
             assert abs((e - s) - numel / len(bws)) < 1
 
 
+@given(numel=st.integers(0, 10**9), bws=bandwidths, first=st.integers(0, 11))
+@settings(deadline=None)
+def test_a_turned_layout_gives_every_member_the_same_size_from_member_first_on(numel, bws, first):
+    first %= len(bws)
+    plain, turned = split_parts(numel, bws), split_parts(numel, bws, first)
+    assert [e - s for s, e in turned] == [e - s for s, e in plain]
+    order = [(first + k) % len(bws) for k in range(len(bws))]
+    assert turned[order[0]][0] == 0 and turned[order[-1]][1] == numel
+    for a, b in itertools.pairwise(order):
+        assert turned[a][1] == turned[b][0]
+
+
 def test_split_parts_rejects_junk():
     for bad in ([], [-1.0], [float("nan")], [float("inf")]):
         with pytest.raises(AveragingError):
@@ -477,6 +489,22 @@ def test_flat_feedback_owner_applies_what_it_sends(spec):
     values = avg[200:400].clone()
     payload = fb.encode_owned(values, 200)
     torch.testing.assert_close(values, decode(payload))
+
+
+def test_a_turning_layouts_owner_residual_waits_for_its_range() -> None:
+    """Owning [0, 500) then [500, 1000) then [0, 500) again: with ``turning`` what the first
+    round left out of [0, 500) is sent the third time; without, it is lost on the move."""
+    codec, x = get_codec("int8"), torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    for turning in (True, False):
+        fb, sent = FlatFeedback(codec, 1000, turning=turning), torch.zeros(500)
+        for start in (0, 500, 0):
+            fb.prepare_owner(start, start + 500)
+            values = x[start : start + 500].clone()
+            fb.encode_owned(values, 0)
+            if start == 0:
+                sent += values
+        left = (2 * x[:500] - sent).abs().max()
+        assert (left < 0.02) if turning else (left > 0.02), (turning, left)
 
 
 def test_round_result_text():

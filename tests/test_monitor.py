@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.address import PeerAddress
 from swarm.api import AsyncSwarm
-from swarm.dashboard.status import RunReader, format_table
+from swarm.dashboard.status import RunReader, add_weight_views, format_table, totals
 from swarm.dashboard.web import Dashboard
 from swarm.monitor import tracker
 from swarm.monitor.watch import PeerWatcher
@@ -280,6 +280,28 @@ def test_status_table_has_a_row_per_peer_and_totals() -> None:
     assert "pppppppppp" in text and "run 'r': 1 peer(s)" in text
 
 
+def test_status_shows_whose_weight_other_peers_lowered_and_why() -> None:
+    why = "aligned -0.61 on average, others 0.70 +- 0.10"
+    rows = [
+        {"short": "aaaaaaaaaa", "lowered": [["cccccccccc", 0.02, why], ["aaaaaaaaaa", 0.0, "x"]]},
+        {"short": "bbbbbbbbbb", "lowered": [["cccccccccc", 0.3, why], ["zzzzzzzzzz", 0.1, "x"]]},
+        {"short": "cccccccccc", "lowered": [["aaaaaaaaaa", 0.01, "a liar's word"]]},
+    ]
+    add_weight_views(rows)
+    a, b, c = rows
+    assert c["weight"] == pytest.approx(0.16) and [v["by"] for v in c["lowered_by"]] == [
+        "aaaaaaaaaa",
+        "bbbbbbbbbb",
+    ]
+    assert b["weight"] is None and b["lowered_by"] == []  # nobody lowered it; unknown ids dropped
+    assert a["weight"] == 0.01  # one peer's word is shown as such: x0.01/1
+    for r in rows:
+        r.update(peer=r["short"] * 5, address="127.0.0.1:1", device="cpu", last_seen_s=1.0)
+    text = format_table({"run_id": "r", "peers": rows, "totals": totals(rows)})
+    assert "x0.16/2" in text and "x0.01/1" in text
+    assert f"cccccccccc: weight x0.02 in aaaaaaaaaa's view: {why}" in text
+
+
 async def test_dashboard_serves_its_page_and_the_run_state() -> None:
     async with swarm_of(2, "dash-api") as swarms:
         await train_all(swarms, 2)
@@ -343,6 +365,13 @@ async def test_dashboard_in_headless_chromium(tmp_path: Path, monkeypatch) -> No
     hostile = Resources('<img src=x onerror="document.title=1">', 2, 1 << 30, "<b>GPU</b>", 0)
     monkeypatch.setattr(tracker, "machine_resources", lambda: hostile)
     async with swarm_of(3, "dash-run") as swarms:
+        victim = swarms[2].peer.peer_id.short
+
+        class Records:  # what a peer scoring updates publishes of those it holds lowered
+            def lowered(self, limit: int) -> tuple[tuple[str, float, str], ...]:
+                return ((victim, 0.04, "<b>aligned</b> -0.61 on average, others 0.70 +- 0.10"),)
+
+        swarms[0].peer.progress.records = Records()
         await train_all(swarms, 2)
         reader = RunReader([swarms[0].address], "dash-run", listen_host="127.0.0.1")
         async with reader, Dashboard(reader, interval=3600) as dashboard:
@@ -361,6 +390,11 @@ async def test_dashboard_in_headless_chromium(tmp_path: Path, monkeypatch) -> No
             assert loss_points(dom) > first, "the loss chart gained no points after new rounds"
             assert 'class="round-row"' in dom  # groups of the last rounds are listed
             assert "&lt;img src=x" in dom and "<img" not in dom and "<b>GPU" not in dom
+            # the weight others give each peer, over time, and why one was lowered
+            m = re.search(r'<svg id="weight-chart" data-points="(\d+)"', dom)
+            assert m and int(m.group(1)) >= 3, dom[:3000]
+            assert dom.count('class="lowered-row"') == 1 and f"<td>{victim}</td>" in dom
+            assert "x0.04/1" in dom and "&lt;b&gt;aligned" in dom and "<b>aligned" not in dom
 
             shot = tmp_path / "dashboard.png"
             await browse(url, f"--screenshot={shot}")

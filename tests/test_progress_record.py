@@ -132,21 +132,59 @@ def test_hostile_progress_refuses_the_whole_record(name: str) -> None:
 
 
 def test_a_short_or_unknown_format_progress_is_refused() -> None:
-    # [:-2]: one item short of the resources (the last item, inner_steps, may be missing)
-    for wire_form in (progress().to_wire()[:-2], [99, *progress().to_wire()[1:]]):
+    # [:-3]: one item short of the resources (the later items, inner_steps and lowered, may be
+    # missing)
+    for wire_form in (progress().to_wire()[:-3], [99, *progress().to_wire()[1:]]):
         data = signed_record_bytes(Identity.generate(), {PROGRESS_FIELD: wire_form})
         with pytest.raises(TransportError, match="format-1 list"):
             PeerRecord.parse(data)
 
 
 def test_an_older_peers_progress_and_a_newer_ones_extra_items_are_read() -> None:
-    older = progress().to_wire()[:-1]  # a peer from before inner_steps was published
-    assert Progress.from_wire(older).inner_steps == 0
+    oldest = progress().to_wire()[:-2]  # a peer from before inner_steps was published
+    assert Progress.from_wire(oldest).inner_steps == 0
+    older = progress(inner_steps=5).to_wire()[:-1]  # from before lowered peers were
+    assert Progress.from_wire(older) == progress(inner_steps=5, lowered=())
     newer = [*progress().to_wire(), "a field of a later version"]
     assert Progress.from_wire(newer) == progress()
-    bad = [*progress().to_wire()[:-1], -3]
+    bad = [*progress().to_wire()[:-2], -3]
     with pytest.raises(ConfigError, match="inner_steps"):
         Progress.from_wire(bad)
+
+
+LOWERED = (("abcdefghij", 0.02, "aligned -0.61 on average, others 0.70 +- 0.10"),)
+
+
+def test_lowered_peers_round_trip_through_the_record() -> None:
+    p = progress(lowered=LOWERED)
+    identity = Identity.generate()
+    data = signed_record_bytes(identity, {PROGRESS_FIELD: p.to_wire()})
+    assert Progress.from_wire(PeerRecord.parse(data).extra[PROGRESS_FIELD]) == p
+    assert p.as_dict()["lowered"] == [list(LOWERED[0])]
+
+
+@pytest.mark.parametrize(
+    "lowered",
+    [
+        "abcdefghij",  # not a list
+        [["abcdefghij", 0.5, "x"]] * 9,  # too many
+        [["abcdefghij", 0.5]],  # short entry
+        [["abcdefghij", 1.5, "x"]],  # weight out of range
+        [["abcdefghij", float("nan"), "x"]],
+        [["abcdefghij", True, "x"]],
+        [["a" * 25, 0.5, "x"]],  # oversized id
+        [["abcdefghij", 0.5, "x" * 65]],  # oversized reason
+        [["abcdefghij", 0.5, "\x1b[2Jcleared"]],  # terminal escape
+        [[7, 0.5, "x"]],
+        [None],
+    ],
+    ids=repr,
+)
+def test_hostile_lowered_peers_refuse_the_whole_record(lowered) -> None:
+    wire_form = [*progress().to_wire()[:-1], lowered]
+    data = signed_record_bytes(Identity.generate(), {PROGRESS_FIELD: wire_form})
+    with pytest.raises(TransportError, match="progress field lowered"):
+        PeerRecord.parse(data)
 
 
 @pytest.mark.parametrize("value", [1, False, "yes", None, [True]])

@@ -99,6 +99,8 @@ class Averager:
         self.butterfly = ButterflyRunner(
             peer, config, self.codec, self._pool, self.faults, self.liveness, self.rates
         )
+        if config.score_updates:  # the peers it holds below half weight go in its progress
+            peer.progress.records = self.butterfly.reputation
         if self.faults.active:
             announced = peer.transport.record().bandwidth
             peer.transport.update_record(bandwidth=self.faults.bandwidth(announced))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -76,6 +77,7 @@ class RunReader:
         """``{"run_id", "time", "peers": [row...], "totals": {...}}``, JSON-able."""
         rows = [peer_row(r) for r in await self.records()]
         rows.sort(key=lambda row: row["address"])
+        add_weight_views(rows)
         return {"run_id": self.run_id, "time": time.time(), "peers": rows, "totals": totals(rows)}
 
     async def hint(self) -> str:
@@ -124,6 +126,24 @@ def peer_row(record: PeerRecord) -> dict[str, Any]:
     return row
 
 
+def add_weight_views(rows: list[dict[str, Any]]) -> None:
+    """Set each row's ``lowered_by`` (the other peers that published it among the peers whose
+    weight they lowered, each with the weight and why) and ``weight`` (the median of those
+    weights, None when nobody lowered it). Peers name each other by short id; a peer may only
+    speak for itself, so a row naming itself is left out."""
+    by_short = {r["short"]: r for r in rows}
+    for r in rows:
+        r["lowered_by"], r["weight"] = [], None
+    for r in rows:
+        for short, weight, why in r.get("lowered", ()):
+            target = by_short.get(short)
+            if target is not None and target is not r:
+                target["lowered_by"].append({"by": r["short"], "weight": weight, "why": why})
+    for r in rows:
+        if r["lowered_by"]:
+            r["weight"] = statistics.median(v["weight"] for v in r["lowered_by"])
+
+
 def totals(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Swarm-wide figures: peers, trainers, samples/s, bandwidth, rounds, mean loss."""
     rows = list(rows)
@@ -154,6 +174,7 @@ _COLUMNS = (
     ("OUT/S", lambda r: _bytes(r.get("bytes_out_per_s"))),
     ("UTIL", lambda r: "" if "utilization" not in r else f"{r['utilization']:.0%}"),
     ("CODEC", lambda r: r.get("codec") or "-"),
+    ("WEIGHT", lambda r: _weight(r)),
     ("REACH", lambda r: r.get("reachability", "?")),
     ("MACHINE", lambda r: _machine(r)),
     ("UP", lambda r: _duration(r.get("uptime_s"))),
@@ -170,6 +191,9 @@ def format_table(snapshot: dict[str, Any]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
     lines.append(summary_line(snapshot["totals"], snapshot["run_id"]))
+    for r in snapshot["peers"]:
+        for v in r.get("lowered_by", ()):
+            lines.append(f"{r['short']}: weight x{v['weight']:.2f} in {v['by']}'s view: {v['why']}")
     return "\n".join(lines)
 
 
@@ -207,6 +231,12 @@ def _duration(value: Any) -> str:
     minutes, seconds = divmod(int(value), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def _weight(row: dict[str, Any]) -> str:
+    """``x0.05/3``: the median weight factor among the 3 peers that lowered it; ``-``: none."""
+    views = row.get("lowered_by")
+    return f"x{row['weight']:.2f}/{len(views)}" if views else "-"
 
 
 def _machine(row: dict[str, Any]) -> str:

@@ -1,8 +1,8 @@
 """``swarm-peer dashboard``: one self-contained web page of a run, updated live.
 
 The server reads the run's records every ``interval`` seconds (:class:`~swarm.monitor.status.
-RunReader`), keeps a bounded history per peer (round, loss, samples/s over time) and the group
-membership of the last rounds, and serves:
+RunReader`), keeps a bounded history per peer (round, loss, samples/s and the weight the others
+give it, over time) and the group membership of the last rounds, and serves:
 
 - ``GET /``: the page (``static/dashboard.html``, shipped in the package: no CDN, works offline);
 - ``GET /api/state``: the current table, totals, history and groups as JSON, polled by the page.
@@ -118,6 +118,9 @@ class Dashboard:
                 "step": row["step"],
                 "loss": row.get("loss"),
                 "samples_per_s": row["samples_per_s"],
+                # the median weight factor others gave it, among those that lowered it (1.0:
+                # nobody did)
+                "weight": 1.0 if row.get("weight") is None else row["weight"],
             }
         )
 

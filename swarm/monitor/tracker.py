@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from swarm.monitor.resources import machine_resources
-from swarm.net.progress import MAX_LOSS, MAX_RATE, Progress
+from swarm.net.progress import MAX_LOSS, MAX_LOWERED, MAX_RATE, Progress
+
+
+class Records(Protocol):
+    """What the tracker reads from the peer's records of others (:class:`~swarm.averaging.
+    butterfly.scoring.Reputation` has it)."""
+
+    def lowered(self, limit: int) -> tuple[tuple[str, float, str], ...]: ...
 
 
 class TrainingCounters(Protocol):
@@ -50,6 +57,7 @@ class ProgressTracker:
         self.started = time.monotonic()
         self.engine: TrainingCounters | None = None
         self.codec = ""
+        self.records: Records | None = None  # set when this peer scores updates
         self._loss: Any = None  # last loss given to step(): float or detached tensor
         self.last_round: RoundFigures | None = None
         self.bytes_sent = 0
@@ -121,6 +129,7 @@ class ProgressTracker:
             uptime_s=min(now - self.started, MAX_RATE),
             resources=machine_resources(),
             inner_steps=int(e.cadence.inner_steps) if e is not None else 0,
+            lowered=self.records.lowered(MAX_LOWERED) if self.records is not None else (),
         )
 
 

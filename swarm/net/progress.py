@@ -8,7 +8,8 @@ bounded here before a status table, a dashboard or a metric uses it, and text mu
 
 Wire form: a msgpack list ``[FORMAT, role, round, step, ...]`` in the order of the fields below
 up to the resources, then the resources, then the fields added since (read when present), about
-200 bytes. Trailing items a newer version may add are ignored.
+200 bytes (up to 800 with a full list of lowered peers). Trailing items a newer version may add
+are ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ MAX_RATE = 1e15  # samples/s and bytes/s
 MAX_LOSS = 1e30
 MAX_GROUP = 4096
 MAX_CORES = 1 << 16
+MAX_LOWERED = 8  # peers named in one progress as held below half weight
+MAX_REASON_CHARS = 64
 ROLES = ("trainer", "helper")
 REACHABILITY = ("public", "client", "unknown")
 
@@ -65,6 +68,9 @@ class Progress:
     resources: Resources
     # added after the resources (an older peer's record ends before them)
     inner_steps: int = 0  # inner steps per round in use (0: unknown, or a helper)
+    # the peers whose weight this one lowered (update scoring): (short id, weight factor, why),
+    # lowest weight first, at most MAX_LOWERED
+    lowered: tuple[tuple[str, float, str], ...] = ()
 
     def __post_init__(self) -> None:
         _word(self.role, "role", ROLES)
@@ -88,6 +94,7 @@ class Progress:
         _count(r.ram, "ram", MAX_COUNT)
         _count(r.gpu_memory, "gpu_memory", MAX_COUNT)
         _count(self.inner_steps, "inner_steps", MAX_COUNT)
+        _lowered(self.lowered)
 
     def to_wire(self) -> list[Any]:
         """The msgpack-able form for ``PeerRecord.extra``."""
@@ -118,12 +125,17 @@ class Progress:
                 values[i] = float(values[i])
         resources = Resources(*obj[1 + own : width])
         later = {f.name: v for f, v in zip(_later_fields(), obj[width:], strict=False)}
+        if isinstance(later.get("lowered"), list):  # msgpack gives lists: the field has tuples
+            later["lowered"] = tuple(
+                tuple(e) if isinstance(e, list) else e for e in later["lowered"]
+            )
         return cls(*values, resources=resources, **later)  # type: ignore[misc]
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (resources nested), e.g. for ``swarm-peer status --json``."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "resources"}
         out["resources"] = {f.name: getattr(self.resources, f.name) for f in fields(Resources)}
+        out["lowered"] = [list(e) for e in self.lowered]
         return out
 
 
@@ -160,6 +172,17 @@ def _word(value: Any, name: str, allowed: tuple[str, ...] = ()) -> None:
     _text(value, name, MAX_WORD_CHARS)
     if allowed and value not in allowed:
         raise ConfigError(f"progress field {name} must be one of {', '.join(allowed)}")
+
+
+def _lowered(value: Any) -> None:
+    if not isinstance(value, tuple) or len(value) > MAX_LOWERED:
+        raise ConfigError(f"progress field lowered must hold <= {MAX_LOWERED} entries")
+    for entry in value:
+        if not isinstance(entry, tuple) or len(entry) != 3:
+            raise ConfigError("progress field lowered must hold [peer, weight, why] entries")
+        _word(entry[0], "lowered")
+        _number(entry[1], "lowered", 0.0, 1.0)
+        _text(entry[2], "lowered", MAX_REASON_CHARS)
 
 
 def _count(value: Any, name: str, limit: int) -> None:

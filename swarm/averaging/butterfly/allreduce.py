@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.outcome import OwnedPart, SentPart
 from swarm.averaging.butterfly.owner import PartOwner
 from swarm.averaging.butterfly.parts import PartPlan
+from swarm.averaging.butterfly.scoring import PartScores
 from swarm.averaging.butterfly.sender import PartSender
 from swarm.averaging.groups.rates import stream_upload_rate
 from swarm.averaging.result import Refusal, RefusalAction
@@ -44,7 +45,7 @@ class RoundParts:
     refusals: tuple[Refusal, ...]  # peers clipped, capped, dropped, refused or accused
     bytes_sent: int
     bytes_received: int
-    scores: dict[int, tuple[float, str]] = field(default_factory=dict)  # sender -> its score
+    scores: PartScores | None = None  # the alignments in this member's part
 
 
 class AllReduce:
@@ -113,7 +114,7 @@ class AllReduce:
         await self.workers.drain()
         parts: dict[int, tuple[int, ...]] = {}
         refusals: list[Refusal] = []
-        scores: dict[int, tuple[float, str]] = {}
+        scores: PartScores | None = None
         notes = ["a part did not finish by the all-reduce deadline"] if pending else []
         for task in done:
             outcome = task.result()

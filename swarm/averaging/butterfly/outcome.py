@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from swarm.averaging.butterfly.scoring import PartScores
 from swarm.averaging.result import Refusal
 from swarm.errors import AuthError, AveragingError, CompressionError, TransportError
 
@@ -27,8 +28,7 @@ class OwnedPart:
     contributors: tuple[int, ...] | None  # member indices averaged (None: part not averaged)
     note: str  # what went wrong, or "" when nothing did
     refusals: tuple[Refusal, ...] = ()  # senders clipped, capped, dropped or refused
-    # in an update round: sender -> (its score in [0, 1], why), see butterfly.scoring
-    scores: dict[int, tuple[float, str]] = field(default_factory=dict)
+    scores: PartScores | None = None  # in an update round, see butterfly.scoring
 
 
 @dataclass(frozen=True)

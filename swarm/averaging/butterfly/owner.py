@@ -26,7 +26,7 @@ from swarm.averaging.butterfly.intake import PartIntake
 from swarm.averaging.butterfly.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
 from swarm.averaging.butterfly.reducer import PartReducer
 from swarm.averaging.butterfly.replies import PartReplies
-from swarm.averaging.butterfly.scoring import part_scores
+from swarm.averaging.butterfly.scoring import PartScores, part_scores
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
@@ -158,11 +158,11 @@ class PartOwner:
         self.intake.new_attempt()
         self.replies.new_attempt()
 
-    def _scores(self, contributors: tuple[int, ...]) -> dict[int, tuple[float, str]]:
+    def _scores(self, contributors: tuple[int, ...]) -> PartScores | None:
         """In an update round, each complete sender's score (see butterfly.scoring)."""
         alignment = self.reducer.alignment
         if alignment is None:
-            return {}
+            return None
         cosines = alignment.cosines({-1, *contributors})
         if -1 in cosines:
             cosines[self.me] = cosines.pop(-1)

@@ -32,8 +32,11 @@ MAX_CHUNK_ELEMS = 4 << 20  # sparse codecs would otherwise make single huge chun
 CHUNK_ALIGN = 4096  # a multiple of every codec's block size, so chunks quantize like the whole
 
 
-def split_parts(numel: int, bandwidths: Sequence[float]) -> tuple[tuple[int, int], ...]:
-    """Contiguous ``(start, end)`` ranges, one per member, proportional to ``bandwidths``.
+def split_parts(
+    numel: int, bandwidths: Sequence[float], first: int = 0
+) -> tuple[tuple[int, int], ...]:
+    """Contiguous ``(start, end)`` ranges, one per member, proportional to ``bandwidths``, laid
+    out from member ``first`` on (``first`` owns the vector's start, then ``first + 1``, ...).
 
     Largest-remainder rounding, so the sizes sum to ``numel`` exactly and each differs from its
     ideal share by less than one element. When every bandwidth is 0 the split is equal (somebody
@@ -63,10 +66,11 @@ def split_parts(numel: int, bandwidths: Sequence[float]) -> tuple[tuple[int, int
     )
     for i in order[:short]:
         sizes[i] += 1
-    ranges, start = [], 0
-    for size in sizes:
-        ranges.append((start, start + size))
-        start += size
+    ranges, start = [(0, 0)] * len(sizes), 0
+    for k in range(len(sizes)):
+        i = (first + k) % len(sizes)
+        ranges[i] = (start, start + sizes[i])
+        start += sizes[i]
     return tuple(ranges)
 
 
@@ -181,14 +185,15 @@ class PartPlan:
         bandwidths: Sequence[float],
         chunk_elems: int,
         max_share: float | None = None,
+        first: int = 0,
     ) -> PartPlan:
-        """The plan for ``bandwidths``; with ``max_share``, no member owns more than
-        ``max_share / n`` of the vector (:func:`cap_shares`)."""
+        """The plan for ``bandwidths``, laid out from member ``first`` on; with ``max_share``,
+        no member owns more than ``max_share / n`` of the vector (:func:`cap_shares`)."""
         if chunk_elems < 1:
             raise AveragingError("chunk_elems must be >= 1")
         if max_share is not None:
             bandwidths = cap_shares(bandwidths, max_share)
-        return cls(numel, split_parts(numel, bandwidths), chunk_elems)
+        return cls(numel, split_parts(numel, bandwidths, first), chunk_elems)
 
     def __len__(self) -> int:
         return len(self.ranges)

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.averaging.butterfly.robust import ClipResult, cap_weights, centered_clip
-from swarm.averaging.butterfly.scoring import PartAlignment, chunk_factors
+from swarm.averaging.butterfly.robust import cap_weights, centered_clip
+from swarm.averaging.butterfly.scoring import PartAlignment
 from swarm.compression import decode_into, read_header
 from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError
@@ -208,7 +208,7 @@ class PartReducer:
             if self.alignment is None:
                 clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
             else:
-                clip = self._scored_clip(rows, weights)
+                clip = centered_clip(rows, weights, overwrite=True, score=True)
             out.copy_(clip.center)
             self._release_rows(index)
         if self.observe_radius is not None and clip.radius > 0:
@@ -224,19 +224,6 @@ class PartReducer:
             if w < t:
                 self.capped[sender] = self._senders[sender].weight
         return out
-
-    @staticmethod
-    def _scored_clip(rows: torch.Tensor, weights: list[float]) -> ClipResult:
-        """CenteredClip of an update chunk; again with each weight times the row's score when
-        a row points away from the others (see butterfly.scoring)."""
-        clip = centered_clip(rows, weights, score=True)
-        if not clip.dots:
-            return clip
-        factors = chunk_factors(clip.dots, clip.norms2, clip.center_norm2)
-        if min(factors[1:]) >= 1.0:
-            return clip
-        scored = [weights[0], *(w * f for w, f in zip(weights[1:], factors[1:], strict=True))]
-        return centered_clip(rows, scored, overwrite=True, score=True)
 
     def restart(self) -> tuple[int, ...]:
         """Reset to the owner's values for a new attempt with the complete senders only.

@@ -6,7 +6,9 @@ kept over the flat vector instead and indexed by absolute position:
 
 - the *sender* residual covers the whole vector (each chunk a peer sends to an owner);
 - the *owner* residual covers the part this peer owned last (the averaged part it sends back);
-  it is reset when the owned range changes, since it belongs to a range, not to a peer.
+  it is reset when the owned range changes, since it belongs to a range, not to a peer. With
+  ``turning`` (the part layout turns with every group, as update scoring wants) it covers the
+  whole vector instead, so what a range's owner left out waits until this peer owns it again.
 
 Lossless codecs (``none``) keep no residual. The owner applies to its own part exactly what it
 sends (``D(C(avg + r))``), so every member ends the round with the same values.
@@ -28,14 +30,18 @@ class FlatFeedback:
     """Residuals for encoding slices of one flat float32 vector of ``numel`` elements, kept on
     the vector's ``device``."""
 
-    def __init__(self, codec: Codec, numel: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self, codec: Codec, numel: int, device: torch.device | str = "cpu", turning: bool = False
+    ):
         self.codec = codec
+        self.turning = turning
         self.numel = numel
         self.device = torch.device(device)
         self.enabled = codec.name not in LOSSLESS
         self._sender: torch.Tensor | None = None
         self._owner: torch.Tensor | None = None
         self._owner_range: tuple[int, int] = (0, 0)
+        self._whole: torch.Tensor | None = None  # the owner residual of a turning layout
 
     def encode(self, values: torch.Tensor, start: int) -> bytes:
         """Encode a sender chunk ``values`` (= flat[start:start+n]) with its residual."""
@@ -50,7 +56,11 @@ class FlatFeedback:
         """Select the owner residual of the range about to be owned (reset if it moved)."""
         if not self.enabled:
             return
-        if (start, end) != self._owner_range or self._owner is None:
+        if self.turning:
+            if self._whole is None:
+                self._whole = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self._owner, self._owner_range = self._whole[start:end], (start, end)
+        elif (start, end) != self._owner_range or self._owner is None:
             self._owner = torch.zeros(end - start, dtype=torch.float32, device=self.device)
             self._owner_range = (start, end)
 

@@ -32,7 +32,7 @@ from swarm.averaging.butterfly.parts import (
 from swarm.averaging.butterfly.repair import Repair
 from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.averaging.butterfly.rounds import RoundRegistry
-from swarm.averaging.butterfly.scoring import LOWERED_BELOW, Reputation
+from swarm.averaging.butterfly.scoring import LOWERED_BELOW, PartScores, Reputation
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
@@ -207,20 +207,29 @@ class ButterflyRunner:
         if chunk_elems is None:
             chunk_elems = chunk_elems_for(codec, chunk_bytes)
             self._chunk_elems[(codec.spec, chunk_bytes)] = chunk_elems
-        return PartPlan.create(numel, bandwidths, chunk_elems, self.config.max_share)
+        # with update scoring the layout turns with every group, so that each member's part
+        # covers a different slice of the model from round to round: an owner's record of a
+        # member then measures its whole update over time, not always the same layer
+        first = 0
+        if self.config.score_updates:
+            first = int.from_bytes(group.group_id[:4], "big") % len(group.members)
+        return PartPlan.create(numel, bandwidths, chunk_elems, self.config.max_share, first)
 
     def _trust_in(self, group: GroupInfo, me: int) -> dict[int, float]:
         return {i: self.reputation.trust(m.peer_id) for i, m in enumerate(group.members) if i != me}
 
-    def _file_scores(self, group: GroupInfo, scores: dict[int, tuple[float, str]]) -> list[Refusal]:
-        """File this round's scores in the record; the members whose record is now low."""
+    def _file_scores(self, group: GroupInfo, scores: PartScores | None) -> list[Refusal]:
+        """File this round's alignments in the record; the members whose record is now low."""
+        if scores is None:
+            return []
+        peers = {i: m.peer_id for i, m in enumerate(group.members)}
         lowered = []
-        for i, (score, why) in sorted(scores.items()):
-            peer = group.members[i].peer_id
-            standing = self.reputation.observe(peer, score, why)
+        for i, standing in self.reputation.observe(scores, peers).items():
             if standing.trust < LOWERED_BELOW:
-                text = f"weight x{standing.trust:.2f} after {standing.rounds} scored rounds ({why})"
-                lowered.append(Refusal(peer, RefusalAction.DOWNWEIGHTED, i, text))
+                text = f"weight x{standing.trust:.2f} after {standing.rounds} scored rounds"
+                lowered.append(
+                    Refusal(peers[i], RefusalAction.DOWNWEIGHTED, i, f"{text} ({standing.why})")
+                )
         return lowered
 
     def _excluded_in(self, group: GroupInfo) -> frozenset[int]:
@@ -299,7 +308,8 @@ class ButterflyRunner:
         codec = codec if codec is not None else self.codec
         fb = self.feedbacks.get(kind)
         if fb is None or fb.numel != numel or fb.device != device or fb.codec.spec != codec.spec:
-            fb = self.feedbacks[kind] = FlatFeedback(codec, numel, device)
+            turning = self.config.score_updates
+            fb = self.feedbacks[kind] = FlatFeedback(codec, numel, device, turning)
             if kind.saved and kind.fragment in self.saved_feedback:
                 fb.load_state_dict(self.saved_feedback[kind.fragment])
         return fb
@@ -324,7 +334,11 @@ class ButterflyRunner:
         if sender == round_.me:
             raise AuthError("a member does not stream to itself")
         if request.sender.peer_id in self.excluded:
-            raise AuthError(f"{request.sender.peer_id.short} is excluded: it was accused")
+            # 403, not 401: the sender learns that this member sends nothing to its part either
+            # (and stops waiting for it) rather than that its credentials failed
+            raise TransportError(
+                f"{request.sender.peer_id.short} is excluded: it was accused", status=403
+            )
         await round_.serve(request, reply, sender, header)
 
 

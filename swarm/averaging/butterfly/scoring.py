@@ -8,25 +8,30 @@ attacks above do not. So, in rounds that average *updates* (pseudo-gradients, no
 
 - the owner of a part measures, over its whole part, each member's **alignment**: the cosine of
   its contribution with the part's robust mean (:class:`AlignmentSums`, from the same pass as the
-  clip). The owner's own alignment is measured too, for the group's median;
-- a member's **round score** is its alignment relative to the group's median alignment
-  (:func:`round_score`): 1.0 at or above half the median, falling linearly to 0 at an alignment
-  of 0 or below. Half the median is lenient on purpose: honest peers with unusual data (non-IID
-  shards) align less than the others but still point the same way; a zero update (a free rider),
-  an inverted one and a stale one do not;
-- within the round already, each chunk is reduced again with every weight times its score in
-  that chunk (:func:`chunk_factors`) when one scored below 1: an attacker's first round costs as
-  little as its later ones;
-- each peer keeps a **record** of the others (:class:`Reputation`): an exponential mean of their
-  round scores as *it* measured them (nobody else's word counts, so colluders cannot talk an
-  honest peer's record down), starting at :data:`NEW_TRUST` for a peer it has not scored yet.
-  The weight an owner gives a sender is its claimed weight times its record, so an attacker's
-  weight falls round after round (below half after two rounds scored 0).
+  clip), its own included;
+- each peer keeps a **record** of the others (:class:`Reputation`): a running mean of their
+  alignments as *it* measured them (nobody else's word counts, so colluders cannot talk an
+  honest peer's record down), and the running mean and spread of its *own* alignments;
+- the weight an owner gives a sender is its claimed weight times its **trust**
+  (:func:`trust_of`): full while its record lies within 2 spreads below the owner's own mean,
+  falling linearly to :data:`TRUST_FLOOR` at 4 spreads below.
 
-No verdict is final: a record recovers by the same rule as it falls. A newcomer starts trusted:
-a start below the owner's own weight would tilt every part of a young swarm toward its owner.
-The cost is that a fresh identity (free to make) is trusted for its first rounds, as long as it
-takes each peer to score it two or three times.
+Why a record: honest peers holding different data (non-IID shards) point away from the group's
+mean in some parts (with 8 peers holding 2 of 10 classes each, a quarter of their parts), by
+amounts that differ from scorer to scorer (the scorer's own data is part of the mean). Judged part
+by part they look like attackers; their running mean stays within two spreads, while an update
+turned around (IPM) or a zero one (a free rider) falls four spreads below within 3 to 7 scorings
+where honest peers agree closely. Why the scorer's own alignment rather than the group's median:
+two colluders in a group of four own its median and spread; the scorer's own alignment is honest
+by its own account. A scorer judges nobody before :data:`WARMUP_PARTS` of its own parts showed it
+how much they vary. With scoring the part layout turns with every group
+(``PartPlan.create(first=...)``), so that a scorer's part covers every layer over time.
+
+What such a rule cannot see is an attack that points where honest updates do (ALIE, a stale
+update, an update shrunk inside the radius): that is bounded by the clip instead, and measured in
+the README. No verdict is final: a record recovers by the same rule as it falls. A newcomer
+starts at the scorer's own mean (full weight): a lower start would tilt every part of a young
+swarm toward its owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
 """
 
 from __future__ import annotations
@@ -40,9 +45,13 @@ from dataclasses import dataclass
 from swarm.identity import PeerID
 
 NEW_TRUST = 1.0  # the record of a peer not scored yet
-TRUST_RATE = 0.3  # weight of one round's score in the record (about 3 rounds to move it)
+TRUST_RATE = 0.15  # weight of one part's alignment in a record's running mean
+REFERENCE_RATE = 0.1  # weight of one part in the running reference (the scorer's own)
 TRUST_FLOOR = 0.02  # no record falls below this: a score is evidence, not a ban
-HALF_MEDIAN = 0.5  # a member aligned at or above this share of the median scores 1
+TRUSTED_SPREADS = 2.0  # a record this many spreads below the scorer's keeps its full weight
+FLOOR_SPREADS = 4.0  # a record this many spreads below falls to TRUST_FLOOR
+MIN_SPREAD = 0.1  # never taken smaller: peers that agree closely are not judged on noise
+WARMUP_PARTS = 4  # a scorer judges nobody before it has seen this many of its own parts vary
 MIN_MEDIAN_ALIGNMENT = 0.05  # below this the group's updates share no direction: no scores
 LOWERED_BELOW = 0.5  # a record below this is reported with its reason each round
 
@@ -96,40 +105,22 @@ class PartAlignment:
             return {m: s.cosine(self._center_norm2) for m, s in self._sums.items() if m in members}
 
 
-def round_score(alignment: float, median: float) -> float:
-    """One member's score in one part: 1.0 at or above ``HALF_MEDIAN`` times the group's
-    ``median`` alignment, linearly down to 0 at an alignment of 0 or below."""
-    if not median > MIN_MEDIAN_ALIGNMENT:
-        return 1.0
-    return min(1.0, max(0.0, alignment / (HALF_MEDIAN * median)))
+@dataclass(frozen=True)
+class PartScores:
+    """The alignments an owner measured in its part in one update round."""
+
+    own: float  # the owner's own alignment
+    alignments: dict[int, float]  # sender index -> its alignment (the owner left out)
 
 
-def chunk_factors(
-    dots: tuple[float, ...], norms2: tuple[float, ...], center_norm2: float
-) -> list[float]:
-    """Per row of one clipped chunk, the factor on its weight for this chunk: its round score
-    there (1.0 for every row when fewer than 3 or no common direction)."""
-    sums = [AlignmentSums(d, n) for d, n in zip(dots, norms2, strict=True)]
-    cosines = [s.cosine(center_norm2) for s in sums]
-    if len(cosines) < 3:
-        return [1.0] * len(cosines)
-    median = statistics.median(cosines)
-    return [round_score(c, median) for c in cosines]
-
-
-def part_scores(alignments: Mapping[int, float], owner: int) -> dict[int, tuple[float, str]]:
-    """Every sender's score in a part with the group's ``alignments`` (the owner's own
-    included), each with why; empty when fewer than 3 aligned or no common direction."""
-    if len(alignments) < 3:
-        return {}
-    median = statistics.median(alignments.values())
-    if not median > MIN_MEDIAN_ALIGNMENT:
-        return {}
-    return {
-        m: (round_score(a, median), f"alignment {a:.2f} against the group's median {median:.2f}")
-        for m, a in alignments.items()
-        if m != owner
-    }
+def part_scores(alignments: Mapping[int, float], owner: int) -> PartScores | None:
+    """The senders' alignments in a part with the group's ``alignments`` (the owner's own
+    included); None when fewer than 3 aligned or the group shares no direction."""
+    if len(alignments) < 3 or owner not in alignments:
+        return None
+    if not statistics.median(alignments.values()) > MIN_MEDIAN_ALIGNMENT:
+        return None
+    return PartScores(alignments[owner], {m: a for m, a in alignments.items() if m != owner})
 
 
 @dataclass(frozen=True)
@@ -137,16 +128,20 @@ class Standing:
     """This peer's record of another."""
 
     trust: float  # the weight factor its contributions get
+    alignment: float  # the running mean of its alignments
     rounds: int  # rounds it was scored in
     why: str  # the last score's reason
 
 
 class Reputation:
-    """This peer's record of every peer whose updates it scored (in memory, per run)."""
+    """This peer's record of every peer whose updates it scored (in memory, per run), and of
+    its own alignments: the reference the others are judged against."""
 
     def __init__(self, limit: int = 4096):
         self._limit = limit
         self._records: dict[PeerID, Standing] = {}
+        # its own alignments: how many, and running means of them and of their squares
+        self._own_parts, self._own_sum, self._own_sum2 = 0, 0.0, 0.0
 
     def trust(self, peer: PeerID) -> float:
         s = self._records.get(peer)
@@ -155,16 +150,74 @@ class Reputation:
     def standing(self, peer: PeerID) -> Standing | None:
         return self._records.get(peer)
 
-    def observe(self, peer: PeerID, score: float, why: str) -> Standing:
-        """File one round's ``score`` (in [0, 1]) of ``peer``."""
-        old = self._records.pop(peer, None)
-        trust = NEW_TRUST if old is None else old.trust
-        trust = max(TRUST_FLOOR, (1 - TRUST_RATE) * trust + TRUST_RATE * score)
-        new = Standing(trust, (old.rounds if old else 0) + 1, why)
-        self._records[peer] = new  # re-inserted: the dict's order is least recently scored first
+    @property
+    def reference(self) -> tuple[float, float] | None:
+        """This peer's own alignment on average and how far one part's lies from it (at least
+        ``MIN_SPREAD``); None before ``WARMUP_PARTS`` of its own parts were scored."""
+        if self._own_parts < WARMUP_PARTS:
+            return None
+        mean, var = self._own_moments()
+        return mean, max(MIN_SPREAD, math.sqrt(var))
+
+    def _own_moments(self) -> tuple[float, float]:
+        """Running mean and variance of its own alignments, corrected for their zero start."""
+        done = 1 - (1 - REFERENCE_RATE) ** self._own_parts
+        mean = self._own_sum / done
+        return mean, max(0.0, self._own_sum2 / done - mean * mean)
+
+    def observe(self, scores: PartScores, peers: Mapping[int, PeerID]) -> dict[int, Standing]:
+        """File one part's alignments (sender index -> its peer in ``peers``); their new
+        records."""
+        r = REFERENCE_RATE
+        self._own_parts += 1
+        self._own_sum = (1 - r) * self._own_sum + r * scores.own
+        self._own_sum2 = (1 - r) * self._own_sum2 + r * scores.own * scores.own
+        reference = self.reference
+        ref = reference[0] if reference else self._own_moments()[0]
+        filed = {}
+        for i, a in sorted(scores.alignments.items()):
+            peer = peers[i]
+            old = self._records.pop(peer, None)
+            mean = ref if old is None else old.alignment  # a newcomer starts as an ordinary peer
+            mean = (1 - TRUST_RATE) * mean + TRUST_RATE * a
+            why = f"alignment {a:.2f}, {mean:.2f} on average; " + (
+                f"own {ref:.2f} +- {reference[1]:.2f}" if reference else "scorer warming up"
+            )
+            trust = trust_of(mean, *reference) if reference else NEW_TRUST
+            new = Standing(trust, mean, (old.rounds if old else 0) + 1, why)
+            self._records[peer] = new  # re-inserted: the dict's order is least recently scored
+            filed[i] = new
         while len(self._records) > self._limit:
             self._records.pop(next(iter(self._records)))
-        return new
+        return filed
 
     def snapshot(self) -> dict[PeerID, Standing]:
         return dict(self._records)
+
+    def lowered(self, limit: int) -> tuple[tuple[str, float, str], ...]:
+        """Up to ``limit`` peers held below :data:`LOWERED_BELOW`, lowest first: (short id,
+        trust, why), for the peer's published progress."""
+        if self.reference is None:
+            return ()
+        ref, spread = self.reference
+        low = sorted((s.trust, p.short, s.alignment) for p, s in self._records.items())
+        return tuple(
+            (
+                short,
+                round(trust, 4),
+                f"aligned {a:.2f} on average, others {ref:.2f} +- {spread:.2f}",
+            )
+            for trust, short, a in low[:limit]
+            if trust < LOWERED_BELOW
+        )
+
+
+def trust_of(alignment: float, reference: float, spread: float) -> float:
+    """The weight factor of a peer whose alignments average ``alignment`` where the scorer's own
+    average ``reference``, +- ``spread`` from part to part: 1 within ``TRUSTED_SPREADS`` spreads
+    below the reference, linearly down to ``TRUST_FLOOR`` at ``FLOOR_SPREADS``."""
+    spreads = (reference - alignment) / max(spread, MIN_SPREAD)
+    if spreads <= TRUSTED_SPREADS:
+        return 1.0
+    falls = (spreads - TRUSTED_SPREADS) / (FLOOR_SPREADS - TRUSTED_SPREADS)
+    return max(TRUST_FLOOR, 1.0 - falls)

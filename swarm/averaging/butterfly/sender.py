@@ -101,8 +101,10 @@ class PartSender:
         except (*FAILURES, asyncio.TimeoutError) as e:
             if isinstance(e, TransportError) and e.refused:
                 self.ctx.mark_gone(self.part)
-            elif isinstance(e, TransportError) and e.status == 404:
-                self.ctx.gone.add(self.part)  # the group is not the owner's: it will not send
+            elif isinstance(e, TransportError) and e.status in (403, 404):
+                # the group is not the owner's (404), or the owner excluded this member (403):
+                # either way it will not send to this member's part, so nobody waits for it
+                self.ctx.gone.add(self.part)
             elif not isinstance(e, asyncio.TimeoutError):
                 self.ctx.suspect(self.part, now=True)  # the owner may have died mid-round
             reason = str(e) or type(e).__name__
