@@ -148,13 +148,12 @@ class AveragingConfig:
             its own values compared with the other parts (:mod:`swarm.averaging.butterfly.checks`),
             accuses its owner in the round report and excludes it from its later rounds.
         score_updates: in rounds that average updates (DiLoCo pseudo-gradients, gradients), the
-            owner of a part measures each sender's alignment with the part's robust mean, keeps
-            a record of every peer it scored, and weighs a sender by how far its record lies
-            below the owner's own alignment (:mod:`swarm.averaging.butterfly.scoring`): updates
-            that keep pointing away (IPM, a turned-around update, a free rider's zero) lose their
-            weight within a few rounds. ``centered_clip`` only. Off by default: measured on
-            equal peers, with like and with unlike data (README, "Slow poison"), not yet on
-            peers of unequal speed.
+            owner of a part weighs each sender by how far its running alignment with the part's
+            robust mean lies below the owner's own (:mod:`swarm.averaging.butterfly.scoring`):
+            updates that keep pointing away (IPM, a free rider's zero) lose their weight within
+            a few rounds. ``centered_clip`` only. It turns the part layout with every group, so
+            peers with and without it never group. Off by default: measured on equal peers,
+            with like and unlike data (README, "Slow poison"), not yet on peers of unequal speed.
     """
 
     codec: str = "int8"

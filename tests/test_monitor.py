@@ -281,24 +281,27 @@ def test_status_table_has_a_row_per_peer_and_totals() -> None:
 
 
 def test_status_shows_whose_weight_other_peers_lowered_and_why() -> None:
-    why = "aligned -0.61 on average, others 0.70 +- 0.10"
+    why = "aligned -0.61 on average, own 0.70 +- 0.10"
     rows = [
         {"short": "aaaaaaaaaa", "lowered": [["cccccccccc", 0.02, why], ["aaaaaaaaaa", 0.0, "x"]]},
         {"short": "bbbbbbbbbb", "lowered": [["cccccccccc", 0.3, why], ["zzzzzzzzzz", 0.1, "x"]]},
         {"short": "cccccccccc", "lowered": [["aaaaaaaaaa", 0.01, "a liar's word"]]},
+        {"short": "dddddddddd", "lowered": []},
+        {"short": "eeeeeeeeee", "lowered": []},
     ]
+    for r in rows:
+        r["role"] = "trainer"
     add_weight_views(rows)
-    a, b, c = rows
-    assert c["weight"] == pytest.approx(0.16) and [v["by"] for v in c["lowered_by"]] == [
-        "aaaaaaaaaa",
-        "bbbbbbbbbb",
-    ]
+    a, b, c, *_ = rows
+    assert [v["by"] for v in c["lowered_by"]] == ["aaaaaaaaaa", "bbbbbbbbbb"]
+    # the median over the 4 other trainers' views, 1.0 where one did not name it
+    assert c["weight"] == pytest.approx(0.65)
     assert b["weight"] is None and b["lowered_by"] == []  # nobody lowered it; unknown ids dropped
-    assert a["weight"] == 0.01  # one peer's word is shown as such: x0.01/1
+    assert a["weight"] == 1.0  # one liar among four views does not move it
     for r in rows:
         r.update(peer=r["short"] * 5, address="127.0.0.1:1", device="cpu", last_seen_s=1.0)
     text = format_table({"run_id": "r", "peers": rows, "totals": totals(rows)})
-    assert "x0.16/2" in text and "x0.01/1" in text
+    assert "x0.65/2" in text and "x1.00/1" in text
     assert f"cccccccccc: weight x0.02 in aaaaaaaaaa's view: {why}" in text
 
 
@@ -394,7 +397,8 @@ async def test_dashboard_in_headless_chromium(tmp_path: Path, monkeypatch) -> No
             m = re.search(r'<svg id="weight-chart" data-points="(\d+)"', dom)
             assert m and int(m.group(1)) >= 3, dom[:3000]
             assert dom.count('class="lowered-row"') == 1 and f"<td>{victim}</td>" in dom
-            assert "x0.04/1" in dom and "&lt;b&gt;aligned" in dom and "<b>aligned" not in dom
+            # the median of its 2 other views: 0.04 from the one that lowered it, 1.0 from the other
+            assert "x0.52/1" in dom and "&lt;b&gt;aligned" in dom and "<b>aligned" not in dom
 
             shot = tmp_path / "dashboard.png"
             await browse(url, f"--screenshot={shot}")

@@ -8,8 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from poison_run import data as poison_data
+from poison_run import model as poison_model
 from poison_run import run
+from torch import nn
 
+from swarm.api import AsyncSwarm
 from swarm.averaging import Fault
 from swarm.averaging.butterfly.robust import centered_clip
 from swarm.averaging.butterfly.scoring import (
@@ -243,6 +247,51 @@ def test_colluders_cannot_get_an_honest_peer_excluded() -> None:
     # accusers until the stall limit: they say so)
     assert got["victim_averaged"] >= 0.8 * got["others_averaged"], got
     assert got["victim_slandered"], got  # the colluders did accuse and down-score it
+
+
+def test_peers_with_and_without_scoring_never_group() -> None:
+    """Scoring turns the part layout with every group: a peer without it would cut the vector
+    differently, and honest members would refuse each other's parts. They never group."""
+
+    async def mixed() -> list[bool]:
+        swarms, averaged = [], []
+        try:
+            for flag in (True, False, True):
+                m = poison_model()
+                swarms.append(
+                    await AsyncSwarm.create(
+                        m,
+                        torch.optim.Adam(m.parameters(), lr=1e-3),
+                        run_id="mixed-scoring",
+                        initial_peers=[swarms[0].address] if swarms else [],
+                        listen="127.0.0.1:0",
+                        inner_steps=2,
+                        matchmaking_timeout_s=2.0,
+                        heartbeat_s=1.0,
+                        score_updates=flag,
+                    )
+                )
+            await asyncio.sleep(2.0)
+
+            async def train(swarm: AsyncSwarm) -> None:
+                g = torch.Generator().manual_seed(0)
+                while swarm.round < 3:
+                    x, y = poison_data(32, g)
+                    nn.functional.cross_entropy(swarm.model(x), y).backward()
+                    report = await swarm.step(samples=32)
+                    swarm.optimizer.zero_grad()
+                    if report.round_due:
+                        averaged.append((swarm is swarms[1], report.group_size))
+
+            await asyncio.gather(*(train(s) for s in swarms))
+        finally:
+            for swarm in swarms:
+                await swarm.close()
+        return averaged
+
+    got = asyncio.run(mixed())
+    assert all(size in (0, 1) for plain, size in got if plain), got  # it averaged with nobody
+    assert any(size == 2 for plain, size in got if not plain), got  # the two scoring peers did
 
 
 def test_attackers_attack_whether_or_not_the_victims_score() -> None:

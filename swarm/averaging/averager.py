@@ -205,6 +205,8 @@ class Averager:
                 return RoundResult(False, planned.idle, matchmaking_s=time.monotonic() - started)
             # peers that would cut the vector differently never group
             spec = f"{round_codec.spec}|share={self.config.max_share:g}"
+            if self.config.score_updates:
+                spec += "|turned"  # its part layout turns with every group (butterfly.scoring)
             if purpose:
                 spec += f"|for={purpose}"
             if fragment:

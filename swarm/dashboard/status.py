@@ -128,9 +128,10 @@ def peer_row(record: PeerRecord) -> dict[str, Any]:
 
 def add_weight_views(rows: list[dict[str, Any]]) -> None:
     """Set each row's ``lowered_by`` (the other peers that published it among the peers whose
-    weight they lowered, each with the weight and why) and ``weight`` (the median of those
-    weights, None when nobody lowered it). Peers name each other by short id; a peer may only
-    speak for itself, so a row naming itself is left out."""
+    weight they lowered, each with the weight and why) and ``weight``: the median over every
+    other trainer's view, 1.0 where a trainer did not name it (None when nobody did), so that
+    one peer's word cannot set it. Peers name each other by short id; a peer may only speak for
+    itself, so a row naming itself is left out."""
     by_short = {r["short"]: r for r in rows}
     for r in rows:
         r["lowered_by"], r["weight"] = [], None
@@ -139,9 +140,12 @@ def add_weight_views(rows: list[dict[str, Any]]) -> None:
             target = by_short.get(short)
             if target is not None and target is not r:
                 target["lowered_by"].append({"by": r["short"], "weight": weight, "why": why})
+    trainers = sum(r.get("role") == "trainer" for r in rows)
     for r in rows:
         if r["lowered_by"]:
-            r["weight"] = statistics.median(v["weight"] for v in r["lowered_by"])
+            others = max(trainers - (r.get("role") == "trainer"), len(r["lowered_by"]))
+            views = [v["weight"] for v in r["lowered_by"]]
+            r["weight"] = statistics.median(views + [1.0] * (others - len(views)))
 
 
 def totals(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -234,7 +238,8 @@ def _duration(value: Any) -> str:
 
 
 def _weight(row: dict[str, Any]) -> str:
-    """``x0.05/3``: the median weight factor among the 3 peers that lowered it; ``-``: none."""
+    """``x0.05/3``: the median weight factor over the others' views, 3 of which lowered it;
+    ``-``: none did."""
     views = row.get("lowered_by")
     return f"x{row['weight']:.2f}/{len(views)}" if views else "-"
 

@@ -205,7 +205,7 @@ class Reputation:
             (
                 short,
                 round(trust, 4),
-                f"aligned {a:.2f} on average, others {ref:.2f} +- {spread:.2f}",
+                f"aligned {a:.2f} on average, own {ref:.2f} +- {spread:.2f}",
             )
             for trust, short, a in low[:limit]
             if trust < LOWERED_BELOW
