@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from swarm.compression.spec import CodecSpec
 from swarm.errors import ConfigError
 from swarm.options import SECTION, build_tree
 from swarm.peer_config import DEFAULT_BANDWIDTH, DEFAULT_LISTEN, PeerConfig
+from swarm.round_schedule import parse_inner_steps
 
 __all__ = [
     "AGGREGATORS",
@@ -253,7 +254,9 @@ class SwarmConfig:
             its rounds' time and picks the steps so that a round hides behind them (overlapped)
             or costs at most 5% of the time (blocking), within ``min_inner_steps`` and
             ``max_inner_steps`` (see :mod:`swarm.training.cadence`); every step report and the
-            status table show the value in use.
+            status table show the value in use. A duration such as ``"30s"``: rounds fall due
+            on the wall clock, at the same instants for every peer, so peers of unequal speed
+            arrive together, each with the steps it managed (the choice for mixed hardware).
         min_inner_steps, max_inner_steps: the range ``"auto"`` picks from (ignored otherwise).
         outer_lr: outer learning rate (DiLoCo's 0.7 works for most models).
         outer_momentum: outer Nesterov momentum (DiLoCo: 0.9). A round with ``k`` peers uses at
@@ -307,7 +310,7 @@ class SwarmConfig:
     peer: PeerConfig = field(default_factory=PeerConfig, metadata=SECTION)
     averaging: AveragingConfig = field(default_factory=AveragingConfig, metadata=SECTION)
     mode: Mode | str = Mode.DILOCO
-    inner_steps: int | Literal["auto"] = 100
+    inner_steps: int | str = 100
     min_inner_steps: int = 10
     max_inner_steps: int = 500
     outer_lr: float = 0.7
@@ -332,30 +335,11 @@ class SwarmConfig:
             raise ConfigError(f"mode {self.mode!r}: use one of {', '.join(TRAINING_MODES)}")
         mode = Mode(self.mode)
         object.__setattr__(self, "mode", mode)
-        if isinstance(self.inner_steps, str) and self.inner_steps.strip().isdigit():
-            object.__setattr__(self, "inner_steps", int(self.inner_steps))
-        if self.inner_steps == "auto":
-            if not isinstance(self.min_inner_steps, int) or not isinstance(
-                self.max_inner_steps, int
-            ):
-                raise ConfigError("min_inner_steps and max_inner_steps must be integers")
-            if not 1 <= self.min_inner_steps <= self.max_inner_steps:
-                raise ConfigError("need 1 <= min_inner_steps <= max_inner_steps")
-            if self.max_inner_steps < self.fragments:
-                raise ConfigError("max_inner_steps must be at least fragments")
         if mode.averages_gradients:
             object.__setattr__(self, "inner_steps", 1)
             if self.averaging.gather_window_s is None:
                 lockstep = dataclasses.replace(self.averaging, gather_window_s=LOCKSTEP_GATHER_S)
                 object.__setattr__(self, "averaging", lockstep)
-        if self.inner_steps != "auto" and (
-            isinstance(self.inner_steps, bool)
-            or not isinstance(self.inner_steps, int)
-            or self.inner_steps < 1
-        ):
-            raise ConfigError(
-                f"inner_steps must be an integer >= 1 or 'auto', not {self.inner_steps!r}"
-            )
         if not self.outer_lr > 0:
             raise ConfigError("outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
@@ -399,11 +383,13 @@ class SwarmConfig:
                 f"fragments stagger DiLoCo's outer rounds, which only mode='diloco' has; "
                 f"{mode.value} averages the whole model"
             )
-        if self.inner_steps != "auto" and self.inner_steps % self.fragments:
-            raise ConfigError(
-                f"inner_steps ({self.inner_steps}) must be a multiple of fragments "
-                f"({self.fragments}): a fragment's round comes every inner_steps / fragments steps"
+        try:
+            steps = parse_inner_steps(
+                self.inner_steps, self.fragments, self.min_inner_steps, self.max_inner_steps
             )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        object.__setattr__(self, "inner_steps", steps)
 
     @classmethod
     def build(cls, **options: Any) -> SwarmConfig:
@@ -445,5 +431,5 @@ class SwarmConfig:
     def round_interval(self) -> int:
         """Local steps between two rounds: ``inner_steps / fragments`` (with ``"auto"``, before
         anything was measured: from ``min_inner_steps``)."""
-        steps = self.min_inner_steps if self.inner_steps == "auto" else int(self.inner_steps)
+        steps = self.inner_steps if isinstance(self.inner_steps, int) else self.min_inner_steps
         return max(1, steps // self.fragments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -99,3 +100,44 @@ def test_an_engine_with_auto_steps_fits_them_and_reports_them() -> None:
     assert rounds[0].inner_steps > 2  # fitted after the first round
     assert reports[-1].inner_steps == 40
     assert sum(r.round_due for r in reports[-40:]) <= 2  # rounds now come every 40 steps
+
+
+def test_rounds_on_the_wall_clock_fall_due_at_the_same_instants_for_fast_and_slow_peers() -> None:
+    """inner_steps="30s": due at the first step after each multiple of 30 s, whatever the speed;
+    the steps a round took are what inner_steps then reports."""
+    fast, slow = Cadence(None, period_s=30.0), Cadence(None, period_s=30.0)
+    due_at: dict[str, list[float]] = {"fast": [], "slow": []}
+    for name, cadence, step_s in (("fast", fast, 0.5), ("slow", slow, 2.0)):
+        steps, now = 0, 1000.0 + step_s  # the first step ends 5 s before a boundary (1005)
+        while now < 1100.0:
+            steps += 1
+            if cadence.due(steps, now=now):
+                due_at[name].append(now)
+                steps = 0
+            now += step_s
+    assert [math.floor(t / 30) for t in due_at["fast"]] == [34, 35, 36]
+    assert [math.floor(t / 30) for t in due_at["slow"]] == [34, 35, 36]
+    assert all(t - 30 * math.floor(t / 30) < 2.0 for t in due_at["fast"] + due_at["slow"])
+    assert fast.inner_steps == 60 and slow.inner_steps == 15
+    assert fast.interval > 10**9  # no step count ever ends a round on the clock
+
+
+def test_a_clock_round_needs_a_step_and_fragments_split_the_period() -> None:
+    cadence = Cadence(None, fragments=3, period_s=30.0)
+    assert not cadence.due(1, now=1.0)  # the first boundary is the next one (10 s)
+    assert not cadence.due(0, now=10.5)  # no step taken in this round yet
+    assert cadence.due(1, now=10.6)
+    assert not cadence.due(5, now=19.9) and cadence.due(6, now=20.0)
+    assert cadence.inner_steps == 18  # 6 steps per fragment round, 3 fragments
+
+
+@pytest.mark.parametrize("text", ["30s", "0.5s", " 2 s", "12", "auto"])
+def test_inner_steps_takes_counts_auto_and_durations(text: str) -> None:
+    config = SwarmConfig.build(inner_steps=text)
+    assert config.inner_steps == (int(text) if text.isdigit() else text.replace(" ", ""))
+
+
+@pytest.mark.parametrize("text", ["0s", "-3s", "s", "30m", "1e3s", "many", "0"])
+def test_inner_steps_refuses_what_is_no_count_or_duration(text: str) -> None:
+    with pytest.raises(ConfigError, match="inner_steps"):
+        SwarmConfig.build(inner_steps=text)

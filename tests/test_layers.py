@@ -19,6 +19,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "hosts",
         "options",
         "refusal_log",
+        "round_schedule",
     ),  # import nothing of swarm but errors
     2: ("identity",),
     3: ("auth",),

@@ -15,11 +15,19 @@ moves it all the way. The choice stays within ``[min_inner_steps, max_inner_step
 outer optimizer is stable for tens to hundreds of inner steps; far more lets the peers drift
 apart between rounds) and is a multiple of ``fragments``. It changes only when a round ends, and
 peers with different choices still average together: rounds weigh peers by their samples.
+
+``inner_steps="30s"`` (a duration) puts rounds on the wall clock instead: a round falls due at
+the first step after every multiple of 30 s since the Unix epoch, the same instants for every
+peer whatever its speed (clocks set by NTP agree far closer than a step). A peer four times
+slower then arrives with a quarter of the steps, weighed by its samples, instead of making the
+fast peers' groups wait for it (or leaving them without it) every round. With ``fragments`` F a
+fragment's round falls due every ``30 / F`` s.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 HIDE_MARGIN = 1.5  # overlapped: the inner steps cover this many round times
@@ -29,7 +37,8 @@ ROUND_EMA = 0.3  # weight of the latest round time
 
 
 class Cadence:
-    """Steps between rounds (``interval``): fixed, or fitted to measured step and round times.
+    """Steps between rounds (``interval``): fixed, fitted to measured step and round times, or
+    set by the wall clock (``period_s``: see the module docstring).
 
     Args:
         inner_steps: steps per whole-model round, or ``None`` to fit them (``"auto"``).
@@ -37,6 +46,8 @@ class Cadence:
         lowest, highest: the range ``inner_steps`` is fitted in.
         overlapped: rounds run behind the next steps (else they block the step).
         start: ``inner_steps`` before anything was measured.
+        period_s: seconds between whole-model rounds on the wall clock (``inner_steps`` is then
+            only reported: the steps the last round took).
     """
 
     def __init__(
@@ -48,8 +59,11 @@ class Cadence:
         highest: int = 1,
         overlapped: bool = True,
         start: int = 1,
+        period_s: float | None = None,
     ):
-        self.fixed = inner_steps is not None
+        self.period_s = period_s
+        self.fixed = inner_steps is not None or period_s is not None
+        self._next_due: float | None = None  # wall-clock time of the next round (period_s)
         self.fragments = fragments
         self.lowest, self.highest = lowest, highest
         self.overlapped = overlapped
@@ -60,8 +74,22 @@ class Cadence:
 
     @property
     def interval(self) -> int:
-        """Local steps between two rounds."""
-        return self.inner_steps // self.fragments
+        """Local steps between two rounds (on the wall clock: no number of steps)."""
+        return sys.maxsize if self.period_s is not None else self.inner_steps // self.fragments
+
+    def due(self, steps_in_round: int, now: float | None = None) -> bool:
+        """Whether the step just taken (the ``steps_in_round``-th of this round) ends a round."""
+        if self.period_s is None:
+            return steps_in_round >= self.interval
+        now = time.time() if now is None else now
+        slot = self.period_s / self.fragments
+        if self._next_due is None:  # the first round: the next boundary, not this one
+            self._next_due = (math.floor(now / slot) + 1) * slot
+        if steps_in_round < 1 or now < self._next_due:
+            return False
+        self._next_due = (math.floor(now / slot) + 1) * slot
+        self.inner_steps = steps_in_round * self.fragments
+        return True
 
     def step(self, waited_total: float, now: float | None = None) -> None:
         """Note a step; ``waited_total`` is every second the peer has waited on the swarm."""

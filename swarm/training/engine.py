@@ -33,6 +33,7 @@ import torch
 
 from swarm.config import Mode, SwarmConfig
 from swarm.errors import TrainingError
+from swarm.round_schedule import round_period
 from swarm.training.cadence import Cadence
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.fragments import split
@@ -96,13 +97,15 @@ class TrainingEngine(PersistentState):
         self.samples_in_round = 0.0
         self.samples_seen = 0.0  # all samples trained on, for the published samples/s
         self.utilization = Utilization()
+        period = round_period(config.inner_steps)
         self.cadence = Cadence(
-            None if config.auto_inner_steps else int(config.inner_steps),
+            None if config.auto_inner_steps or period else int(config.inner_steps),
             fragments=config.fragments,
             lowest=config.min_inner_steps,
             highest=config.max_inner_steps,
             overlapped=bool(config.overlap),
             start=config.min_inner_steps,
+            period_s=period,
         )
         # Held while the model/anchor change, so a snapshot for a joiner is never torn.
         self.lock = threading.Lock()
@@ -183,7 +186,7 @@ class TrainingEngine(PersistentState):
         self.steps_in_round += 1
         self.samples_in_round += 1.0 if samples is None else float(samples)
         self.samples_seen += 1.0 if samples is None else float(samples)
-        return self.steps_in_round >= self.cadence.interval
+        return self.cadence.due(self.steps_in_round)
 
     @property
     def fragment(self) -> int:
