@@ -134,15 +134,16 @@ def test_lone_peer_takes_part() -> None:
     near = plan_groups(view, 0, CONFIG)
     assert len(near.regions) == 2
     _check_partition(near, view)  # never a group of one
-    assert near.idle == (lone,) and near.key_of(lone) is None  # no slow near group for it
+    # it averages with the nearest region every round rather than sitting out three of four
+    assert not near.idle and len(near.groups[near.key_of(lone)]) >= 2
     cross = plan_groups(view, 2, CONFIG)
     assert len(cross.groups[cross.key_of(lone)]) >= 2
 
 
 def test_a_peer_at_the_edge_of_a_region_joins_it() -> None:
     """Complete linkage leaves a peer alone when it is near one end of a region and past the
-    diameter from the other; in a near round it joins the region of its nearest peer (within
-    region_rtt) instead of sitting out, while a peer far from everyone still sits out."""
+    diameter from the other; in a near round it joins the region of its nearest peer instead
+    of sitting out, and so does a peer far from everyone."""
     line = {_peer(i): Coordinate((0.0025 * i, 0.0), 0.0005, 0.1) for i in range(13)}  # 0-30 ms
     edge, far = _peer(50), _peer(51)
     view = {
@@ -155,10 +156,11 @@ def test_a_peer_at_the_edge_of_a_region_joins_it() -> None:
     assert min(predict_rtt(view[edge], c) for c in line.values()) <= CONFIG.region_rtt
     for round_ in (0, 1, 3):
         plan = plan_groups(view, round_, CONFIG)
-        assert plan.kind == NEAR and plan.idle == (far,)
-        group = plan.groups[plan.key_of(edge)]
-        assert CONFIG.min_group_size <= len(group) <= CONFIG.target_group_size
-        assert set(group) - {edge} <= set(line)
+        assert plan.kind == NEAR and not plan.idle
+        for peer in (edge, far):
+            group = plan.groups[plan.key_of(peer)]
+            assert CONFIG.min_group_size <= len(group) <= CONFIG.target_group_size
+            assert set(group) - {edge, far} <= set(line)
         _check_partition(plan, view)
 
 

@@ -103,7 +103,7 @@ class GroupPlanner:
         plan = plan_of(view, number, self.grouping_config)
         key = plan.key_of(me)
         if key is None:
-            idle = "alone in its region: sits regular rounds out until a cross one"
+            idle = "the plan left it without a group this round"
             return RoundKey(None, order=number, idle=idle)
         members = plan.groups[key]
         logger.debug("round %d: %s group %s of %d", number, plan.kind, key, len(members))

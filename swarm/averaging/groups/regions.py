@@ -12,12 +12,13 @@ decided:
    uses only ``max`` and comparisons on the pairwise predictions, with ties broken by PeerID
    order, so peers with the same view get the same regions bit for bit.
 2. **Near rounds.** A region smaller than ``min_group_size`` (it could never average alone)
-   joins the region of its nearest peer when that peer is within ``region_rtt``: complete
-   linkage leaves peers alone whose coordinates put them past the diameter of every cluster
-   (coordinates that are young or off; in the scale simulation of 256 peers with coordinates
-   two minutes old, 10-16% of the due peers, 2-6 points fewer with this rule). One farther
-   from every peer sits regular rounds out rather than slow a near group down with its long
-   links; it takes part in every cross round. Each region is ordered by a hash of (round,
+   joins the region of its nearest peer: complete linkage leaves peers alone whose coordinates
+   put them past the diameter of every cluster (coordinates that are young or off; in the scale
+   simulation of 256 peers with coordinates two minutes old, 10-16% of the due peers, 2-6
+   points fewer with this rule), and a peer truly far from every other (one volunteer on
+   another continent) would otherwise sit out every round but the cross ones. Its longer link
+   lengthens its group's rounds, which overlapped rounds hide behind the next steps; sitting
+   out would waste its work in three rounds of four. Each region is ordered by a hash of (round,
    PeerID), which changes every round so that different peers of a region meet, and cut into
    ``ceil(size / target_group_size)`` consecutive runs: sizes differ by at most one, never exceed
    the target and are at least ``target_group_size // 2`` (so keep ``min_group_size`` at or
@@ -155,8 +156,8 @@ def _as_regions(peers: list[PeerID], clusters: list[list[int]]) -> tuple[tuple[P
 def _attach_small(
     coords: Sequence[Coordinate], clusters: list[list[int]], config: GroupingConfig
 ) -> tuple[list[list[int]], list[int]]:
-    """The clusters that can average, each with the small ones whose nearest peer is in it (and
-    within ``region_rtt``), and the peers of the small clusters left alone."""
+    """The clusters that can average, each with the small ones whose nearest peer is in it, and
+    the peers of the small clusters left alone (none: kept for plans that leave peers out)."""
     able = sorted((c for c in clusters if len(c) >= config.min_group_size), key=min)
     joined = [list(c) for c in able]
     owner = np.full(len(coords), -1)
@@ -173,7 +174,7 @@ def _attach_small(
         nearest = dist[start : start + len(c)].min(axis=0)
         start += len(c)
         j = int(nearest.argmin())  # the first (smallest PeerID) among equals
-        if nearest[j] <= config.region_rtt:
+        if math.isfinite(nearest[j]):
             joined[owner[j]].extend(c)
         else:
             idle.extend(c)
