@@ -104,6 +104,43 @@ async def test_64_nodes_store_and_get_from_anywhere():
         assert ok >= 198, f"{ok} of 200 operations succeeded"
 
 
+async def test_repeated_stores_reuse_the_closest_nodes_and_survive_a_dead_one():
+    """A peer stores its record every heartbeat: within the targets' TTL the k closest found
+    by the first store's lookup take the next stores without a lookup; once a target that died
+    failed to take one, the next store looks again (the entry reaches a quorum and reads back)."""
+    async with swarm_of(24, ksize=8) as nodes:
+        writer, reader = nodes[0], nodes[1]
+        lookups: list[str] = []
+        call = writer.protocol.call
+
+        async def counting(contact, method, *args):
+            lookups.append(method)
+            return await call(contact, method, *args)
+
+        writer.protocol.call = counting
+        assert await writer.store("k", b"v1", later(), subkey="s") >= 8
+        first = lookups.count("find_node")
+        assert first > 0
+        assert await writer.store("k", b"v2", later(61), subkey="s") >= 8
+        assert lookups.count("find_node") == first  # no second lookup
+        assert [e.value for e in (await reader.get("k")).values()] == [b"v2"]
+
+        targets = writer.targets.get(key_digest("k"), 1, lambda _: False)
+        ids = {c.id for c in targets}
+        victim = next(n for n in nodes if n.node_id in ids and n not in (reader, writer))
+        nodes.remove(victim)  # (closed here, not by swarm_of)
+        await victim.close()
+        # the store ends once a quorum took it; the dead target times out in the background,
+        # and then the next store looks the key up again
+        assert await writer.store("k", b"v3", later(62), subkey="s") >= writer.get_quorum
+        digest = key_digest("k")
+        await eventually(lambda: writer.targets.get(digest, 1, lambda _: False) is None)
+        before = lookups.count("find_node")
+        assert await writer.store("k", b"v4", later(63), subkey="s") >= writer.get_quorum
+        assert lookups.count("find_node") > before
+        assert [e.value for e in (await reader.get("k")).values()] == [b"v4"]
+
+
 async def test_lookup_returns_the_true_k_closest_nodes():
     async with swarm_of(48, ksize=8) as nodes:
         ids = {n.node_id for n in nodes}

@@ -82,6 +82,8 @@ def test_record_round_trip_and_size() -> None:
 def test_record_forged_or_swapped_owner_refused() -> None:
     record, other = _record(), _record()
     body, signature = msgpack.unpackb(record.serialize())
+    # parsed (and its signatures verified, then remembered) first: a forgery of it still fails
+    assert PeerRecord.parse(record.serialize()) == PeerRecord.parse(record.serialize())
     # another peer's signature over our body
     with pytest.raises(AuthError):
         PeerRecord.parse(msgpack.packb([body, other.signature]))

@@ -36,6 +36,7 @@ from swarm.dht.records import (
     key_digest,
 )
 from swarm.dht.routing import Contact
+from swarm.dht.targets import StoreTargets
 from swarm.errors import ConfigError, DHTError
 from swarm.identity import Identity, PeerID
 
@@ -96,6 +97,7 @@ class DHTNode:
         self.refresh_interval = refresh_interval
         self.client = client
         self.storage = RecordStorage()
+        self.targets = StoreTargets()  # where keys were stored lately (skips their lookups)
         self.protocol: SwarmProtocol | None = None
         self._refresh: asyncio.Task[None] | None = None
         self._verified: dict[tuple[bytes, bytes], None] = {}
@@ -284,10 +286,13 @@ class DHTNode:
         protocol = self._protocol
         if protocol.router.empty():
             await self.rejoin()
-        found = await lookup(protocol, digest, ksize=self.ksize, alpha=self.alpha)
+        closest = self.targets.get(digest, self.get_quorum, protocol.is_suspect)
+        if closest is None:
+            found = await lookup(protocol, digest, ksize=self.ksize, alpha=self.alpha)
+            closest = found.closest
+            self.targets.put(digest, closest)
         goal = int.from_bytes(digest, "big")
         stored = 0
-        closest = found.closest
         furthest = closest[-1].long_id ^ goal if closest else None
         own = protocol.source_node.long_id ^ goal
         if not self.client and (furthest is None or len(closest) < self.ksize or own < furthest):
@@ -295,6 +300,8 @@ class DHTNode:
         tasks = [
             t for c in closest if (t := protocol.spawn(protocol.send_entries(c, digest, [entry])))
         ]
+        for task in tasks:  # a target that did not take it (gone?): look the key up next time
+            task.add_done_callback(lambda t: None if _took(t) else self.targets.forget(digest))
         # the k closest answered the lookup moments ago, yet one may have died since: once a
         # quorum took the entry, a few RTTs more is all we wait (the rest finish in background)
         pending = set(tasks)

@@ -16,8 +16,10 @@ record locally with invalid fields raises :class:`~swarm.errors.ConfigError`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,12 +201,26 @@ class PeerRecord:
             raise TransportError(f"peer record: {e}") from e
         if record._body() != body:
             raise TransportError("peer record: non-canonical encoding")
+        seen = hashlib.blake2b(data, digest_size=32).digest()
+        if seen in _VERIFIED:  # these exact bytes passed both checks before
+            _VERIFIED.move_to_end(seen)
+            return record
         if not verify_signature(public_key, signature, CONTEXT + body):
             raise AuthError(f"peer record of {record.peer_id.short}: bad signature")
         binding = agreement_binding_message(public_key, agreement_key)
         if not verify_signature(public_key, agreement_sig, binding):
             raise AuthError(f"peer record of {record.peer_id.short}: agreement key not bound")
+        _VERIFIED[seen] = None
+        if len(_VERIFIED) > MAX_VERIFIED:
+            _VERIFIED.popitem(last=False)
         return record
+
+
+# Every read of the peer list parses the same records again (a peer reads it every round and
+# every probe period): the hashes of records whose signatures were verified skip the two
+# Ed25519 checks (5% of the CPU of 16 peers in one process). Only verified bytes enter.
+MAX_VERIFIED = 4096
+_VERIFIED: OrderedDict[bytes, None] = OrderedDict()
 
 
 def _all_bytes(values: list[Any]) -> bool:
