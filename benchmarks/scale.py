@@ -1,6 +1,8 @@
 """Scale (issue 32): grouping and matchmaking of many peers under churn, and their DHT traffic.
 
     python benchmarks/scale.py --sim [--peers 1024] [--churn-per-min 0.1] [--minutes 5] [--seed 0]
+    python benchmarks/scale.py --real --peers 64 --churn-per-min 0 --minutes 5
+    python benchmarks/scale.py --soak 60 --peers 16
 
 ``--sim`` runs the discrete-event simulation of tests/scale_sim.py (its docstring says what is
 simulated and how) after a 600 s warm-up. In short:
@@ -46,7 +48,15 @@ reason, idle share, view sizes, prediction error of the coordinates).
 What-ifs (not the code's behaviour): ``--no-read-cap`` (views hold every record),
 ``--view-quantum-s Q`` (every peer plans from the records as they stood at the last multiple
 of Q seconds). ``--calibration FILE`` saves the calibration, or reuses a saved one.
-``--real`` (64 real peers in one process, issue 32) is not built yet: see ``main``.
+``--real`` runs ``--peers`` real peers in this process (tests/many_peers.py: real DHT, transport,
+averager and DiLoCo engine behind the WAN emulator, emulated compute; its docstring says how)
+with speeds ``--speeds`` and uplinks ``--uplinks`` cycled over the peers, and prints one
+``real`` line with the fields of issue 32 (``averaged_share``, ``matchmaking_p50_s``/``p99``,
+``utilization_fast``/``slow``, ``round_s_p50`` and ``round_s_p50_slow_member`` (rounds of groups
+with a peer of the slowest uplink), ``consensus_spread``, ``anchor_spread``,
+``dht_msgs_per_peer_per_min``, ``rss_mb_per_peer``, ``final_loss`` and ``equal_final_loss``:
+the same peers all at the mean speed, the same total compute), then one ``real-peer`` line per
+peer.
 """
 
 from __future__ import annotations
@@ -340,10 +350,15 @@ def run_sim(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from scale_real import run_real, run_soak
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     setting = parser.add_mutually_exclusive_group(required=True)
     setting.add_argument("--sim", action="store_true", help="the discrete-event simulation")
-    # --real (64 real peers in one process, issue 32) goes here, with its runner beside run_sim
+    setting.add_argument("--real", action="store_true", help="real peers in one process")
+    setting.add_argument(
+        "--soak", type=float, metavar="MINUTES", help="--real for MINUTES, sampling memory"
+    )
     parser.add_argument("--peers", type=int, default=1024)
     parser.add_argument("--churn-per-min", type=float, default=0.1)
     parser.add_argument("--minutes", type=float, default=5.0, help="measured, after a warm-up")
@@ -367,9 +382,19 @@ def main() -> None:
         default=None,
         help="what-if: plan from the records as of the last multiple of this (all peers alike)",
     )
+    real = parser.add_argument_group("--real")
+    real.add_argument("--speeds", default="1,0.5,0.25", help="compute speeds, cycled over peers")
+    real.add_argument("--uplinks", default="100,50,20,10", help="uplinks in Mbit/s, cycled")
+    real.add_argument("--inner-steps", default="3s", help="the peers' inner_steps")
+    real.add_argument("--step-s", type=float, default=0.1, help="a 1x step (emulated compute)")
+    real.add_argument("--no-equal", action="store_true", help="skip the equal-peers reference")
     args = parser.parse_args()
     if args.sim:
         run_sim(args)
+    elif args.soak:
+        asyncio.run(run_soak(args))
+    else:
+        asyncio.run(run_real(args))
 
 
 if __name__ == "__main__":

@@ -58,9 +58,13 @@ class Link:
     rate: float = math.inf  # bytes per second, shared by every connection and datagram
     busy_until: float = 0.0  # loop time at which the bytes queued so far have left
     bytes_sent: int = 0  # total bytes carried (for benchmarks)
+    datagrams: int = 0  # UDP datagrams carried (for benchmarks)
+    uplink: Link | None = None  # the sender's uplink, shared by all its links (set_uplink)
 
     def reserve(self, nbytes: int, now: float) -> float:
         """Queue ``nbytes`` behind what is on the wire; returns when their last byte leaves."""
+        if self.uplink is not None:  # they leave the sender's uplink first
+            now = self.uplink.reserve(nbytes, now)
         self.busy_until = max(now, self.busy_until) + nbytes / self.rate
         self.bytes_sent += nbytes
         return self.busy_until
@@ -140,6 +144,7 @@ class WanEmulator:
         self._region: dict[str, str | None] = {}  # node host -> region
         self._by_listen: dict[Addr, WanNode] = {}
         self._links: dict[tuple[str, str], Link] = {}
+        self._uplinks: dict[str, Link] = {}  # node host -> its uplink (set_uplink)
         self._udp: dict[str, _UdpSocket] = {}  # node name -> its proxy socket
         self._relays: dict[tuple[Addr, str], _UdpSocket] = {}
         self._servers: list[asyncio.Server] = []
@@ -174,7 +179,8 @@ class WanEmulator:
         """The directed link ``src -> dst`` (nodes or hosts), created on first use."""
         key = (_host(src), _host(dst))
         if key not in self._links:
-            self._links[key] = Link(self._region_delay(*key), self.rate)
+            link = Link(self._region_delay(*key), self.rate, uplink=self._uplinks.get(key[0]))
+            self._links[key] = link
         return self._links[key]
 
     def set_link(
@@ -191,6 +197,19 @@ class WanEmulator:
             link = self.link(a, b)
             link.delay = link.delay if delay is None else delay
             link.rate = link.rate if rate is None else rate
+
+    def datagrams(self) -> int:
+        """UDP datagrams carried so far, over every link."""
+        return sum(link.datagrams for link in self._links.values())
+
+    def set_uplink(self, node: WanNode, rate: float) -> None:
+        """Give ``node`` one uplink of ``rate`` bytes per second that all its outgoing links
+        share (a home connection), on top of each link's own rate and delay."""
+        uplink = self._uplinks.setdefault(node.host, Link())
+        uplink.rate = rate
+        for (src, _), link in self._links.items():
+            if src == node.host:
+                link.uplink = uplink
 
     def move(self, node: WanNode, region: str | None) -> None:
         """Put ``node`` in ``region``: the delays of all its links follow (overrides are lost)."""
@@ -321,6 +340,7 @@ class WanEmulator:
             self._timers.discard(timer)
             out.sendto(data, target)
 
+        link.datagrams += 1
         timer = loop.call_at(link.reserve(len(data), now) + link.delay, send)
         self._timers.add(timer)
 

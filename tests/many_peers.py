@@ -1,0 +1,378 @@
+"""Many unequal peers in one process (issue 32): real AsyncSwarm peers behind the WAN emulator.
+
+Shared by tests/test_many_peers.py and ``benchmarks/scale.py --real``. Every peer is an
+:class:`~swarm.api.AsyncSwarm` (real DHT, transport, prober, averager and DiLoCo engine) on its
+own emulated host (tests/wan.py): one uplink of its own rate shared by all its connections and
+datagrams, and a one-way delay by region. All peers share this process's event loop and torch.
+
+Compute is emulated: a peer's step is the real forward/backward of a small MLP (the task of
+tests/poison_run.py) padded with a sleep to ``step_s / speed`` seconds, so that a 0.25x peer
+takes four times as long per step without four times the CPU (the machine has 2 cores for
+every peer). Utilization is the engine's own figure over the measured window: one less the
+share of wall time ``step()`` blocked on the swarm.
+
+With ``churn_per_min`` c, every peer leaves after an exponential time of mean 1/c minutes (half
+of them close, half vanish without a word) and a new peer with a new identity takes its host a
+second later, joining through a live peer and downloading the swarm's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from poison_run import BATCH, CLASSES, DIM, TEST, data
+from torch import nn
+from wan import WanEmulator, WanNode
+
+from swarm.api import AsyncSwarm
+
+try:
+    import resource  # POSIX only: no memory figure elsewhere
+except ImportError:
+    resource = None
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+DELAYS = {("eu", "eu"): 0.005, ("us", "us"): 0.005, ("eu", "us"): 0.045}
+# the library's defaults but shorter timeouts (heartbeat 10 s, probes every 5 s: 16 peers that
+# probe every second and announce every 2 s keep one event loop too busy to train)
+OPTIONS: dict[str, Any] = {
+    "codec": "int8",
+    "matchmaking_timeout_s": 5.0,
+    "round_timeout_s": 30.0,
+    "target_group_size": 4,
+}
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """One host: compute speed (1.0: ``step_s`` per step), uplink in Mbit/s, region."""
+
+    speed: float = 1.0
+    uplink_mbit: float = 100.0
+    region: str = "eu"
+
+
+@dataclass
+class RunConfig:
+    specs: list[PeerSpec]
+    duration_s: float
+    warmup_s: float = 20.0  # not measured: records spread, coordinates settle
+    step_s: float = 0.1  # a 1.0x step
+    inner_steps: int = 20
+    hidden: int = 64
+    lr: float = 3e-3
+    churn_per_min: float = 0.0
+    seed: int = 0
+    sample_every_s: float = 0.0  # > 0: sample memory, descriptors and tasks (a soak)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PeerRun:
+    """What one host saw (all its incarnations under churn)."""
+
+    spec: PeerSpec
+    node: WanNode
+    swarm: AsyncSwarm | None = None
+    due: int = 0  # rounds that landed in the measured window
+    averaged: int = 0
+    reasons: list[str] = field(default_factory=list)
+    waited_s: float = 0.0  # step() blocked on the swarm, in the window
+    window_s: float = 0.0  # wall time trained in the window
+    samples: int = 0
+    matchmaking_s: list[float] = field(default_factory=list)
+    rounds: list[tuple[str, float]] = field(default_factory=list)  # (group, round_s) averaged
+    restarts: int = 0
+    nan: bool = False
+
+
+def make_model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+
+
+def test_loss(m: nn.Module) -> float:
+    with torch.no_grad():
+        return nn.functional.cross_entropy(m(TEST[0]), TEST[1]).item()
+
+
+class ManyPeers:
+    """Start, train, churn and measure ``config.specs`` peers; :meth:`run` returns figures."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.runs: list[PeerRun] = []
+        self.wan = WanEmulator(delays=DELAYS, default_delay=0.005)
+        self.options = {**OPTIONS, "inner_steps": config.inner_steps, **config.options}
+        self.window: tuple[float, float] = (0.0, 0.0)
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.config
+        try:
+            for i, spec in enumerate(cfg.specs):
+                node = await self.wan.add_node(f"p{i}", region=spec.region)
+                self.wan.set_uplink(node, spec.uplink_mbit * MBIT)
+                self.runs.append(PeerRun(spec, node))
+            # the first peer starts the run, the others join it together (as a burst would)
+            self.runs[0].swarm = await self._start(self.runs[0])
+            joined = await asyncio.gather(*(self._start(r) for r in self.runs[1:]))
+            for r, swarm in zip(self.runs[1:], joined, strict=True):
+                r.swarm = swarm
+            start = time.monotonic()
+            self.window = (start + cfg.warmup_s, start + cfg.warmup_s + cfg.duration_s)
+            datagrams = [0, 0]
+            watch = asyncio.create_task(self._count_datagrams(datagrams))
+            samples: list[dict[str, float | None]] = []
+            sampler = asyncio.create_task(self._sample(samples, start))
+            await asyncio.gather(*(self._host(i, run) for i, run in enumerate(self.runs)))
+            watch.cancel()
+            sampler.cancel()
+            figures = self._figures(datagrams[1] - datagrams[0])
+            return {**figures, "over_time": samples} if samples else figures
+        finally:
+            await asyncio.gather(*(r.swarm.close() for r in self.runs if r.swarm is not None))
+            await self.wan.close()
+
+    async def _count_datagrams(self, out: list[int]) -> None:
+        await asyncio.sleep(max(0.0, self.window[0] - time.monotonic()))
+        out[0] = out[1] = self.wan.datagrams()
+        while True:
+            await asyncio.sleep(0.5)
+            if time.monotonic() <= self.window[1]:
+                out[1] = self.wan.datagrams()
+
+    async def _sample(self, out: list[dict[str, float | None]], start: float) -> None:
+        every = self.config.sample_every_s
+        while every > 0 and time.monotonic() < self.window[1]:
+            out.append(
+                {
+                    "t_s": round(time.monotonic() - start, 1),
+                    "rss_mb": _current_rss_mb(),
+                    "fds": _open_fds(),
+                    "tasks": len(asyncio.all_tasks()),
+                    "peers": sum(r.swarm is not None for r in self.runs),
+                }
+            )
+            await asyncio.sleep(every)
+
+    async def _start(self, run: PeerRun) -> AsyncSwarm:
+        alive = [r for r in self.runs if r.swarm is not None and r is not run]
+        initial = [str(self.rng.choice(alive).node.announce)] if alive else []
+        model = make_model(self.config.hidden)
+        opt = torch.optim.Adam(model.parameters(), lr=self.config.lr)
+        return await AsyncSwarm.create(
+            model,
+            opt,
+            run_id="many",
+            listen=str(run.node.listen),
+            announce=str(run.node.announce),
+            initial_peers=initial,
+            **self.options,
+        )
+
+    async def _host(self, index: int, run: PeerRun) -> None:
+        """Train on this host until the window ends, replaced by a new peer after each leave."""
+        cfg = self.config
+        g = torch.Generator().manual_seed(cfg.seed * 1000 + index)
+        while time.monotonic() < self.window[1]:
+            leave_at = math.inf
+            if cfg.churn_per_min > 0:
+                leave_at = time.monotonic() + self.rng.expovariate(cfg.churn_per_min / 60)
+            await self._train(run, g, min(leave_at, self.window[1]))
+            if time.monotonic() >= self.window[1]:
+                break
+            swarm, run.swarm = run.swarm, None
+            if self.rng.random() < 0.5:
+                await swarm.close()
+            else:  # vanish: the host goes dark (its sockets close without a leave marker)
+                await _vanish(swarm)
+            await asyncio.sleep(1.0)
+            run.swarm = await self._start(run)
+            run.restarts += 1
+        if run.swarm is not None:
+            await run.swarm.wait_round()
+
+    async def _train(self, run: PeerRun, g: torch.Generator, until: float) -> None:
+        swarm = run.swarm
+        assert swarm is not None
+        step_s = self.config.step_s / run.spec.speed
+        last_mm = None
+        while (now := time.monotonic()) < until:
+            began = time.perf_counter()
+            x, y = data(BATCH, g)
+            loss = nn.functional.cross_entropy(swarm.model(x), y)
+            loss.backward()
+            await asyncio.sleep(max(0.0, step_s - (time.perf_counter() - began)))
+            report = await swarm.step(samples=BATCH)
+            swarm.optimizer.zero_grad()
+            if not self.window[0] <= now < self.window[1]:
+                continue
+            run.window_s += time.perf_counter() - began
+            run.waited_s += report.wait_s
+            run.samples += BATCH
+            run.nan = run.nan or not math.isfinite(loss.item())
+            if not report.round_due:
+                continue
+            run.due += 1
+            figures = swarm.peer.progress.last_round if swarm.peer is not None else None
+            if figures is not None and figures is not last_mm:
+                last_mm = figures
+                run.matchmaking_s.append(figures.matchmaking_s)
+            if report.averaged:
+                run.averaged += 1
+                run.rounds.append((figures.group if figures else "", report.round_s))
+            else:
+                run.reasons.append(report.reason)
+
+    def _figures(self, datagrams: int) -> dict[str, Any]:
+        cfg = self.config
+        live = [r for r in self.runs if r.swarm is not None]
+        with torch.no_grad():
+            models = [_flat(r.swarm.model.parameters()) for r in live]
+            anchors = [_flat(r.swarm.engine.outer.anchor) for r in live]
+        fast = [r for r in self.runs if r.spec.speed >= 1.0]
+        slow = [r for r in self.runs if r.spec.speed < 1.0]
+        mm = sorted(x for r in self.runs for x in r.matchmaking_s)
+        slowest_uplink = min(r.spec.uplink_mbit for r in self.runs)
+        groups_with_slow: set[str] = set()
+        for r in self.runs:
+            if r.spec.uplink_mbit == slowest_uplink:
+                groups_with_slow.update(grp for grp, _ in r.rounds)
+        rounds = [(grp, s) for r in self.runs for grp, s in r.rounds]
+        with_slow = [s for grp, s in rounds if grp in groups_with_slow]
+        without = [s for grp, s in rounds if grp not in groups_with_slow]
+        minutes = cfg.duration_s / 60
+        return {
+            "peers": len(self.runs),
+            "compute_spread": max(s.speed for s in cfg.specs) / min(s.speed for s in cfg.specs),
+            "uplink_spread_mbit": [
+                min(s.uplink_mbit for s in cfg.specs),
+                max(s.uplink_mbit for s in cfg.specs),
+            ],
+            "churn_per_min": cfg.churn_per_min,
+            "duration_s": cfg.duration_s,
+            "averaged_share": _share(
+                sum(r.averaged for r in self.runs), sum(r.due for r in self.runs)
+            ),
+            "averaged_share_min": min(_share(r.averaged, r.due) for r in self.runs),
+            "matchmaking_p50_s": _quantile(mm, 0.5),
+            "matchmaking_p99_s": _quantile(mm, 0.99),
+            "utilization_fast": _utilization(fast),
+            "utilization_fast_min": min((_utilization([r]) for r in fast), default=None),
+            "utilization_slow": _utilization(slow),
+            "round_s_p50": _quantile(sorted(without), 0.5),
+            "round_s_p50_slow_member": _quantile(sorted(with_slow), 0.5),
+            "consensus_spread": _spread(models),
+            "anchor_spread": _spread(anchors),
+            "dht_msgs_per_peer_per_min": datagrams / len(self.runs) / minutes,
+            "rss_mb_per_peer": _rss_mb() / len(self.runs),
+            "final_loss": statistics.fmean(test_loss(r.swarm.model) for r in live),
+            "samples": sum(r.samples for r in self.runs),
+            "nan": any(r.nan for r in self.runs),
+            "restarts": sum(r.restarts for r in self.runs),
+            "reasons": _count(x for r in self.runs for x in r.reasons),
+            "per_peer": [
+                {
+                    "speed": r.spec.speed,
+                    "uplink_mbit": r.spec.uplink_mbit,
+                    "due": r.due,
+                    "averaged": r.averaged,
+                    "utilization": round(_utilization([r]) or 0.0, 3),
+                    "samples": r.samples,
+                }
+                for r in self.runs
+            ],
+        }
+
+
+async def _vanish(swarm: AsyncSwarm) -> None:
+    """Drop a peer as a crash would: no leave marker, no goodbye (its sockets just close)."""
+    if swarm.peer is not None:
+        swarm.peer._expiration = 0.0  # (fault injection) as if it never announced: no marker
+    await swarm.close()
+
+
+def _flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def _spread(vectors: list[torch.Tensor]) -> float:
+    """Max over peers of ||v - mean|| / ||mean||."""
+    mean = torch.stack(vectors).mean(0)
+    return max(float((v - mean).norm() / mean.norm()) for v in vectors)
+
+
+def _utilization(runs: list[PeerRun]) -> float | None:
+    wall = sum(r.window_s for r in runs)
+    return 1.0 - sum(r.waited_s for r in runs) / wall if wall else None
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _rss_mb() -> float:
+    """This process's peak resident memory (MB; NaN where unknown)."""
+    if resource is None:
+        return math.nan
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def _current_rss_mb() -> float | None:
+    """This process's resident memory now (MB): Linux's /proc, else the peak (POSIX), else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, AttributeError):
+        peak = _rss_mb()
+        return None if math.isnan(peak) else peak
+
+
+def _open_fds() -> int | None:
+    """Descriptors open in this process (Linux and macOS; None elsewhere)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return None
+
+
+def mixed_specs(n: int, speeds: tuple[float, ...], uplinks: tuple[float, ...]) -> list[PeerSpec]:
+    """``n`` hosts cycling through the speeds and uplinks (independently), half per region."""
+    return [
+        PeerSpec(
+            speeds[i % len(speeds)],
+            uplinks[(i // len(speeds)) % len(uplinks)],
+            "eu" if i < (n + 1) // 2 else "us",
+        )
+        for i in range(n)
+    ]
+
+
+async def run(config: RunConfig) -> dict[str, Any]:
+    return await ManyPeers(config).run()
