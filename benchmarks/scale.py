@@ -82,6 +82,7 @@ from swarm.averaging.groups.coordinates import Coordinate
 from swarm.averaging.groups.group import Declaration
 from swarm.averaging.groups.regions import GroupingConfig
 from swarm.dht import DHTNode
+from swarm.dht.targets import StoreTargets
 from swarm.identity import Identity
 from swarm.net.progress import Progress, Resources
 from swarm.net.record import PeerRecord
@@ -165,6 +166,8 @@ async def calibrate(count: int, seed: int) -> dict[str, Any]:
     async with swarm_of(count, hosts=hosts, identities=identities) as nodes:
         boot_s = time.perf_counter() - started
         counter = Datagrams(nodes)
+        for node in nodes:  # every store costed with its lookup (no reuse of recent targets)
+            node.targets = StoreTargets(ttl=0.0)
         key = peers_key(RUN_ID)
         records = [realistic_record(i, n, rng) for i, n in zip(identities, nodes, strict=True)]
         expires = time.time() + 600
@@ -387,6 +390,14 @@ def main() -> None:
     real.add_argument("--uplinks", default="100,50,20,10", help="uplinks in Mbit/s, cycled")
     real.add_argument("--inner-steps", default="3s", help="the peers' inner_steps")
     real.add_argument("--step-s", type=float, default=0.1, help="a 1x step (emulated compute)")
+    real.add_argument("--hidden", type=int, default=64, help="the MLP's hidden width")
+    real.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="another Swarm option for every peer (e.g. probe_period_s=15), repeatable",
+    )
     real.add_argument("--no-equal", action="store_true", help="skip the equal-peers reference")
     args = parser.parse_args()
     if args.sim:

@@ -22,10 +22,10 @@ async def run_real(args: argparse.Namespace) -> None:
     """``--real``: tests/many_peers.py with ``--peers`` unequal peers, then (unless
     ``--no-equal``) the same peers all at the mean speed (the same total compute)."""
     specs = mixed_specs(args.peers, _floats(args.speeds), _floats(args.uplinks))
-    options = {"inner_steps": args.inner_steps}
+    options = {"inner_steps": args.inner_steps, **_options(args.option)}
     config = RunConfig(
         specs, args.minutes * 60, step_s=args.step_s, churn_per_min=args.churn_per_min,
-        seed=args.seed, warmup_s=30.0, options=options,
+        seed=args.seed, warmup_s=30.0, options=options, hidden=args.hidden,
     )  # fmt: skip
     figures = await run(config)
     per_peer = figures.pop("per_peer")
@@ -48,8 +48,8 @@ async def run_soak(args: argparse.Namespace) -> None:
     specs = mixed_specs(peers, _floats(args.speeds), _floats(args.uplinks))
     config = RunConfig(
         specs, args.soak * 60, step_s=args.step_s, churn_per_min=args.churn_per_min,
-        seed=args.seed, warmup_s=30.0, options={"inner_steps": args.inner_steps},
-        sample_every_s=30.0,
+        seed=args.seed, warmup_s=30.0, sample_every_s=30.0, hidden=args.hidden,
+        options={"inner_steps": args.inner_steps, **_options(args.option)},
     )  # fmt: skip
     figures = await run(config)
     figures.pop("per_peer")
@@ -77,3 +77,18 @@ async def run_soak(args: argparse.Namespace) -> None:
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
+
+
+def _options(pairs: list[str]) -> dict[str, object]:
+    """``NAME=VALUE`` pairs, numbers as numbers."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        try:
+            out[name] = int(text)
+        except ValueError:
+            try:
+                out[name] = float(text)
+            except ValueError:
+                out[name] = text
+    return out

@@ -115,6 +115,7 @@ class ManyPeers:
         self.wan = WanEmulator(delays=DELAYS, default_delay=0.005)
         self.options = {**OPTIONS, "inner_steps": config.inner_steps, **config.options}
         self.window: tuple[float, float] = (0.0, 0.0)
+        self.join_s: list[float] = []  # each start: joining and downloading the state
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -125,9 +126,14 @@ class ManyPeers:
                 self.runs.append(PeerRun(spec, node))
             # the first peer starts the run, the others join it together (as a burst would)
             self.runs[0].swarm = await self._start(self.runs[0])
-            joined = await asyncio.gather(*(self._start(r) for r in self.runs[1:]))
+            joined = await asyncio.gather(
+                *(self._start(r) for r in self.runs[1:]), return_exceptions=True
+            )
             for r, swarm in zip(self.runs[1:], joined, strict=True):
-                r.swarm = swarm
+                r.swarm = swarm if isinstance(swarm, AsyncSwarm) else None
+            failed = [e for e in joined if isinstance(e, BaseException)]
+            if failed:
+                raise failed[0]  # (the started ones close below)
             start = time.monotonic()
             self.window = (start + cfg.warmup_s, start + cfg.warmup_s + cfg.duration_s)
             datagrams = [0, 0]
@@ -170,6 +176,15 @@ class ManyPeers:
         initial = [str(self.rng.choice(alive).node.announce)] if alive else []
         model = make_model(self.config.hidden)
         opt = torch.optim.Adam(model.parameters(), lr=self.config.lr)
+        began = time.monotonic()
+        try:
+            return await self._create(model, opt, run, initial)
+        finally:
+            self.join_s.append(time.monotonic() - began)
+
+    async def _create(
+        self, model: nn.Module, opt: torch.optim.Optimizer, run: PeerRun, initial: list[str]
+    ) -> AsyncSwarm:
         return await AsyncSwarm.create(
             model,
             opt,
@@ -254,6 +269,8 @@ class ManyPeers:
         minutes = cfg.duration_s / 60
         return {
             "peers": len(self.runs),
+            "parameters": sum(p.numel() for p in live[0].swarm.model.parameters()),
+            "inner_steps": self.options["inner_steps"],
             "compute_spread": max(s.speed for s in cfg.specs) / min(s.speed for s in cfg.specs),
             "uplink_spread_mbit": [
                 min(s.uplink_mbit for s in cfg.specs),
@@ -276,6 +293,8 @@ class ManyPeers:
             "anchor_spread": _spread(anchors),
             "dht_msgs_per_peer_per_min": datagrams / len(self.runs) / minutes,
             "rss_mb_per_peer": _rss_mb() / len(self.runs),
+            "join_s_p50": _quantile(sorted(self.join_s), 0.5),
+            "join_s_max": max(self.join_s),
             "final_loss": statistics.fmean(test_loss(r.swarm.model) for r in live),
             "samples": sum(r.samples for r in self.runs),
             "nan": any(r.nan for r in self.runs),

@@ -12,7 +12,13 @@ from processes import ROOT, OutputProcess
 
 from swarm.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing"),
+    # a rank aborts inside torch's C++ now and then ("terminate called without an active
+    # exception", SIGABRT, no Python frame; about one run in ten to twenty on 2 loaded cores):
+    # a second run decides, and a real regression fails both
+    pytest.mark.flaky(reruns=1),
+]
 
 
 def torchrun(node: int, listen: str, out, *extra: str) -> OutputProcess:
