@@ -362,7 +362,7 @@ def main() -> None:
     setting.add_argument(
         "--soak", type=float, metavar="MINUTES", help="--real for MINUTES, sampling memory"
     )
-    parser.add_argument("--peers", type=int, default=1024)
+    parser.add_argument("--peers", type=int, help="default: 1024 --sim, 64 --real, 16 --soak")
     parser.add_argument("--churn-per-min", type=float, default=0.1)
     parser.add_argument("--minutes", type=float, default=5.0, help="measured, after a warm-up")
     parser.add_argument("--seed", type=int, default=0)
@@ -400,6 +400,8 @@ def main() -> None:
     )
     real.add_argument("--no-equal", action="store_true", help="skip the equal-peers reference")
     args = parser.parse_args()
+    if args.peers is None:
+        args.peers = 1024 if args.sim else 16 if args.soak else 64
     if args.sim:
         run_sim(args)
     elif args.soak:

@@ -41,10 +41,10 @@ async def run_real(args: argparse.Namespace) -> None:
 
 
 async def run_soak(args: argparse.Namespace) -> None:
-    """``--soak MINUTES``: ``--peers`` (16 unless given) real peers with churn for MINUTES;
+    """``--soak MINUTES``: ``--peers`` real peers with churn for MINUTES;
     memory growth is the slope of the process's resident memory after the first 10 minutes,
     per peer (every peer shares the process)."""
-    peers = args.peers if args.peers != 1024 else 16
+    peers = args.peers
     specs = mixed_specs(peers, _floats(args.speeds), _floats(args.uplinks))
     config = RunConfig(
         specs, args.soak * 60, step_s=args.step_s, churn_per_min=args.churn_per_min,
