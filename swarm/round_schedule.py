@@ -37,11 +37,11 @@ def parse_inner_steps(value: object, fragments: int, lowest: object, highest: ob
         if highest < fragments:
             raise ValueError("max_inner_steps must be at least fragments")
         return value
-    if isinstance(value, str) and round_period(value) is not None:
-        period = round_period(value)
+    period = round_period(value) if isinstance(value, str) else None
+    if period is not None:
         if not 0 < period < math.inf:
             raise ValueError(f"inner_steps {value!r}: a round period must be positive")
-        return f"{period:g}s"
+        return "".join(value.split())  # as given, so that it parses again the same
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"inner_steps must be an integer >= 1, 'auto' or seconds such as '30s', not {value!r}"

@@ -131,13 +131,23 @@ def test_a_clock_round_needs_a_step_and_fragments_split_the_period() -> None:
     assert cadence.inner_steps == 18  # 6 steps per fragment round, 3 fragments
 
 
-@pytest.mark.parametrize("text", ["30s", "0.5s", " 2 s", "12", "auto"])
+def test_a_clock_set_back_does_not_stop_the_rounds() -> None:
+    cadence = Cadence(None, period_s=30.0)
+    assert not cadence.due(1, now=10_000.0) and cadence.due(5, now=10_020.0)  # due at 10020
+    # an NTP step sets the clock back an hour: the next round is the next boundary from there
+    assert not cadence.due(1, now=6_400.0)
+    assert cadence.due(3, now=6_420.5)
+
+
+@pytest.mark.parametrize("text", ["30s", "0.5s", " 2 s", "12", "auto", "0.0000001s"])
 def test_inner_steps_takes_counts_auto_and_durations(text: str) -> None:
     config = SwarmConfig.build(inner_steps=text)
     assert config.inner_steps == (int(text) if text.isdigit() else text.replace(" ", ""))
+    # what the config keeps parses again to the same (a config rebuilt, e.g. replace())
+    assert SwarmConfig.build(inner_steps=config.inner_steps).inner_steps == config.inner_steps
 
 
-@pytest.mark.parametrize("text", ["0s", "-3s", "s", "30m", "1e3s", "many", "0"])
+@pytest.mark.parametrize("text", ["0s", "-3s", "s", "30m", "1e3s", "many", "0", "9" * 400 + "s"])
 def test_inner_steps_refuses_what_is_no_count_or_duration(text: str) -> None:
     with pytest.raises(ConfigError, match="inner_steps"):
         SwarmConfig.build(inner_steps=text)

@@ -83,7 +83,9 @@ class Cadence:
             return steps_in_round >= self.interval
         now = time.time() if now is None else now
         slot = self.period_s / self.fragments
-        if self._next_due is None:  # the first round: the next boundary, not this one
+        # the first round: the next boundary, not this one; and after the clock was set back
+        # (an NTP step), the next boundary from the new time rather than the old one
+        if self._next_due is None or self._next_due - now > slot:
             self._next_due = (math.floor(now / slot) + 1) * slot
         if steps_in_round < 1 or now < self._next_due:
             return False
