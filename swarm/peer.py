@@ -88,6 +88,10 @@ class Peer:
         self.departed: set[PeerID] = set()  # peers whose leave marker we read
         self.monitoring = True  # publish progress and watch the run at each heartbeat
         self._expiration = 0.0  # of our last announcement
+        # the last read of the run's records (when it finished, what it returned) and the read
+        # in flight: the prober, the planner and the heartbeat share them (see known_peers)
+        self._last_read: tuple[float, dict[PeerID, PeerRecord]] | None = None
+        self._reading: asyncio.Task[dict[PeerID, PeerRecord]] | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -283,12 +287,29 @@ class Peer:
                 logger.warning("heartbeat: no DHT node stored our record (alone in the swarm?)")
             if self.monitoring:
                 try:
-                    await self.known_peers()  # logs who joined and who left
+                    # logs who joined and who left (a read of the last half heartbeat will do)
+                    await self.known_peers(max_age_s=self.config.heartbeat_s / 2)
                 except SwarmError as e:
                     logger.debug("reading the run's records failed: %s", e)
 
-    async def known_peers(self) -> dict[PeerID, PeerRecord]:
-        """Records of the live peers of this run (signature-checked), this peer included."""
+    async def known_peers(self, max_age_s: float = 0.0) -> dict[PeerID, PeerRecord]:
+        """Records of the live peers of this run (signature-checked), this peer included.
+
+        Args:
+            max_age_s: a read that finished less than this long ago is answered again instead
+                of a new one (callers that look every few seconds share the reads of those
+                that need them fresh). A read in flight is always shared.
+        """
+        loop = asyncio.get_running_loop()
+        if self._last_read is not None and loop.time() - self._last_read[0] < max_age_s:
+            return dict(self._last_read[1])
+        if self._reading is None or self._reading.done():
+            # a task of its own: a caller that gives up waiting does not cancel the others' read
+            self._reading = loop.create_task(self._read_records(), name="swarm-read-records")
+            self._reading.add_done_callback(_retrieve)
+        return dict(await asyncio.shield(self._reading))
+
+    async def _read_records(self) -> dict[PeerID, PeerRecord]:
         try:
             live, left = await fetch_run_records(self._dht, self.run_id)
         except SwarmError:
@@ -298,6 +319,7 @@ class Peer:
         self.departed = (self.departed | set(left)) - set(live)
         self.watcher.update(live, left)
         self.metrics.counts.peers_known = len(set(live) | {self.peer_id})
+        self._last_read = (asyncio.get_running_loop().time(), live)
         return live
 
     async def _leave(self) -> None:
@@ -311,10 +333,11 @@ class Peer:
 
     async def close(self) -> None:
         """Stop announcing, then close the DHT socket and the HTTP server and client."""
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
-            self._heartbeat = None
+        for task in (self._heartbeat, self._reading):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._heartbeat = self._reading = None
         if self.dht is not None and self.transport is not None and self._expiration:
             await self._leave()
         if self.nat is not None:
@@ -327,6 +350,12 @@ class Peer:
             await self.transport.close()
             self.transport = None
         self._closed.set()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a shared read's failure seen: its callers may all have stopped waiting."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def fetch_peer_records(dht: DHTNode, run_id: str) -> dict[PeerID, PeerRecord]:

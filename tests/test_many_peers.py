@@ -10,14 +10,19 @@ slow peer, and twice the spread.
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 from many_peers import RunConfig, mixed_specs, run
 
 # the anchors' spread (max over peers of ||anchor - mean|| / ||mean||) at the end, with groups
 # of 4 among 16 peers and a cross round every 4th: measured 0.17 on this task (0.33 with
 # rounds every 50 steps)
 SPREAD_BOUND = 0.3
+# all 16 peers share one event loop: when it cannot keep the fast peers at half their emulated
+# speed (seen once on a loaded CI machine: a quarter), the run measures the machine, not the swarm
+MIN_SPEED_KEPT = 0.5
 
 
 async def test_sixteen_unequal_peers_average_without_waiting_for_each_other() -> None:
@@ -26,9 +31,16 @@ async def test_sixteen_unequal_peers_average_without_waiting_for_each_other() ->
         specs, duration_s=100.0, warmup_s=20.0, options={"inner_steps": "5s"}
     )  # two minutes of training, the first 20 s not measured
     figures = await run(config)
-    assert not figures["nan"] and math.isfinite(figures["final_loss"])
-    per_peer = figures["per_peer"]
-    assert all(p["due"] >= 10 for p in per_peer), per_peer
-    assert all(p["averaged"] >= 0.8 * p["due"] for p in per_peer), per_peer
-    assert all(p["utilization"] > 0.9 for p in per_peer if p["speed"] == 1.0), per_peer
-    assert figures["anchor_spread"] < SPREAD_BOUND, figures
+    per_peer = figures.pop("per_peer")
+    seen = json.dumps(figures) + "".join(f"\n{p}" for p in per_peer)
+    assert not figures["nan"] and math.isfinite(figures["final_loss"]), seen
+    if figures["speed_kept_fast_min"] < MIN_SPEED_KEPT:
+        pytest.skip(
+            f"the shared event loop ran the fast peers at {figures['speed_kept_fast_min']:.0%} "
+            f"of their emulated speed (loop CPU {figures['loop_cpu_share']:.0%}): this machine "
+            "is too loaded to emulate 16 peers"
+        )
+    assert all(p["due"] >= 10 for p in per_peer), seen
+    assert all(p["averaged"] >= 0.8 * p["due"] for p in per_peer), seen
+    assert all(p["utilization"] > 0.9 for p in per_peer if p["speed"] == 1.0), seen
+    assert figures["anchor_spread"] < SPREAD_BOUND, seen

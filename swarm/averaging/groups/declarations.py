@@ -30,6 +30,10 @@ class DeclarationBoard:
     def __init__(self, peer: Peer):
         self.peer = peer
         self._tasks: set[asyncio.Task[Any]] = set()
+        # per key, the newest declaration not yet stored (with its expiration): updates that
+        # come while a store of the key runs wait for it, and only the newest is stored then
+        self._pending: dict[str, tuple[Declaration, float]] = {}
+        self._storing: set[str] = set()  # keys with a store task running
 
     def declare(
         self,
@@ -44,21 +48,29 @@ class DeclarationBoard:
         """Store our declaration under ``key`` in the background; ``update`` counts the
         declarations of this round before it (it sets the later expiration)."""
         decl = Declaration(self.peer.transport.record(), deadline, busy, leading, size)
-
-        async def store() -> None:
-            try:
-                stored = await self.peer.dht.store(
-                    key, decl.serialize(), deadline + update * UPDATE_BUMP_S, subkey=""
-                )
-            except DHTError as e:
-                logger.warning("matchmaking declaration failed: %s", e)
-                return
-            if stored == 0:
-                logger.debug("no DHT node stored our matchmaking declaration")
-
-        task = asyncio.create_task(store(), name="swarm-mm-declare")
+        self._pending[key] = (decl, deadline + update * UPDATE_BUMP_S)
+        if key in self._storing:
+            return
+        self._storing.add(key)
+        task = asyncio.create_task(self._store(key), name="swarm-mm-declare")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _store(self, key: str) -> None:
+        try:
+            while (newest := self._pending.pop(key, None)) is not None:
+                decl, expiration = newest
+                if expiration <= time.time():  # the round is over: nothing left to declare
+                    continue
+                try:
+                    stored = await self.peer.dht.store(key, decl.serialize(), expiration, subkey="")
+                except DHTError as e:
+                    logger.warning("matchmaking declaration failed: %s", e)
+                    continue
+                if stored == 0:
+                    logger.debug("no DHT node stored our matchmaking declaration")
+        finally:
+            self._storing.discard(key)
 
     async def read(self, key: str, gone: Container[PeerID]) -> dict[PeerID, Declaration]:
         """Unexpired, non-busy declarations of other peers of this run under ``key``, less
@@ -84,6 +96,7 @@ class DeclarationBoard:
         return view
 
     async def close(self) -> None:
+        self._pending.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,15 +1,18 @@
 """Network coordinates of this peer: RTT probes to known peers, Vivaldi, published in the record.
 
-Every ``period`` seconds the :class:`Prober` reads the peer records of the run (one DHT read),
-sends one ``/ping`` (:meth:`swarm.net.transport.Transport.ping`) to each of at most ``probes``
-peers, feeds every answer to :class:`~swarm.averaging.groups.coordinates.Vivaldi` together with the
+Every ``period`` seconds the :class:`Prober` reads the peer records of the run (one DHT read, or
+the peer's last one when it is younger than a period: the planner reads them every round), sends
+one ``/ping`` (:meth:`swarm.net.transport.Transport.ping`) to each of at most ``probes`` peers,
+feeds every answer to :class:`~swarm.averaging.groups.coordinates.Vivaldi` together with the
 coordinate that peer published, and publishes the new coordinate under ``extra["vc"]`` of this
-peer's :class:`~swarm.net.record.PeerRecord` (re-announced at once, not at the next heartbeat).
+peer's :class:`~swarm.net.record.PeerRecord`: re-announced at once when the coordinate moved
+``publish_move_s`` (5 ms) since it was last announced, otherwise by the next heartbeat.
 
 Which peers: half of the probes go to the peers predicted nearest (Vivaldi is most accurate where
 it is sampled, and near peers are the ones grouping depends on), the rest to a random sample of
 the others, so distant regions stay measured and a peer that moved is found. The cost is bounded:
-``probes`` pings of 64 bytes and one DHT read and store per period, whatever the swarm size.
+``probes`` pings of 64 bytes and at most one DHT read and store per period, whatever the swarm
+size.
 
 Departures travel the same way: a peer that found another one gone (its address refused a
 connection, see :mod:`.liveness`) lists it under ``extra["gn"]`` and re-announces at once; the
@@ -71,6 +74,9 @@ class Prober:
         vivaldi: tuning of the coordinate system; every peer of a run uses the same ``dims``.
         ping_timeout: a probe not answered by then is dropped (no sample).
         rng: peer choice and Vivaldi's random directions (seed it for reproducible tests).
+        publish_move_s: a probe round publishes the coordinate at once only when it moved this
+            far (seconds of RTT) since it was last published; a smaller move rides on the next
+            heartbeat, which announces the record anyway.
 
     Attributes:
         vivaldi: the coordinate state (``vivaldi.coordinate`` is this peer's current one).
@@ -87,6 +93,7 @@ class Prober:
         vivaldi: VivaldiConfig | None = None,
         ping_timeout: float = 2.0,
         rng: random.Random | None = None,
+        publish_move_s: float = 0.005,
     ):
         if not period > 0 or not ping_timeout > 0:
             raise ConfigError("probe period and ping_timeout must be positive")
@@ -98,6 +105,8 @@ class Prober:
         self.ping_timeout = ping_timeout
         self.rng = rng or random.Random()
         self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
+        self.publish_move_s = publish_move_s
+        self._published: Coordinate | None = None  # the coordinate last announced
         self.records: dict[PeerID, PeerRecord] = {}
         self.gone: dict[PeerID, float] = {}  # peer -> time.time() its address refused us
         self._reports_checked: dict[PeerID, float] = {}  # reported peer -> when we checked it
@@ -124,8 +133,9 @@ class Prober:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    async def refresh(self) -> dict[PeerID, PeerRecord]:
-        """Read the peer records now (one DHT read) and merge them into :attr:`records`.
+    async def refresh(self, max_age_s: float = 0.0) -> dict[PeerID, PeerRecord]:
+        """Read the peer records now (one DHT read, or the peer's last one when it is younger
+        than ``max_age_s``) and merge them into :attr:`records`.
 
         A DHT read may miss some entries (it asks a quorum, not every node), and a peer whose
         view lacks a peer may compute other group keys than the rest; so a record stays until
@@ -133,7 +143,7 @@ class Prober:
         record of each peer wins.
         """
         try:
-            fresh = await self.peer.known_peers()
+            fresh = await self.peer.known_peers(max_age_s)
         except SwarmError as e:
             logger.debug("reading peer records failed: %s", e)
             fresh = {}
@@ -207,7 +217,7 @@ class Prober:
 
     async def probe_once(self) -> int:
         """One period's work: read records, ping, update and publish; returns samples taken."""
-        records = await self.refresh()
+        records = await self.refresh(max_age_s=self.period)  # the planner's reads will do
         targets = self._choose({pid: r for pid, r in records.items() if pid != self.peer.peer_id})
         rtts = await asyncio.gather(*(self._ping(r) for r in targets))
         taken = 0
@@ -224,7 +234,12 @@ class Prober:
             taken += 1
         self.samples += taken
         if taken:
-            await self._publish()
+            if self._published is None or _moved(self._published, self.coordinate) >= (
+                self.publish_move_s
+            ):
+                await self._publish()
+            else:
+                self._put_in_record()
         return taken
 
     def _choose(self, others: dict[PeerID, PeerRecord]) -> list[PeerRecord]:
@@ -252,6 +267,16 @@ class Prober:
             return None
 
     async def _publish(self) -> None:
+        self._put_in_record()
+        if self.samples:
+            self._published = self.coordinate
+        try:
+            await self.peer.announce()
+        except SwarmError as e:
+            logger.debug("publishing the coordinate failed: %s", e)
+
+    def _put_in_record(self) -> None:
+        """Put the coordinate and the gone list in our record (announced by the next store)."""
         transport = self.peer.transport
         latest = sorted(self.gone, key=self.gone.__getitem__)[-MAX_GONE_LISTED:]
         extra = {k: v for k, v in transport.record().extra.items() if k != GONE_FIELD}
@@ -260,10 +285,6 @@ class Prober:
         if self.samples:  # no coordinate before the first RTT sample
             extra[COORDINATE_FIELD] = self.coordinate.to_wire()
         transport.update_record(extra=extra)
-        try:
-            await self.peer.announce()
-        except SwarmError as e:
-            logger.debug("publishing the coordinate failed: %s", e)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -277,6 +298,13 @@ class Prober:
                 logger.exception("probe round failed")
             due = max(due + self.period, loop.time())
             await asyncio.sleep(due - loop.time())
+
+
+def _moved(before: Coordinate, after: Coordinate) -> float:
+    """How far (seconds of RTT) a coordinate moved: its vector's distance plus its height's."""
+    if before.dims != after.dims:
+        return math.inf
+    return math.dist(before.vector, after.vector) + abs(before.height - after.height)
 
 
 def _gone_list(record: PeerRecord) -> list[str]:

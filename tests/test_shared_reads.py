@@ -1,0 +1,157 @@
+"""DHT work a peer shares between its parts: one read of the run's records serves the prober,
+the planner and the heartbeat; a burst of declaration updates is one store; a coordinate that
+barely moved waits for the heartbeat. Real peers on loopback, one event loop; the counting
+wrappers only count (and, once, inject a DHT failure) around the real calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from loopback_peers import start_peers
+
+from swarm.averaging.groups.declarations import DeclarationBoard
+from swarm.averaging.groups.prober import Prober
+from swarm.errors import DHTError, SwarmError
+from swarm.peer import Peer
+
+
+def _count(peer: Peer, name: str, fail_first: bool = False) -> Callable[[], int]:
+    """Count the calls of ``peer.dht.<name>`` from now on (the first raising, if asked)."""
+    dht = peer.dht
+    assert dht is not None
+    real = getattr(dht, name)
+    calls = 0
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if fail_first and calls == 1:
+            await asyncio.sleep(0.05)
+            raise DHTError("injected: no node answered")
+        return await real(*args, **kwargs)
+
+    setattr(dht, name, counted)
+    return lambda: calls
+
+
+async def _both_listed(peer: Peer, other: Peer) -> None:
+    for _ in range(100):
+        if other.peer_id in await peer.known_peers():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the other peer's record never showed up")
+
+
+async def test_concurrent_reads_of_the_run_records_share_one_dht_read() -> None:
+    a, b = await start_peers([161, 162])
+    try:
+        await _both_listed(a, b)
+        gets = _count(a, "get")
+        first, second, third = await asyncio.gather(*(a.known_peers() for _ in range(3)))
+        assert gets() == 1
+        assert first == second == third and set(first) == {a.peer_id, b.peer_id}
+        first.clear()  # each caller has its own copy
+        assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
+        assert gets() == 1  # young enough: the last read answered again
+        await a.known_peers()
+        assert gets() == 2  # fresh asked for: read again
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_caller_that_stops_waiting_does_not_cancel_the_others_read() -> None:
+    a, b = await start_peers([163, 164])
+    try:
+        await _both_listed(a, b)
+        gets = _count(a, "get")
+        impatient = asyncio.create_task(a.known_peers())
+        patient = asyncio.create_task(a.known_peers())
+        await asyncio.sleep(0)
+        impatient.cancel()
+        assert set(await patient) == {a.peer_id, b.peer_id}
+        assert impatient.cancelled() and gets() == 1
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_failed_shared_read_fails_every_caller_and_is_not_kept() -> None:
+    a, b = await start_peers([165, 166])
+    try:
+        await _both_listed(a, b)
+        gets = _count(a, "get", fail_first=True)
+        results = await asyncio.gather(a.known_peers(), a.known_peers(), return_exceptions=True)
+        assert all(isinstance(r, SwarmError) for r in results), results
+        assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
+        assert gets() == 1  # the last good read still serves those it is young enough for
+        assert set(await a.known_peers()) == {a.peer_id, b.peer_id}
+        assert gets() == 2
+        assert a.metrics.counts.dht_failures.get("get") == 1
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_burst_of_declaration_updates_stores_the_newest_once_the_first_is_in() -> None:
+    a, b = await start_peers([167, 168])
+    board, reader = DeclarationBoard(a), DeclarationBoard(b)
+    try:
+        stores = _count(a, "store")
+        key, deadline = "shared-reads/round", time.time() + 30.0
+        board.declare(key, deadline, update=0, leading=True, size=1)
+        await asyncio.sleep(0)  # its store is under way
+        for update in range(1, 6):  # a leader whose group grows by one member at a time
+            board.declare(key, deadline, update=update, leading=True, size=update + 1)
+        view: dict[Any, Any] = {}
+        for _ in range(100):
+            view = await reader.read(key, ())
+            if a.peer_id in view and view[a.peer_id].size == 6:
+                break
+            await asyncio.sleep(0.05)
+        assert view[a.peer_id].leading and view[a.peer_id].size == 6
+        assert stores() == 2  # the first, then the newest of the five that came meanwhile
+    finally:
+        await asyncio.gather(board.close(), reader.close())
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_declaration_whose_round_is_over_is_not_stored() -> None:
+    (a,) = await start_peers([169])
+    board = DeclarationBoard(a)
+    try:
+        stores = _count(a, "store")
+        board.declare("shared-reads/over", time.time() - 1.0, update=0)
+        await asyncio.sleep(0.1)
+        assert stores() == 0
+    finally:
+        await board.close()
+        await a.close()
+
+
+@pytest.mark.parametrize("move_s, announced", [(0.005, 1), (0.0, 3)])
+async def test_a_coordinate_that_barely_moved_waits_for_the_heartbeat(
+    move_s: float, announced: int
+) -> None:
+    a, b = await start_peers([170, 171])
+    prober = Prober(a, publish_move_s=move_s)
+    announces = 0
+    real = a.announce
+
+    async def counted() -> int:
+        nonlocal announces
+        announces += 1
+        return await real()
+
+    a.announce = counted  # type: ignore[method-assign]
+    try:
+        await _both_listed(a, b)
+        for _ in range(3):  # loopback RTTs move the coordinate well under 5 ms
+            assert await prober.probe_once() == 1
+        assert announces == announced
+        # what is not announced yet is in the record the next heartbeat signs
+        assert a.transport.record().extra["vc"] == prober.coordinate.to_wire()
+    finally:
+        await prober.close()
+        await asyncio.gather(a.close(), b.close())
