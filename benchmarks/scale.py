@@ -21,21 +21,22 @@ simulated and how) after a 600 s warm-up. In short:
 
 ``dht_msgs_per_peer_per_min`` counts UDP datagrams (requests and answers) sent, averaged over the
 peers. Model, from the code: per minute a peer stores its record ``60 / heartbeat_s`` times (the
-heartbeat) plus ``60 / probe_period_s`` times (the prober publishes its coordinate after every
-probe round), and reads the peer list as often (the heartbeat's listing, the prober's refresh)
-plus once per round (the plan's own read); per round its matchmaking stores its declaration
-(once, once more per follower when it leads, once "busy" when grouped) and polls the group key
-(the simulation counts the polls); every 600 s (``refresh_interval``) the routing table is
-refreshed. Each operation costs what it costs on real DHT nodes of this project: first,
-``--dht-nodes`` nodes (default: as many as ``--peers``) start in this process on loopback
-(16 subnets of 127.0.0.0/8), each stores a peer record of realistic size (coordinate and
-progress: about 650 bytes with its signature), and the datagrams and bytes every node sends are
-counted over sequential stores and gets from random nodes (Kademlia with alpha = 3 requests in
-flight, a store to the k = 20 closest nodes, a get ending at a quorum of 5 holders and following
-up to 8 more answer pages from 2 of them; about log2(N) hops). The same calibration measures
-how many records one read of the peer list returns: the simulation's views hold no more
-(``read_cap``). ``dht_kb_per_peer_per_min`` is the bytes, and ``dht_busiest_node_mb_per_min``
-what the node that sends the most (a holder of the peer list) sends when every peer does this.
+heartbeat) plus at most ``60 / probe_period_s`` times (the prober publishes its coordinate after a
+probe round that moved it 5 ms or more), and reads the peer list once per round (the plan's own
+read), the prober and the heartbeat reading only when no read is younger than their period (half the
+heartbeat): ``max(rounds, probe rounds, heartbeats)`` reads per minute; per round its matchmaking
+stores its declaration (once, at most once more per follower when it leads, once "busy" when
+grouped) and polls the group key (the simulation counts the polls); every 600 s
+(``refresh_interval``) the routing table is refreshed. Each operation costs what it costs on real
+DHT nodes of this project: first, ``--dht-nodes`` nodes (default: as many as ``--peers``) start in
+this process on loopback (16 subnets of 127.0.0.0/8), each stores a peer record of realistic size
+(coordinate and progress: about 650 bytes with its signature), and the datagrams and bytes every
+node sends are counted over sequential stores and gets from random nodes (Kademlia with alpha = 3
+requests in flight, a store to the k = 20 closest nodes, a get ending at a quorum of 5 holders and
+following up to 8 more answer pages from 2 of them; about log2(N) hops). The same calibration
+measures how many records one read of the peer list returns: the simulation's views hold no more
+(``read_cap``). ``dht_kb_per_peer_per_min`` is the bytes, and ``dht_busiest_node_mb_per_min`` what
+the node that sends the most (a holder of the peer list) sends when every peer does this.
 
 Prints one JSON line for the calibration (``setting``: ``dht``), one per round (``sim-round``:
 due peers, those averaged in a group of >= 2, group sizes, planner CPU) and one for the run
@@ -239,7 +240,7 @@ def dht_per_peer_per_min(
     rounds_per_min = 60.0 / sim.round_s
     per_min = {
         "peer_list_store": 60.0 / peer.heartbeat_s + 60.0 / avg.probe_period_s,
-        "peer_list_get": 60.0 / peer.heartbeat_s + 60.0 / avg.probe_period_s + rounds_per_min,
+        "peer_list_get": max(60.0 / peer.heartbeat_s, 60.0 / avg.probe_period_s, rounds_per_min),
         "declaration_store": rounds_per_min * sum(r.stores for r in rounds) / due,
         "declaration_get": rounds_per_min * sum(r.gets for r in rounds) / due,
         "refresh": 60.0 / REFRESH_INTERVAL_S,

@@ -155,7 +155,11 @@ class AsyncSwarm:
                 self.config.averaging.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
-            reason = f"{type(e).__name__}: {e}"
+            if isinstance(e, asyncio.TimeoutError):
+                limit = self.config.averaging.round_timeout_s
+                reason = f"the round ran past round_timeout_s ({limit:g} s)"
+            else:
+                reason = f"{type(e).__name__}: {e}"
             seconds = time.perf_counter() - started
             self.peer.record_round(RoundFigures(False, reason, "", 0, 0, 0, seconds, seconds, 0.0))
             return RoundOutcome.failed(reason, round_s=_since(plan))

@@ -23,7 +23,8 @@ own plan: the peers that computed the same key meet, and only they (keys never m
   came"); nobody waits past the matchmaking timeout.
 
 DHT operations are counted per peer: declaration stores (one on start, one more per follower a
-leader takes, one "busy" once grouped) and gets of the key (polls).
+leader takes, one "busy" once grouped; an upper bound, as updates that come while the last store
+is under way are merged into one) and gets of the key (polls).
 """
 
 from __future__ import annotations

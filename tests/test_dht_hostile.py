@@ -6,6 +6,7 @@ Each test is one attack an outsider can mount against a real node, bounded in co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import time
@@ -378,3 +379,22 @@ async def test_future_stamped_nonce_flood_does_not_lock_out_other_senders():
             assert {n.identity.public_key for n in nodes} <= owners(found)
         finally:
             sock.close()
+
+
+async def test_a_checked_signature_does_not_vouch_for_another_expiration_or_value():
+    """A reader that checked an entry once must not take the same signature on a changed copy:
+    a lying holder stretches a record's expiration (a dead peer kept alive) or swaps its value."""
+    async with swarm_of(3) as nodes:
+        owner, liar, reader = nodes
+        assert await owner.store("vouch", b"honest", time.time() + 30.0) >= 2
+        digest = key_digest("vouch")
+        (honest,) = (await reader.get("vouch")).values()  # checked, and remembered as checked
+        assert honest.value == b"honest"
+        stretched = dataclasses.replace(honest, expiration=honest.expiration + 600.0)
+        swapped = dataclasses.replace(honest, value=b"lie", expiration=honest.expiration + 1.0)
+        for lie in (stretched, swapped):
+            (held,) = liar.storage.entries(digest)
+            liar.storage._remove(digest, held.slot)  # (fault injection: a holder that lies)
+            assert liar.storage.merge(lie)
+            (seen,) = (await reader.get("vouch")).values()
+            assert (seen.value, seen.expiration) == (b"honest", honest.expiration)

@@ -100,7 +100,7 @@ class DHTNode:
         self.targets = StoreTargets()  # where keys were stored lately (skips their lookups)
         self.protocol: SwarmProtocol | None = None
         self._refresh: asyncio.Task[None] | None = None
-        self._verified: dict[tuple[bytes, bytes], None] = {}
+        self._verified: dict[bytes, None] = {}  # fingerprints of entries checked lately
         self._seeds: list[PeerAddress] = []  # the initial peers, to rejoin through
         self._rejoin_lock = asyncio.Lock()
         self._rejoin_after = 0.0  # monotonic time before which no rejoin is tried again
@@ -374,7 +374,7 @@ class DHTNode:
         return merge_reads(candidates, reports, self._verify, now)
 
     def _verify(self, entry: DHTEntry) -> bool:
-        cache_key = (entry.public_key, entry.signature)
+        cache_key = entry.fingerprint()
         if cache_key in self._verified:
             return True
         try:
