@@ -13,7 +13,6 @@ expiry. Every heartbeat also reads the run's records, which logs who joined and 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import socket
 import time
@@ -373,7 +372,7 @@ async def fetch_run_records(
     for (owner, _subkey), entry in entries.items():
         value: Any = entry.value
         try:
-            record = dataclasses.replace(PeerRecord.parse(bytes(value)), age_s=entry.age_s)
+            record = PeerRecord.parse(bytes(value)).aged(entry.age_s)
         except (SwarmError, TypeError, ValueError) as e:
             logger.debug("ignoring an invalid peer record from %s: %s", owner.short, e)
             continue

@@ -79,6 +79,18 @@ def test_record_round_trip_and_size() -> None:
     assert parsed.serialize() == data
 
 
+def test_record_bytes_parsed_again_are_answered_from_the_checked_ones() -> None:
+    record = _record()
+    data = record.serialize()
+    first = PeerRecord.parse(data)
+    assert PeerRecord.parse(data) is first  # no second decode or signature check
+    with pytest.raises(TransportError):  # the size limit of each call still holds
+        PeerRecord.parse(data, max_bytes=len(data) - 1)
+    aged = first.aged(12.5)
+    assert aged.age_s == 12.5 and first.age_s == 0.0 and aged == first
+    assert PeerRecord.parse(data).age_s == 0.0
+
+
 def test_record_forged_or_swapped_owner_refused() -> None:
     record, other = _record(), _record()
     body, signature = msgpack.unpackb(record.serialize())
