@@ -43,13 +43,12 @@ from swarm.training.engine import TrainingEngine
 from swarm.training.joining import Joined, join_swarm
 from swarm.training.overlap import RoundHandle
 from swarm.training.report import StepReport
-from swarm.training.rounds import RoundOutcome, RoundPlan
+from swarm.training.rounds import RoundOutcome, RoundPlan, outcome_of
 from swarm.training.sharding import my_items
 from swarm.training.transfer import STATE_STREAM, StateProvider
 
 if TYPE_CHECKING:
     from swarm.averaging import Averager
-    from swarm.averaging.result import RoundResult
     from swarm.identity import PeerID
     from swarm.peer import Peer
 
@@ -435,19 +434,6 @@ class Swarm:
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(30)
         loop.close()
-
-
-def outcome_of(result: RoundResult) -> RoundOutcome:
-    """What training needs from the averaging layer's :class:`RoundResult`."""
-    return RoundOutcome(
-        averaged=result.averaged,
-        group_size=result.group_size if result.averaged else 0,
-        bytes_sent=result.bytes_sent,
-        bytes_received=result.bytes_received,
-        reason="" if result.averaged else (result.reason or "not averaged"),
-        refusals=tuple(str(r) for r in result.refusals),
-        synced=result.synced,
-    )
 
 
 def _since(plan: RoundPlan) -> float:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swarm.training.overlap import RoundWait
 from swarm.training.report import StepReport
+
+if TYPE_CHECKING:
+    from swarm.averaging.result import RoundResult
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,19 @@ class RoundOutcome:
     def failed(cls, reason: str, round_s: float = 0.0) -> RoundOutcome:
         """A round that averaged nothing, and why (this peer goes on alone)."""
         return cls(False, 0, 0, 0, reason, round_s=round_s)
+
+
+def outcome_of(result: RoundResult) -> RoundOutcome:
+    """What training needs from the averaging layer's :class:`RoundResult`."""
+    return RoundOutcome(
+        averaged=result.averaged,
+        group_size=result.group_size if result.averaged else 0,
+        bytes_sent=result.bytes_sent,
+        bytes_received=result.bytes_received,
+        reason="" if result.averaged else (result.reason or "not averaged"),
+        refusals=tuple(str(r) for r in result.refusals),
+        synced=result.synced,
+    )
 
 
 @dataclass(frozen=True)
