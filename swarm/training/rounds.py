@@ -4,15 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from swarm.training.overlap import RoundWait
 from swarm.training.report import StepReport
 
-if TYPE_CHECKING:
-    from swarm.averaging.result import RoundResult
+
+class AveragedRound(Protocol):
+    """What :func:`outcome_of` reads of a round's result (the averaging layer's
+    ``RoundResult``, which this layer does not import)."""
+
+    averaged: bool
+    reason: str
+    bytes_sent: int
+    bytes_received: int
+    refusals: tuple[Any, ...]  # each told as str(refusal)
+    synced: bool
+
+    @property
+    def group_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -34,8 +46,8 @@ class RoundOutcome:
         return cls(False, 0, 0, 0, reason, round_s=round_s)
 
 
-def outcome_of(result: RoundResult) -> RoundOutcome:
-    """What training needs from the averaging layer's :class:`RoundResult`."""
+def outcome_of(result: AveragedRound) -> RoundOutcome:
+    """What training needs from the averaging layer's ``RoundResult``."""
     return RoundOutcome(
         averaged=result.averaged,
         group_size=result.group_size if result.averaged else 0,

@@ -12,6 +12,12 @@ back (its own part included). An honest owner's robust mean lies about as far fr
 values as the other honest owners' do; an owner that returns huge, flipped or unrelated values
 does not. A part refused this way keeps the member's own values, and the owner is accused.
 
+When most parts come back as the member's own values (nothing else was averaged into them,
+say because their other senders were excluded or late), the median is 0 and says nothing of the
+honest spread: a part is then refused only when its average lies farther from the own values
+than their own size (``r_j > 1``: flipped, huge or unrelated values), not for being averaged at
+all (before, one honestly averaged part among unaveraged ones got its owner accused).
+
 A member whose own values are the odd ones out (the robust mean of its own part clipped them)
 does not judge: every honest average then lies as far from its values as they drifted in that
 part, which differs from part to part (a part of biases near zero drifts further, relative to its
@@ -32,6 +38,7 @@ from collections.abc import Mapping
 PLAUSIBLE_FACTOR = 4.0
 _MIN_PARTS = 3  # the median of fewer parts says nothing
 _EPS = 1e-6  # relative deviations this small are always plausible (lossless, identical values)
+UNAVERAGED_BOUND = 1.0  # the bound when most parts came back as own values (median 0)
 NOT_FINITE = "average is not finite"  # refused whatever the other parts say
 
 
@@ -54,7 +61,7 @@ def implausible_parts(
     if len(judged) < _MIN_PARTS:
         return verdicts
     median = statistics.median(judged)  # inf when most own values are 0: no verdict
-    bound = factor * median + _EPS
+    bound = (factor * median if median > _EPS else UNAVERAGED_BOUND) + _EPS
     verdicts.update(
         (part, f"average {d:.3g} from own values, over {factor:g}x the median {median:.3g}")
         for part, d in deviations.items()
