@@ -256,6 +256,14 @@ def dht_per_peer_per_min(
     }
 
 
+def option_pair(pair: str) -> str:
+    """argparse ``type`` of ``--option``: refuses what is not ``NAME=VALUE``."""
+    name, eq, _ = pair.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {pair!r}")
+    return pair
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
@@ -394,6 +402,7 @@ def main() -> None:
     real.add_argument("--hidden", type=int, default=64, help="the MLP's hidden width")
     real.add_argument(
         "--option",
+        type=option_pair,
         action="append",
         default=[],
         metavar="NAME=VALUE",

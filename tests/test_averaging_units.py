@@ -780,7 +780,7 @@ def test_implausible_parts_names_the_outlier_only():
     # most parts came back as own values (median 0): an averaged part is not a lie for that,
     # flipped, huge or unrelated values still are
     assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.128, 3: 0.0}) == {}
-    assert set(implausible_parts({0: 0.0, 1: 0.0, 2: 2.0, 3: 0.0})) == {2}
+    assert "most parts unaveraged" in implausible_parts({0: 0.0, 1: 0.0, 2: 2.0, 3: 0.0})[2]
     assert set(implausible_parts({0: 0.0, 1: 0.0, 2: 1e29, 3: 0.0})) == {2}
     # NaN stands for an average holding NaN or inf: refused whatever the other parts say
     assert set(implausible_parts({0: 0.5, 1: float("nan"), 2: 0.55, 3: 0.6})) == {1}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -46,52 +46,57 @@ async def _both_listed(peer: Peer, other: Peer) -> None:
     raise AssertionError("the other peer's record never showed up")
 
 
-async def test_concurrent_reads_of_the_run_records_share_one_dht_read() -> None:
+@pytest.fixture
+async def listed() -> AsyncIterator[tuple[Peer, Peer]]:
+    """Two peers on loopback, each listed in the other's reads of the run's records."""
     a, b = await start_peers([161, 162])
     try:
         await _both_listed(a, b)
-        gets = _count(a, "get")
-        first, second, third = await asyncio.gather(*(a.known_peers() for _ in range(3)))
-        assert gets() == 1
-        assert first == second == third and set(first) == {a.peer_id, b.peer_id}
-        first.clear()  # each caller has its own copy
-        assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
-        assert gets() == 1  # young enough: the last read answered again
-        await a.known_peers()
-        assert gets() == 2  # fresh asked for: read again
+        yield a, b
     finally:
         await asyncio.gather(a.close(), b.close())
 
 
-async def test_a_caller_that_stops_waiting_does_not_cancel_the_others_read() -> None:
-    a, b = await start_peers([163, 164])
-    try:
-        await _both_listed(a, b)
-        gets = _count(a, "get")
-        impatient = asyncio.create_task(a.known_peers())
-        patient = asyncio.create_task(a.known_peers())
-        await asyncio.sleep(0)
-        impatient.cancel()
-        assert set(await patient) == {a.peer_id, b.peer_id}
-        assert impatient.cancelled() and gets() == 1
-    finally:
-        await asyncio.gather(a.close(), b.close())
+async def test_concurrent_reads_of_the_run_records_share_one_dht_read(
+    listed: tuple[Peer, Peer],
+) -> None:
+    a, b = listed
+    gets = _count(a, "get")
+    first, second, third = await asyncio.gather(*(a.known_peers() for _ in range(3)))
+    assert gets() == 1
+    assert first == second == third and set(first) == {a.peer_id, b.peer_id}
+    first.clear()  # each caller has its own copy
+    assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
+    assert gets() == 1  # young enough: the last read answered again
+    await a.known_peers()
+    assert gets() == 2  # fresh asked for: read again
 
 
-async def test_a_failed_shared_read_fails_every_caller_and_is_not_kept() -> None:
-    a, b = await start_peers([165, 166])
-    try:
-        await _both_listed(a, b)
-        gets = _count(a, "get", fail_first=True)
-        results = await asyncio.gather(a.known_peers(), a.known_peers(), return_exceptions=True)
-        assert all(isinstance(r, SwarmError) for r in results), results
-        assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
-        assert gets() == 1  # the last good read still serves those it is young enough for
-        assert set(await a.known_peers()) == {a.peer_id, b.peer_id}
-        assert gets() == 2
-        assert a.metrics.counts.dht_failures.get("get") == 1
-    finally:
-        await asyncio.gather(a.close(), b.close())
+async def test_a_caller_that_stops_waiting_does_not_cancel_the_others_read(
+    listed: tuple[Peer, Peer],
+) -> None:
+    a, b = listed
+    gets = _count(a, "get")
+    impatient = asyncio.create_task(a.known_peers())
+    patient = asyncio.create_task(a.known_peers())
+    await asyncio.sleep(0)
+    impatient.cancel()
+    assert set(await patient) == {a.peer_id, b.peer_id}
+    assert impatient.cancelled() and gets() == 1
+
+
+async def test_a_failed_shared_read_fails_every_caller_and_is_not_kept(
+    listed: tuple[Peer, Peer],
+) -> None:
+    a, b = listed
+    gets = _count(a, "get", fail_first=True)
+    results = await asyncio.gather(a.known_peers(), a.known_peers(), return_exceptions=True)
+    assert all(isinstance(r, SwarmError) for r in results), results
+    assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
+    assert gets() == 1  # the last good read still serves those it is young enough for
+    assert set(await a.known_peers()) == {a.peer_id, b.peer_id}
+    assert gets() == 2
+    assert a.metrics.counts.dht_failures.get("get") == 1
 
 
 async def test_a_burst_of_declaration_updates_stores_the_newest_once_the_first_is_in() -> None:

@@ -61,10 +61,13 @@ def implausible_parts(
     if len(judged) < _MIN_PARTS:
         return verdicts
     median = statistics.median(judged)  # inf when most own values are 0: no verdict
-    bound = (factor * median if median > _EPS else UNAVERAGED_BOUND) + _EPS
+    if median > _EPS:
+        bound, rule = factor * median, f"over {factor:g}x the median {median:.3g}"
+    else:
+        bound, rule = UNAVERAGED_BOUND, f"over {UNAVERAGED_BOUND:g} (most parts unaveraged)"
     verdicts.update(
-        (part, f"average {d:.3g} from own values, over {factor:g}x the median {median:.3g}")
+        (part, f"average {d:.3g} from own values, {rule}")
         for part, d in deviations.items()
-        if d > bound
+        if d > bound + _EPS
     )
     return verdicts
