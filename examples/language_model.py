@@ -6,12 +6,13 @@
 The corpus is every ``*.py`` file of this Python installation's standard library (offline, no
 download), read as bytes (a 256-symbol vocabulary). Each peer trains on its own shard of the
 text with AdamW, gradient accumulation and, on a GPU, ``torch.autocast`` in bfloat16; every
-``--inner-steps`` optimizer steps the peers average their pseudo-gradients (int8 + error
-feedback) in the background while training goes on (overlapped DiLoCo); with ``--fragments 2``
-each round averages half of the model, every ``--inner-steps`` / 2 steps (Streaming DiLoCo: half
-the peak bandwidth). Peer 0 prints one line per round with its held-out loss. On several
-machines, run one peer per machine with ``initial_peers=["HOST:PORT"]`` and
-``listen="0.0.0.0:7000"``.
+``--inner-steps`` optimizer steps the peers average their pseudo-gradients (``--codec``, int8 +
+error feedback by default; ``--codec sparse`` sends about 1/70 of int8's bytes, for home uplinks)
+in the background while training goes on (overlapped DiLoCo); with ``--fragments 2`` each round
+averages half of the model, every ``--inner-steps`` / 2 steps (Streaming DiLoCo: half the peak
+bandwidth). Peer 0 prints one line per round with its held-out loss; the last line gives every
+peer's held-out loss after the last round and the bytes each sent. On several machines, run
+one peer per machine with ``initial_peers=["HOST:PORT"]`` and ``listen="0.0.0.0:7000"``.
 """
 
 from __future__ import annotations
@@ -83,16 +84,17 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> 
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def train_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list) -> None:
+def train_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list, ends: list):
     try:
-        run_peer(rank, args, text, held_out, peers, ready, out)
+        ends[rank] = run_peer(rank, args, text, held_out, peers, ready, out)
     except BaseException:
         ready.abort()  # the other peers stop waiting for this one and fail too
         out[rank] = None
         raise
 
 
-def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list) -> None:
+def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list):
+    """Train one peer; its held-out loss after the last round and the bytes it sent."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)  # one initial model; joiners download peer 0's anyway
     model = GPT(args.context, args.dim, args.layers, args.heads).to(device)
@@ -105,7 +107,7 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
         listen="127.0.0.1:0",
         inner_steps=args.inner_steps,
         fragments=args.fragments,
-        codec="int8",
+        codec=args.codec,
         matchmaking_timeout_s=5.0,
         round_timeout_s=120.0,
     ) as swarm:
@@ -113,6 +115,7 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
         ready.wait()  # every peer is up: the shards are disjoint
         shard = text[rank * len(text) // args.peers : (rank + 1) * len(text) // args.peers]
         g = torch.Generator().manual_seed(rank)
+        sent = 0
         for _ in range(args.steps):
             for _ in range(args.accumulate):  # gradient accumulation: a larger effective batch
                 x, y = batch_of(shard, args.batch, args.context, g, device)
@@ -120,13 +123,21 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             report = swarm.step(samples=args.batch * args.accumulate)
             optimizer.zero_grad(set_to_none=True)
+            sent += report.bytes_sent if report.averaged else 0
             if report.round_due and rank == 0:
-                with torch.no_grad():
-                    x, y = held_out
-                    held = loss_of(model, x.to(device), y.to(device), device).item()
+                held = held_out_loss(model, held_out, device)
                 print(f"peer 0 {report.line(held)} ({held / math.log(2):.2f} bits/byte)")
-        swarm.wait_round()  # land the last round before leaving
+        last = swarm.wait_round()  # land the last round before leaving
+        sent += last.bytes_sent if last is not None and last.averaged else 0
+        held = held_out_loss(model, held_out, device)
         ready.wait()  # stay up until everyone has finished their last round
+        return held, sent
+
+
+def held_out_loss(model: nn.Module, held_out, device: str) -> float:
+    with torch.no_grad():
+        x, y = held_out
+        return loss_of(model, x.to(device), y.to(device), device).item()
 
 
 def main() -> None:
@@ -145,16 +156,20 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    p.add_argument("--codec", default="int8", help="e.g. int8, sparse (see the README's codecs)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads() // args.peers))
     text = load_corpus(args.corpus_bytes)
     held_text, text = text[: len(text) // 20], text[len(text) // 20 :]
-    held_out = batch_of(held_text, 64, args.context, torch.Generator().manual_seed(99), "cpu")
+    held_out = batch_of(held_text, 256, args.context, torch.Generator().manual_seed(99), "cpu")
     print(f"corpus: {len(text)} bytes of standard-library source, {args.peers} peers")
     ready = threading.Barrier(args.peers)
     swarms: list[Swarm | None] = [None] * args.peers
-    first = threading.Thread(target=train_peer, args=(0, args, text, held_out, [], ready, swarms))
+    ends: list[tuple[float, int] | None] = [None] * args.peers
+    first = threading.Thread(
+        target=train_peer, args=(0, args, text, held_out, [], ready, swarms, ends)
+    )
     first.start()
     while swarms[0] is None and first.is_alive():
         first.join(0.05)
@@ -162,7 +177,8 @@ def main() -> None:
         raise SystemExit("peer 0 failed to start")
     others = [
         threading.Thread(
-            target=train_peer, args=(r, args, text, held_out, [swarms[0].address], ready, swarms)
+            target=train_peer,
+            args=(r, args, text, held_out, [swarms[0].address], ready, swarms, ends),
         )
         for r in range(1, args.peers)
     ]
@@ -170,8 +186,15 @@ def main() -> None:
         t.start()
     for t in [first, *others]:
         t.join()
-    if any(s is None for s in swarms):
+    if any(s is None for s in swarms) or any(e is None for e in ends):
         raise SystemExit("a peer failed (its traceback is above)")
+    bits = [held / math.log(2) for held, _ in ends]
+    mib = [sent / 2**20 for _, sent in ends]
+    print(
+        f"final ({args.codec}): held-out {sum(bits) / len(bits):.4f} bits/byte, mean of"
+        f" {len(bits)} peers ({min(bits):.4f}-{max(bits):.4f}); sent"
+        f" {sum(mib) / len(mib):.2f} MiB per peer"
+    )
 
 
 if __name__ == "__main__":

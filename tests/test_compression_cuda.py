@@ -45,8 +45,10 @@ def test_cuda_round_trip_matches_cpu(spec, dtype, numel):
     assert torch.allclose(y_gpu.cpu().float(), y_cpu.float(), rtol=rtol, atol=1e-6)
     # Same codec on the CPU gives the same reconstruction, up to rounding.
     reference = decode(codec.encode(x))
-    if spec.startswith("topk") and numel:
-        # Ties may be broken differently; compare how many both kept.
+    ties = spec.startswith("topk") or (spec.startswith("sparse") and dtype != torch.float32)
+    if ties and numel:
+        # Ties (frequent among 16-bit values) may be broken differently: compare how many
+        # both kept.
         assert (y_gpu.cpu() != 0).sum() == (reference != 0).sum()
     elif spec.endswith("bnb") and numel:
         # bnb's CPU and CUDA kernels may pick neighbouring codes of its non-linear map.

@@ -120,15 +120,19 @@ async def test_joiner_asks_again_when_its_only_provider_breaks_the_connection_on
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-async def test_cuda_model_averages_on_the_gpu() -> None:
+@pytest.mark.parametrize("codec", ["int8", "sparse"])
+async def test_cuda_model_averages_on_the_gpu(codec: str) -> None:
     models = [bn_model(0).cuda(), bn_model(0).cuda()]
-    a = await start(models[0], "cuda", inner_steps=3, codec="int8")
+    a = await start(models[0], f"cuda-{codec}", inner_steps=3, codec=codec)
     try:
-        b = await start(models[1], "cuda", [a.address], inner_steps=3, codec="int8")
+        b = await start(models[1], f"cuda-{codec}", [a.address], inner_steps=3, codec=codec)
         try:
             assert all(t.is_cuda for t in a.engine.outer.slots + a.engine.outer.anchor)
             ra, rb = await asyncio.gather(train(a, 0.0, 3, "cuda"), train(b, 2.0, 3, "cuda"))
             assert ra.averaged and rb.averaged, (ra, rb)
+            if codec == "sparse":  # members of a sparse round apply bit-identical updates
+                for x, y in zip(a.engine.outer.anchor, b.engine.outer.anchor, strict=True):
+                    assert x.is_cuda and torch.equal(x, y)
             for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
                 assert p.is_cuda
                 torch.testing.assert_close(p, q, rtol=0, atol=5e-2)

@@ -124,8 +124,8 @@ class SparseCodec(Codec):
             idx = torch.topk(mags[full * self.chunk :], min(self.k, tail), sorted=False).indices
             positions.append(idx)
             values.append(x[full * self.chunk :][idx])
-        pos = torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64)
-        val = torch.cat([v.reshape(-1) for v in values]) if values else torch.empty(0)
+        pos = torch.cat(positions) if positions else x.new_empty(0, dtype=torch.int64)
+        val = torch.cat([v.reshape(-1) for v in values]) if values else x.new_empty(0)
         # top-k ranks NaN and infinities first: a non-finite input is always among the kept
         check_finite(x, val)
         block = torch.arange(kept, device=x.device) // (self.k * self.block_chunks)
