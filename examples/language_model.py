@@ -96,7 +96,7 @@ def train_peer(rank: int, args, text, held_out, peers: list[str], ready, out: li
 def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list):
     """Train one peer; its held-out loss after the last round and the bytes it sent."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)  # one initial model; joiners download peer 0's anyway
+    torch.manual_seed(args.seed)  # one initial model; joiners download peer 0's anyway
     model = GPT(args.context, args.dim, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     with Swarm(
@@ -114,7 +114,7 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
         out[rank] = swarm
         ready.wait()  # every peer is up: the shards are disjoint
         shard = text[rank * len(text) // args.peers : (rank + 1) * len(text) // args.peers]
-        g = torch.Generator().manual_seed(rank)
+        g = torch.Generator().manual_seed(1000 * args.seed + rank)
         sent = 0
         for _ in range(args.steps):
             for _ in range(args.accumulate):  # gradient accumulation: a larger effective batch
@@ -157,6 +157,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--codec", default="int8", help="e.g. int8, sparse (see the README's codecs)")
+    p.add_argument("--seed", type=int, default=0, help="the initial model and the batches")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads() // args.peers))

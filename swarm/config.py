@@ -92,6 +92,10 @@ AGGREGATORS = tuple(a.value for a in Aggregator)
 DENSE_ANCHOR_SYNC_EVERY = 4  # anchor_sync_every's default with a dense codec (+25% bytes)
 SPARSE_ANCHOR_SYNC_EVERY = 8  # ... and with a sparse one (see the README's fidelity notes)
 SPARSE_ANCHOR_SYNC_CODEC = "int8"  # anchor_sync_codec's default with a sparse codec
+# The outer step's defaults: DiLoCo's Nesterov step, or SparseLoCo's plain step with the sparse
+# codec, whose decaying error feedback already acts as the outer momentum (the README's
+# fidelity notes have the measured difference)
+DENSE_OUTER, SPARSE_OUTER = (0.7, 0.9), (1.0, 0.0)  # (outer_lr, outer_momentum)
 ROUND_CLEANUP_S = 1.0  # of a round's time, kept for closing streams after the all-reduce
 LOCKSTEP_GATHER_S = 0.05  # gather window of gradients mode: every step is a round, peers in step
 
@@ -258,11 +262,14 @@ class SwarmConfig:
             on the wall clock, at the same instants for every peer, so peers of unequal speed
             arrive together, each with the steps it managed (the choice for mixed hardware).
         min_inner_steps, max_inner_steps: the range ``"auto"`` picks from (ignored otherwise).
-        outer_lr: outer learning rate (DiLoCo's 0.7 works for most models).
-        outer_momentum: outer Nesterov momentum (DiLoCo: 0.9). A round with ``k`` peers uses at
-            most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer alone takes no outer step at
-            all (plain local training), so the default is stable at every group size; see
-            :func:`swarm.training.outer.outer_rule`.
+        outer_lr: outer learning rate. None (the default) means DiLoCo's 0.7, or SparseLoCo's
+            1.0 with the ``sparse`` codec in ``diloco``.
+        outer_momentum: outer Nesterov momentum. None (the default) means DiLoCo's 0.9, or 0
+            with the ``sparse`` codec in ``diloco``: its error feedback, which decays by 0.95 a
+            round, plays the momentum's part (SparseLoCo). A round with
+            ``k`` peers uses at most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer alone
+            takes no outer step at all (plain local training), so the default is stable at every
+            group size; see :func:`swarm.training.outer.outer_rule`.
         nesterov: use Nesterov momentum in the outer step; False gives heavy-ball momentum.
         anchor_sync_every: ``diloco``: about one group in this many also averages the
             members' anchors (the shared weights the outer step moves), after the
@@ -313,8 +320,8 @@ class SwarmConfig:
     inner_steps: int | str = 100
     min_inner_steps: int = 10
     max_inner_steps: int = 500
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     nesterov: bool = True
     anchor_sync_every: int | None = None
     anchor_sync_codec: str | None = None
@@ -340,6 +347,12 @@ class SwarmConfig:
             if self.averaging.gather_window_s is None:
                 lockstep = dataclasses.replace(self.averaging, gather_window_s=LOCKSTEP_GATHER_S)
                 object.__setattr__(self, "averaging", lockstep)
+        codec = self.averaging.codec_spec
+        sparse_outer = mode is Mode.DILOCO and codec.name == "sparse"
+        lr, momentum = SPARSE_OUTER if sparse_outer else DENSE_OUTER
+        object.__setattr__(self, "outer_lr", lr if self.outer_lr is None else self.outer_lr)
+        if self.outer_momentum is None:
+            object.__setattr__(self, "outer_momentum", momentum)
         if not self.outer_lr > 0:
             raise ConfigError("outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
@@ -355,7 +368,6 @@ class SwarmConfig:
                     "(none, fp16, bf16, int8)"
                 )
             object.__setattr__(self, "anchor_sync_codec", anchors.text)
-        codec = self.averaging.codec_spec
         if mode.averages_values and not codec.dense_values_ok:
             raise ConfigError(
                 f"local_sgd averages parameter values, which {codec} would mostly zero or "

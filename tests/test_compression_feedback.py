@@ -41,7 +41,7 @@ def test_decoded_plus_new_residual_equals_input_plus_old_residual(spec, dtype, s
         old = torch.zeros(x.numel()) if ef.residual is None else ef.residual.float().clone()
         y = decode(ef.encode(x))
         assert y.shape == x.shape and y.dtype == x.dtype
-        lhs = y.float().view(-1) + ef.residual.float()
+        lhs = y.float().view(-1) + ef.residual.float() / ef.codec.feedback_decay  # r = d (e - y)
         rhs = x.float().view(-1) + old
         # Equal up to rounding of the sum, of the decoded values and of the residual in `dtype`.
         tol = 4 * eps * (float(rhs.abs().max()) if rhs.numel() else 0.0) + 1e-30

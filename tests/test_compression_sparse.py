@@ -81,9 +81,11 @@ def test_error_feedback_residual_plus_decoded_is_the_input(settings_, numel, see
 def test_spec_strings_and_settings():
     assert get_codec("sparse").spec == "sparse:4096:64:2"
     assert get_codec("sparse:64:1:2").spec == "sparse:64:1:2"
-    codec = get_codec("sparse:4096:64:4:0.95")
-    assert (codec.chunk, codec.k, codec.bits, codec.feedback_decay) == (4096, 64, 4, 0.95)
-    assert codec.sparse and codec.spec == "sparse:4096:64:4:0.95"
+    assert get_codec("sparse").feedback_decay == 0.95
+    codec = get_codec("sparse:4096:64:4:1.0")
+    assert (codec.chunk, codec.k, codec.bits, codec.feedback_decay) == (4096, 64, 4, 1.0)
+    assert codec.sparse and codec.spec == "sparse:4096:64:4:1.0"
+    assert get_codec("sparse:4096:64:2:0.95").spec == "sparse:4096:64:2"
     for bad in (
         "sparse:100",
         "sparse:4096:0",

@@ -15,6 +15,7 @@ import torch
 from swarm.address import PeerAddress
 from swarm.api import AsyncSwarm, Swarm
 from swarm.auth import Membership
+from swarm.compression import get_codec
 from swarm.config import Aggregator, AveragingConfig, Grouping, PeerConfig, SwarmConfig
 from swarm.errors import ConfigError
 from swarm.options import environment_options, leaf_fields
@@ -345,3 +346,19 @@ def test_the_optimizer_and_torchrun_facades_route_the_same_way(tmp_path: Path) -
             assert node.swarm._async.averager.config.aggregator is Aggregator.MEAN
     finally:
         dist.destroy_process_group()
+
+
+def test_the_outer_step_defaults_follow_the_codec() -> None:
+    """DiLoCo's Nesterov step, or SparseLoCo's plain step with the sparse codec (whose decaying
+    error feedback is the momentum); a value given is kept either way."""
+    assert (SwarmConfig().outer_lr, SwarmConfig().outer_momentum) == (0.7, 0.9)
+    sparse = SwarmConfig.build(codec="sparse")
+    assert (sparse.outer_lr, sparse.outer_momentum) == (1.0, 0.0)
+    assert get_codec(sparse.averaging.codec).feedback_decay == 0.95
+    for other in (SwarmConfig.build(codec="topk:0.01"), SwarmConfig.build(codec="int8")):
+        assert (other.outer_lr, other.outer_momentum) == (0.7, 0.9)
+    given = SwarmConfig.build(codec="sparse", outer_lr=0.5, outer_momentum=0.8)
+    assert (given.outer_lr, given.outer_momentum) == (0.5, 0.8)
+    assert SwarmConfig.build(codec="sparse", outer_momentum=0.5).outer_lr == 1.0
+    with pytest.raises(ConfigError, match="outer_momentum"):
+        SwarmConfig.build(codec="sparse", outer_momentum=1.0)

@@ -15,7 +15,8 @@ the top bit, the magnitude level below it). ``sparse:4096:64:2`` sends 120 bytes
 values (0.23 bits per value, 136x fewer than fp32).
 
 The codec drops most of each chunk: use it through error feedback, whose residual it asks to
-decay by ``decay`` per round (:attr:`feedback_decay`; SparseLoCo and Covenant use 0.95).
+decay by ``decay`` per round (:attr:`feedback_decay`; 0.95 by default, as SparseLoCo and
+Covenant; 1 keeps the whole residual).
 
 Every field of a payload is checked before use: section lengths, bfloat16 scales (finite,
 ``0 <= lo <= hi``), positions (inside their chunk, none repeated in a chunk) and the zero padding
@@ -36,7 +37,7 @@ from swarm.errors import CompressionError, ConfigError
 
 MAX_CHUNK = 1 << 16  # positions fit 16 bits
 SCALE_SPAN = 4096  # values a pair of scales covers at least (whole chunks)
-DEFAULT_CHUNK, DEFAULT_K, DEFAULT_BITS, DEFAULT_DECAY = 4096, 64, 2, 1.0
+DEFAULT_CHUNK, DEFAULT_K, DEFAULT_BITS, DEFAULT_DECAY = 4096, 64, 2, 0.95
 
 
 class SparseCodec(Codec):
