@@ -123,12 +123,12 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             report = swarm.step(samples=args.batch * args.accumulate)
             optimizer.zero_grad(set_to_none=True)
-            sent += report.bytes_sent if report.averaged else 0
+            sent += report.bytes_sent  # a round that failed may have sent some too
             if report.round_due and rank == 0:
                 held = held_out_loss(model, held_out, device)
                 print(f"peer 0 {report.line(held)} ({held / math.log(2):.2f} bits/byte)")
         last = swarm.wait_round()  # land the last round before leaving
-        sent += last.bytes_sent if last is not None and last.averaged else 0
+        sent += last.bytes_sent if last is not None else 0
         held = held_out_loss(model, held_out, device)
         ready.wait()  # stay up until everyone has finished their last round
         return held, sent
@@ -194,7 +194,7 @@ def main() -> None:
     print(
         f"final ({args.codec}): held-out {sum(bits) / len(bits):.4f} bits/byte, mean of"
         f" {len(bits)} peers ({min(bits):.4f}-{max(bits):.4f}); sent"
-        f" {sum(mib) / len(mib):.2f} MiB per peer"
+        f" {sum(mib) / len(mib):.3f} MiB per peer"
     )
 
 

@@ -350,7 +350,8 @@ class SwarmConfig:
         codec = self.averaging.codec_spec
         sparse_outer = mode is Mode.DILOCO and codec.name == "sparse"
         lr, momentum = SPARSE_OUTER if sparse_outer else DENSE_OUTER
-        object.__setattr__(self, "outer_lr", lr if self.outer_lr is None else self.outer_lr)
+        if self.outer_lr is None:
+            object.__setattr__(self, "outer_lr", lr)
         if self.outer_momentum is None:
             object.__setattr__(self, "outer_momentum", momentum)
         if not self.outer_lr > 0:

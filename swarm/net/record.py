@@ -178,12 +178,12 @@ class PeerRecord:
             TransportError: malformed (too long, wrong types or sizes, non-canonical encoding).
             AuthError: the record or its agreement key is not signed by its ``public_key``.
         """
-        if len(data) <= max_bytes:
-            seen = hashlib.blake2b(data, digest_size=32).digest()
-            known = _VERIFIED.get(seen)
-            if known is not None:  # these exact bytes passed every check before
-                _VERIFIED.move_to_end(seen)
-                return known
+        # oversized bytes are not hashed (no entry has a digest of b""); unpack refuses them
+        seen = hashlib.blake2b(data, digest_size=32).digest() if len(data) <= max_bytes else b""
+        known = _VERIFIED.get(seen)
+        if known is not None:  # these exact bytes passed every check before
+            _VERIFIED.move_to_end(seen)
+            return known
         outer = wire.unpack(data, max_bytes=max_bytes, what="peer record")
         if not (isinstance(outer, list) and len(outer) == 2 and _all_bytes(outer)):
             raise TransportError("peer record: expected [body, signature]")
@@ -220,7 +220,7 @@ class PeerRecord:
         binding = agreement_binding_message(public_key, agreement_key)
         if not verify_signature(public_key, agreement_sig, binding):
             raise AuthError(f"peer record of {record.peer_id.short}: agreement key not bound")
-        _VERIFIED[hashlib.blake2b(data, digest_size=32).digest()] = record
+        _VERIFIED[seen] = record
         if len(_VERIFIED) > MAX_VERIFIED:
             _VERIFIED.popitem(last=False)
         return record
