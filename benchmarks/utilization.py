@@ -7,8 +7,11 @@ Prints one JSON object per line and configuration::
      "final_loss": ..., "blocking_final_loss": ..., "gpu_mem_overhead_bytes_per_param": null}
 
 Every peer is its own process (this script with ``--peer``) training an MLP on a fixed synthetic
-regression task (its own shard) with ``Swarm``; the width is chosen so that one round's transfer
-takes about as long as the ``inner_steps`` of compute between rounds. Each setting runs once
+regression task (its own shard) with ``Swarm``; they start training together once every one has
+joined (downloaded the state: at 10 Mbit/s that takes a while). The width is chosen so that one
+round's transfer takes about as long as the ``inner_steps`` of compute between rounds
+(``--inner-steps`` also takes ``auto``, fitted to the link, or a period such as ``10s``: the
+steps each peer used are reported as ``inner_steps_used``). Each setting runs once
 with ``overlap=False`` and then with ``overlap=True`` once per ``--fragments`` count (Streaming
 DiLoCo: ``F`` fragments take turns, a round of ``1/F`` of the model every ``inner_steps / F``
 steps), all for the same number of steps; ``blocking_final_loss`` is the first run's loss
@@ -37,9 +40,9 @@ of the steps it overlaps. ``tbf100`` (Linux, as root) puts every peer in its own
 namespace behind 100 Mbit/s ``tc tbf`` links both ways, the setting of ``allreduce.py`` (its
 namespace code is reused, not copied); ``tbf10`` does the same at 10 Mbit/s, a home uplink.
 
-    python benchmarks/utilization.py [--peers 4] [--width 1024] [--inner-steps 20]
+    python benchmarks/utilization.py [--peers 4] [--width 1024] [--inner-steps 20|auto|10s]
         [--rounds 30] [--settings loopback tbf100 tbf10] [--codec int8] [--min-group 2]
-        [--fragments 1 2]
+        [--fragments 1 2] [--log-level INFO]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -65,6 +69,10 @@ TBF_SETTINGS = {"tbf100": 100_000_000, "tbf10": 10_000_000}  # setting -> link r
 
 def peer_main(args: argparse.Namespace) -> None:
     import torch
+
+    logging.basicConfig(
+        level=args.log_level, format=f"%(relativeCreated)d peer{args.rank} %(name)s: %(message)s"
+    )
 
     from swarm.api import Swarm
 
@@ -102,26 +110,35 @@ def peer_main(args: argparse.Namespace) -> None:
         deadline = time.monotonic() + 60
         while len(swarm.known_peers()) < args.peers and time.monotonic() < deadline:
             time.sleep(0.2)
+        # every peer has joined (downloaded the state) before anyone trains: a joiner's download
+        # would otherwise fall in the first peers' timed rounds
+        print(json.dumps({"ready": True}), flush=True)
+        sys.stdin.readline()
         mine = torch.arange(args.rank, ITEMS, args.peers)
         sample = torch.Generator().manual_seed(100 + args.rank)
-        warmup_steps = args.warmup * args.inner_steps
-        total = (args.warmup + args.rounds) * args.inner_steps
-        step_times, round_times, waited, start = [], [], 0.0, 0.0
+        step_times, round_times, waited = [], [], 0.0
         groups: list[int] = []  # group size of each timed round (0: not averaged)
-        for step in range(1, total + 1):
-            if step == warmup_steps + 1:
-                start, waited = time.perf_counter(), 0.0
+        chosen: list[int] = []  # inner steps in use at each timed round
+        start = time.perf_counter()
+        due = 0  # rounds due so far; the timed ones follow the first ``--warmup``
+        while due < args.warmup + args.rounds:
+            timed = due >= args.warmup
             t0 = time.perf_counter()
             idx = mine[torch.randint(len(mine), (args.batch,), generator=sample)]
             torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
             report = swarm.step(samples=args.batch)
             optimizer.zero_grad()
-            if step > warmup_steps:
+            if timed:
                 step_times.append(time.perf_counter() - t0 - report.wait_s)
                 waited += report.wait_s
-            if report.round_due and step > warmup_steps:
-                round_times.append(report.round_s)
-                groups.append(report.group_size)
+            if report.round_due:
+                due += 1
+                if timed:
+                    round_times.append(report.round_s)
+                    groups.append(report.group_size)
+                    chosen.append(report.inner_steps)
+                elif due == args.warmup:
+                    start, waited = time.perf_counter(), 0.0
         t0 = time.perf_counter()
         last = swarm.wait_round()
         drain = time.perf_counter() - t0
@@ -148,6 +165,7 @@ def peer_main(args: argparse.Namespace) -> None:
                     "agreed_loss": agreed_loss,
                     "drain_s": drain,
                     "groups": groups,
+                    "inner_steps": statistics.median(chosen) if chosen else None,
                 }
             ),
             flush=True,
@@ -155,6 +173,16 @@ def peer_main(args: argparse.Namespace) -> None:
         time.sleep(2.0)  # let the others finish their last round with us
     finally:
         swarm.close()
+
+
+def inner_steps_arg(text: str) -> int | str:
+    """``--inner-steps``: a count, ``auto`` or a duration, as ``SwarmConfig`` takes it."""
+    from swarm.round_schedule import parse_inner_steps
+
+    try:
+        return parse_inner_steps(text, 1, 1, 1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(args: argparse.Namespace, setting: str, overlap: str, fragments: int, places) -> list[dict]:
@@ -167,6 +195,7 @@ def run(args: argparse.Namespace, setting: str, overlap: str, fragments: int, pl
     common += ["--inner-steps", str(args.inner_steps), "--rounds", str(args.rounds)]
     common += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
     common += ["--min-group", str(args.min_group), "--fragments", str(fragments)]
+    common += ["--log-level", args.log_level]
     procs: list[subprocess.Popen] = []
     address = ""
     try:
@@ -176,11 +205,21 @@ def run(args: argparse.Namespace, setting: str, overlap: str, fragments: int, pl
                 extra += ["--initial-peers", address]
             procs.append(
                 subprocess.Popen(
-                    [*prefix, *common, *extra], stdout=subprocess.PIPE, text=True, env=env
+                    [*prefix, *common, *extra],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
                 )
             )
             if rank == 0:
                 address = json.loads(procs[0].stdout.readline())["address"]
+        for proc in procs:  # the start barrier: go once every peer has joined
+            while (line := proc.stdout.readline()) and '"ready"' not in line:
+                pass
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
         outputs = [p.communicate(timeout=1800)[0] for p in procs]
     finally:
         for p in procs:
@@ -206,21 +245,34 @@ def main() -> None:
     p.add_argument("--overlap", default="on", help=argparse.SUPPRESS)
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument(
+        "--inner-steps",
+        type=inner_steps_arg,
+        default=20,
+        help='steps between rounds: a count, "auto" (fitted to the link) or a duration ("10s")',
+    )
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--codec", default="int8")
     p.add_argument("--min-group", type=int, default=0, help="min_group_size (default: every peer)")
     p.add_argument("--settings", nargs="+", default=["loopback", "tbf100"])
+    p.add_argument("--log-level", default="WARNING", help="the peers' logging level (stderr)")
     p.add_argument(
         "--fragments", type=int, nargs="+", default=[1], help="overlapped runs' fragment counts"
     )
     args = p.parse_args()
-    if args.rounds < 1 or args.inner_steps < 1 or args.warmup < 0:
-        p.error("--rounds and --inner-steps must be >= 1, --warmup >= 0")
-    if any(f < 1 or args.inner_steps % f for f in args.fragments):
-        p.error("every --fragments count must be >= 1 and divide --inner-steps")
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds must be >= 1, --warmup >= 0")
+    if any(f < 1 for f in args.fragments):
+        p.error("every --fragments count must be >= 1")
+    from swarm.round_schedule import parse_inner_steps
+
+    for fragments in args.fragments:
+        try:
+            parse_inner_steps(args.inner_steps, fragments, 1, 10**9)
+        except ValueError as e:
+            p.error(str(e))
     if args.peer:
         peer_main(args)
         return
@@ -250,6 +302,9 @@ def main() -> None:
                         "overlap": overlap == "on",
                         "fragments": fragments,
                         "inner_steps": args.inner_steps,
+                        "inner_steps_used": statistics.median(
+                            r["inner_steps"] for r in rows if r["inner_steps"] is not None
+                        ),
                         "step_s": round(statistics.median(r["step_s"] for r in rows), 4),
                         "round_s": round(statistics.median(rounds), 3) if rounds else None,
                         "utilization": round(statistics.mean(r["utilization"] for r in rows), 3),

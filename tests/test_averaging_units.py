@@ -782,6 +782,16 @@ def test_implausible_parts_names_the_outlier_only():
     assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.128, 3: 0.0}) == {}
     assert "most parts unaveraged" in implausible_parts({0: 0.0, 1: 0.0, 2: 2.0, 3: 0.0})[2]
     assert set(implausible_parts({0: 0.0, 1: 0.0, 2: 1e29, 3: 0.0})) == {2}
+    # the median is the parts averaged with others': parts that came back as own values (int8
+    # rounding away from them) do not make an honest average look 23x too far
+    stream_lost = {0: 0.0062, 1: 0.145, 2: 0.0063, 3: 0.0061}
+    assert set(implausible_parts(stream_lost)) == {1}  # what the median of all parts said
+    assert implausible_parts(stream_lost, mixed={1}) == {}
+    assert implausible_parts(stream_lost, mixed={1, 2}) == {}
+    assert "most parts unaveraged" in implausible_parts({**stream_lost, 1: 2.0}, mixed={1})[1]
+    # a liar among parts averaged with others is still refused, whatever it claims averaged
+    assert set(implausible_parts({0: 0.14, 1: 0.15, 2: 0.13, 3: 5.0}, mixed={0, 1, 2, 3})) == {3}
+    assert set(implausible_parts({0: 0.14, 1: 0.15, 2: 0.13, 3: 5.0}, mixed={0, 1, 2})) == {3}
     # NaN stands for an average holding NaN or inf: refused whatever the other parts say
     assert set(implausible_parts({0: 0.5, 1: float("nan"), 2: 0.55, 3: 0.6})) == {1}
     assert set(implausible_parts({0: 0.5, 1: float("nan")})) == {1}

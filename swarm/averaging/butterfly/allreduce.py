@@ -168,7 +168,8 @@ class AllReduce:
             # to part), so distances from them tell nothing about the owners.
             logger.info("this member's values are the odd ones out: owners not judged this round")
             judge = False
-        verdicts = implausible_parts(deviations) if judge else not_finite(deviations)
+        mixed = {j for j, averaged in parts.items() if any(m != self.me for m in averaged)}
+        verdicts = implausible_parts(deviations, mixed=mixed) if judge else not_finite(deviations)
         accused = []
         for j, why in verdicts.items():
             if j == self.me:  # this member computed its own part: only refuse it if not finite
