@@ -228,3 +228,18 @@ def test_fuzzed_payloads_decode_or_raise_one_error(data):
     except CompressionError:
         return
     assert out.shape == (numel,) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("width", range(1, 17))
+def test_packing_is_the_lsb_first_bit_stream(width):
+    """Both packers (int64 words, and numpy bits for widths whose groups pass 64 bits) write
+    the same LSB-first stream as a bit-by-bit reference, and unpack back."""
+    from swarm.compression.bits import pack_bits
+    from swarm.compression.sparse import _pack, _unpack
+
+    gen = torch.Generator().manual_seed(width)
+    for count in (0, 1, 3, 7, 8, 9, 1001):
+        values = torch.randint(0, 1 << width, (count,), generator=gen)
+        bits = (values.unsqueeze(1) >> torch.arange(width)) & 1
+        assert torch.equal(_pack(values, width), pack_bits(bits.to(torch.bool).reshape(-1)))
+        assert torch.equal(_unpack(_pack(values, width), width, count), values)

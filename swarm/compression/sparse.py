@@ -115,6 +115,10 @@ class SparseCodec(Codec):
         full, tail, kept, blocks = self.layout(numel)
         mags = self._scratch("mags", numel, torch.float32, x.device)
         torch.abs(x, out=mags)
+        if mags.device.type == "cpu":
+            # the bits of a float >= 0 (NaN and inf included) order as int32s do, and torch's
+            # CPU top-k of int32s takes about 0.7x the time of float32s'
+            mags = mags.view(torch.int32)
         positions, values = [], []
         if full:
             rows = mags[: full * self.chunk].view(full, self.chunk)
@@ -223,6 +227,9 @@ def _round_bf16(x: torch.Tensor, *, down: bool) -> torch.Tensor:
 
 def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     """``width``-bit unsigned integers (``width`` <= 16), packed LSB first."""
+    group = 8 // math.gcd(width, 8)  # values whose bits end on a byte boundary
+    if group * width <= 64:  # every width but 9, 11, 13 and 15: such groups fit an int64
+        return _pack_words(values, width, group)
     if values.device.type == "cpu":
         # the low ``width`` bits of each little-endian uint16, then all of them back to back
         words = values.to(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
@@ -231,6 +238,21 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     shifts = torch.arange(width, device=values.device)
     bits = ((values.unsqueeze(1) >> shifts) & 1).to(torch.bool)
     return pack_bits(bits.reshape(-1))
+
+
+def _pack_words(values: torch.Tensor, width: int, group: int) -> torch.Tensor:
+    """:func:`_pack` through int64 words of ``group`` values each (whole bytes), on the
+    values' device: the stream's bytes are the words' low bytes, in order."""
+    count = values.numel()
+    words = math.ceil(count / group)
+    v = torch.zeros(words * group, dtype=torch.int64, device=values.device)
+    v[:count] = values
+    v = v.view(words, group) << torch.arange(0, group * width, width, device=values.device)
+    word = v.sum(dim=1, keepdim=True)  # disjoint bits: the sum is their OR
+    nbytes = group * width // 8
+    shifts = torch.arange(0, 8 * nbytes, 8, device=values.device)
+    out = ((word >> shifts) & 0xFF).to(torch.uint8).view(-1)
+    return out[: packed_size(count * width)]
 
 
 def _unpack(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
