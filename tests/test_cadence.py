@@ -131,6 +131,33 @@ def test_a_clock_round_needs_a_step_and_fragments_split_the_period() -> None:
     assert cadence.inner_steps == 18  # 6 steps per fragment round, 3 fragments
 
 
+def test_rounds_longer_than_their_period_are_warned_about_once(caplog) -> None:
+    """int8 at 10 Mbit/s with rounds every 10 s: 21 s rounds left one step between them,
+    silently; the peer now says so once, and again only after its rounds fit for a while."""
+    blocking = Cadence(None, period_s=10.0, overlapped=False)
+    with caplog.at_level("WARNING", logger="swarm.training.cadence"):
+        blocking.round_ended(2.0)
+        assert not caplog.records
+        for _ in range(3):
+            blocking.round_ended(21.0)
+        assert len(caplog.records) == 1
+        assert "longer than their period" in caplog.text and "few steps" in caplog.text
+        for _ in range(10):
+            blocking.round_ended(1.0)
+        blocking.round_ended(60.0)
+        assert len(caplog.records) == 2
+        caplog.clear()
+        fragments = Cadence(None, period_s=10.0, fragments=2)
+        fragments.round_ended(6.0)  # over a 5 s slot, but a first round is not judged alone
+        assert not caplog.records
+        fragments.round_ended(6.0)
+        fragments.round_ended(6.0)
+        assert "each round waits" in caplog.text and "2 fragments" in caplog.text
+        caplog.clear()
+        Cadence(20).round_ended(60.0)  # counted steps: no period to outlast
+        assert not caplog.records
+
+
 def test_a_clock_set_back_does_not_stop_the_rounds() -> None:
     cadence = Cadence(None, period_s=30.0)
     assert not cadence.due(1, now=10_000.0) and cadence.due(5, now=10_020.0)  # due at 10020

@@ -26,14 +26,18 @@ fragment's round falls due every ``30 / F`` s.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
+
+logger = logging.getLogger(__name__)
 
 HIDE_MARGIN = 1.5  # overlapped: the inner steps cover this many round times
 BLOCKING_UTILIZATION = 0.95  # blocking: the round takes at most 5% of the wall time
 STEP_EMA = 0.1  # weight of the latest step time
 ROUND_EMA = 0.3  # weight of the latest round time
+_JUDGED_AFTER = 3  # rounds timed before their length is held against the period
 
 
 class Cadence:
@@ -71,6 +75,8 @@ class Cadence:
         self.step_s: float | None = None  # moving average of a step's compute time
         self.round_s: float | None = None  # moving average of a round's time
         self._last: tuple[float, float] | None = None  # (wall, waited) at the last step
+        self._warned_slow = False  # rounds outlast the period (said once until they fit again)
+        self._rounds = 0  # rounds timed (a first round may include joining: not judged alone)
 
     @property
     def interval(self) -> int:
@@ -107,6 +113,8 @@ class Cadence:
         """Note a round's time and, when fitting, choose the steps until the next ones."""
         if seconds > 0 and math.isfinite(seconds):
             self.round_s = _ema(self.round_s, seconds, ROUND_EMA)
+            self._rounds += 1
+            self._check_period()
         if not self.fixed and self.step_s and self.round_s:
             per_round = self.round_s / self.step_s  # steps one round takes
             if self.overlapped:
@@ -116,6 +124,27 @@ class Cadence:
                 steps = share * per_round * self.fragments
             self.inner_steps = self._fit(math.ceil(steps))
         return self.inner_steps
+
+    def _check_period(self) -> None:
+        """Warn once when rounds take longer than their period: blocking, a round then leaves
+        a step or two before the next one is due; overlapped, each round waits for the last."""
+        if self.period_s is None or self.round_s is None or self._rounds < _JUDGED_AFTER:
+            return
+        slot = self.period_s / self.fragments
+        if self.round_s <= slot:
+            self._warned_slow = False
+        elif not self._warned_slow:
+            self._warned_slow = True
+            logger.warning(
+                "rounds take %.1f s, longer than their period (inner_steps=%gs%s): %s; "
+                "choose a longer period, or inner_steps='auto'",
+                self.round_s,
+                self.period_s,
+                f" / {self.fragments} fragments" if self.fragments > 1 else "",
+                "each round waits for the one before"
+                if self.overlapped
+                else "few steps are left between rounds",
+            )
 
     def _fit(self, steps: int) -> int:
         steps = min(max(steps, self.lowest), self.highest)
