@@ -213,10 +213,13 @@ def run(args: argparse.Namespace, setting: str, overlap: str, fragments: int, pl
                 )
             )
             if rank == 0:
-                address = json.loads(procs[0].stdout.readline())["address"]
-        for proc in procs:  # the start barrier: go once every peer has joined
-            while (line := proc.stdout.readline()) and '"ready"' not in line:
-                pass
+                if not (line := procs[0].stdout.readline()):
+                    raise RuntimeError(f"peer 0 exited before listening ({setting})")
+                address = json.loads(line)["address"]
+        for rank, proc in enumerate(procs):  # the start barrier: go once every peer has joined
+            while '"ready"' not in (line := proc.stdout.readline()):
+                if not line:
+                    raise RuntimeError(f"peer {rank} exited before joining ({setting})")
         for proc in procs:
             proc.stdin.write("go\n")
             proc.stdin.flush()
