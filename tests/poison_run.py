@@ -99,13 +99,33 @@ def _slander(swarm: AsyncSwarm, victim: PeerID) -> None:
         runner.reputation.observe(PartScores(1.0, {0: -1.0}), {0: victim})
 
 
+@dataclass
+class _Finish:
+    """Peers that trained their rounds stay (untimed, unlogged) until the last one has: a peer
+    that left at once took its place in the laggard's last groups with it."""
+
+    peers: int
+    done: set[int] = field(default_factory=set)
+    everyone: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reached(self, index: int) -> bool:
+        """Note that peer ``index`` trained its rounds; True once every peer has."""
+        self.done.add(index)
+        if len(self.done) == self.peers:
+            self.everyone.set()
+        return self.everyone.is_set()
+
+
 async def _train(
-    log: PeerLog, seed: int, rounds: int, inner_steps: int, victim: PeerID | None
+    log: PeerLog, seed: int, rounds: int, victim: PeerID | None, finish: _Finish, index: int
 ) -> None:
     swarm, g = log.swarm, torch.Generator().manual_seed(seed)
     loss_fn = nn.functional.cross_entropy
     runner = swarm.averager.butterfly
-    while swarm.round < rounds:
+    while True:
+        counted = swarm.round < rounds
+        if not counted and finish.reached(index):
+            break
         if victim is not None:
             _slander(swarm, victim)
         x, y = data(BATCH, g, log.classes)
@@ -113,7 +133,7 @@ async def _train(
         loss.backward()
         report = await swarm.step(samples=BATCH)
         swarm.optimizer.zero_grad()
-        if report.round_due:
+        if report.round_due and counted:
             log.waits.append(report.wait_s)
             if report.averaged:
                 log.rounds += 1
@@ -174,9 +194,10 @@ async def run(
             logs.append(PeerLog(swarm, attacker, classes))
         await asyncio.sleep(2 * options["heartbeat_s"])  # every record stored and read once
         victim = logs[0].swarm.peer.peer_id if slander else None
+        finish = _Finish(len(logs))
         await asyncio.gather(
             *(
-                _train(log, seed * 1000 + i, rounds, inner_steps, victim if log.attacker else None)
+                _train(log, seed * 1000 + i, rounds, victim if log.attacker else None, finish, i)
                 for i, log in enumerate(logs)
             )
         )

@@ -780,7 +780,7 @@ def test_implausible_parts_names_the_outlier_only():
     # most parts came back as own values (median 0): an averaged part is not a lie for that,
     # flipped, huge or unrelated values still are
     assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.128, 3: 0.0}) == {}
-    assert "most parts unaveraged" in implausible_parts({0: 0.0, 1: 0.0, 2: 2.0, 3: 0.0})[2]
+    assert "too few comparable parts" in implausible_parts({0: 0.0, 1: 0.0, 2: 2.0, 3: 0.0})[2]
     assert set(implausible_parts({0: 0.0, 1: 0.0, 2: 1e29, 3: 0.0})) == {2}
     # the median is the parts averaged with others': parts that came back as own values (int8
     # rounding away from them) do not make an honest average look 23x too far
@@ -788,10 +788,24 @@ def test_implausible_parts_names_the_outlier_only():
     assert set(implausible_parts(stream_lost)) == {1}  # what the median of all parts said
     assert implausible_parts(stream_lost, mixed={1}) == {}
     assert implausible_parts(stream_lost, mixed={1, 2}) == {}
-    assert "most parts unaveraged" in implausible_parts({**stream_lost, 1: 2.0}, mixed={1})[1]
+    assert "too few comparable parts" in implausible_parts({**stream_lost, 1: 2.0}, mixed={1})[1]
     # a liar among parts averaged with others is still refused, whatever it claims averaged
     assert set(implausible_parts({0: 0.14, 1: 0.15, 2: 0.13, 3: 5.0}, mixed={0, 1, 2, 3})) == {3}
     assert set(implausible_parts({0: 0.14, 1: 0.15, 2: 0.13, 3: 5.0}, mixed={0, 1, 2})) == {3}
+    # a part judged against the parts its contributors all went into: member 0 (far, after
+    # missed rounds) was refused by the owners of parts 1 and 2 (they excluded it), so only
+    # parts 0 and 3 hold its values; member 3's check of owner 0 is not a false accusation
+    asymmetric = {0: 0.0364, 1: 0.0021, 2: 0.0023, 3: 0.0095}
+    sets = {0: (0, 3), 1: (1, 2, 3), 2: (1, 2, 3), 3: (0, 1, 2, 3)}
+    assert set(implausible_parts(asymmetric)) == {0}  # what the median of all parts said
+    assert implausible_parts(asymmetric, contributors=sets) == {}
+    assert "too few comparable" in implausible_parts({**asymmetric, 0: 2.0}, contributors=sets)[0]
+    # every part with every member: an owner's claim of fewer contributors changes nothing
+    full = {p: (0, 1, 2, 3) for p in range(4)}
+    liar = {0: 0.14, 1: 0.15, 2: 0.13, 3: 5.0}
+    assert set(implausible_parts(liar, contributors=full)) == {3}
+    assert set(implausible_parts(liar, contributors={**full, 3: (3,)})) == {3}
+    assert set(implausible_parts(liar, contributors={**full, 3: (0, 3)})) == {3}
     # NaN stands for an average holding NaN or inf: refused whatever the other parts say
     assert set(implausible_parts({0: 0.5, 1: float("nan"), 2: 0.55, 3: 0.6})) == {1}
     assert set(implausible_parts({0: 0.5, 1: float("nan")})) == {1}

@@ -169,7 +169,11 @@ class AllReduce:
             logger.info("this member's values are the odd ones out: owners not judged this round")
             judge = False
         mixed = {j for j, averaged in parts.items() if any(m != self.me for m in averaged)}
-        verdicts = implausible_parts(deviations, mixed=mixed) if judge else not_finite(deviations)
+        verdicts = (
+            implausible_parts(deviations, mixed=mixed, contributors=parts)
+            if judge
+            else not_finite(deviations)
+        )
         accused = []
         for j, why in verdicts.items():
             if j == self.me:  # this member computed its own part: only refuse it if not finite

@@ -22,6 +22,15 @@ averaged at all. (Before, the own-value parts counted: after a round that lost s
 honest average 0.145 from the own values was refused against a median of 0.006, int8's
 rounding, and its owner accused, at 10 Mbit/s in calm runs.)
 
+A part is judged against the parts whose contributors include all of its own (itself among
+them): a part that a far member's values went into, while the other parts were averaged without
+them (the member's other sends were refused or late), lies farther from the own values for an
+honest reason, and the parts without that member say nothing of how far. (Before, an honest
+owner whose part was averaged with one member only, its other senders having excluded it, was
+accused at 15x the median of the parts they averaged without it, in loaded 8-peer runs.) A part
+with fewer than three such parts gets the ``r_j > 1`` bound. In a round where every part had
+every member, this is the median of all of them, whatever an owner claims: a subset of all.
+
 A member whose own values are the odd ones out (the robust mean of its own part clipped them)
 does not judge: every honest average then lies as far from its values as they drifted in that
 part, which differs from part to part (a part of biases near zero drifts further, relative to its
@@ -55,6 +64,7 @@ def implausible_parts(
     deviations: Mapping[int, float],
     factor: float = PLAUSIBLE_FACTOR,
     mixed: Collection[int] | None = None,
+    contributors: Mapping[int, Collection[int]] | None = None,
 ) -> dict[int, str]:
     """Parts whose relative deviation is not plausible, each with why.
 
@@ -63,23 +73,38 @@ def implausible_parts(
         factor: how many times the median deviation a part may reach.
         mixed: the parts averaged with another member's values, whose deviations make the
             median (default: every part).
+        contributors: part -> the members whose values it averaged; a part is then judged
+            against the mixed parts whose contributors include all of its own (default: every
+            mixed part).
     """
     verdicts = not_finite(deviations)
     judged = [d for d in deviations.values() if not math.isnan(d)]
     if len(judged) < _MIN_PARTS:
         return verdicts
-    spread = [
-        d for p, d in deviations.items() if not math.isnan(d) and (mixed is None or p in mixed)
-    ]
-    # (inf when most own values are 0: no verdict)
-    median = statistics.median(spread) if len(spread) >= _MIN_PARTS else 0.0
-    if median > _EPS:
-        bound, rule = factor * median, f"over {factor:g}x the median {median:.3g}"
-    else:
-        bound, rule = UNAVERAGED_BOUND, f"over {UNAVERAGED_BOUND:g} (most parts unaveraged)"
-    verdicts.update(
-        (part, f"average {d:.3g} from own values, {rule}")
-        for part, d in deviations.items()
-        if d > bound + _EPS
-    )
+    spread = {
+        p: d for p, d in deviations.items() if not math.isnan(d) and (mixed is None or p in mixed)
+    }
+    for part, d in deviations.items():
+        if math.isnan(d):
+            continue
+        reference = _reference(part, spread, contributors)
+        # (inf when most own values are 0: no verdict)
+        median = statistics.median(reference) if len(reference) >= _MIN_PARTS else 0.0
+        if median > _EPS:
+            bound, rule = factor * median, f"over {factor:g}x the median {median:.3g}"
+        else:
+            bound, rule = UNAVERAGED_BOUND, f"over {UNAVERAGED_BOUND:g} (too few comparable parts)"
+        if d > bound + _EPS:
+            verdicts[part] = f"average {d:.3g} from own values, {rule}"
     return verdicts
+
+
+def _reference(
+    part: int, spread: Mapping[int, float], contributors: Mapping[int, Collection[int]] | None
+) -> list[float]:
+    """The deviations ``part`` is judged against: the mixed parts whose contributors include
+    all of its own."""
+    if contributors is None or part not in contributors:
+        return list(spread.values())
+    mine = set(contributors[part])
+    return [d for p, d in spread.items() if mine.issubset(contributors.get(p, ()))]
