@@ -17,9 +17,10 @@ import pytest
 from many_peers import RunConfig, mixed_specs, run
 
 # the anchors' spread (max over peers of ||anchor - mean|| / ||mean||) at the end, with groups
-# of 4 among 16 peers and a cross round every 4th: measured 0.17 on this task (0.33 with
-# rounds every 50 steps)
-SPREAD_BOUND = 0.3
+# of 4 among 16 peers and a cross round every 4th: measured 0.14, 0.20, 0.30 and 0.30 on this
+# task in 4 runs (0.15-0.17 in 3 earlier ones; 0.33 with rounds every 50 steps); anchors of
+# groups that never meet reach about 1
+SPREAD_BOUND = 0.4
 # all 16 peers share one event loop: when it cannot keep the fast peers at half their emulated
 # speed (seen once on a loaded CI machine: a quarter), the run measures the machine, not the swarm
 MIN_SPEED_KEPT = 0.5
