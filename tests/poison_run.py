@@ -94,7 +94,7 @@ class PeerLog:
 def _slander(swarm: AsyncSwarm, victim: PeerID) -> None:
     """Accuse ``victim`` and hold its record at the floor, in ``swarm``'s own view."""
     runner = swarm.averager.butterfly
-    runner.excluded[victim] = "accused by colluders"
+    runner.excluded.accuse(victim, "accused by colluders")
     while runner.reputation.trust(victim) > TRUST_FLOOR:
         runner.reputation.observe(PartScores(1.0, {0: -1.0}), {0: victim})
 
@@ -245,7 +245,7 @@ def _victim(logs: list[PeerLog]) -> dict:
     views = [t.get(victim.short, 1.0) for x in honest for t in x.trust]
     return {
         "victim_excluded_by_honest": sum(
-            victim in x.swarm.averager.butterfly.excluded for x in honest
+            x.swarm.averager.butterfly.excluded.accusations(victim) > 0 for x in honest
         ),
         "victim_trust_min": min(views, default=1.0),
         "victim_averaged": logs[0].rounds,

@@ -964,16 +964,51 @@ def test_a_members_exclusions_never_change_the_groups_plan(records):
     so the other members' parts keep their sizes and nobody refuses anybody's streams."""
     from types import SimpleNamespace
 
+    from swarm.averaging.butterfly.exclusions import Exclusions
     from swarm.averaging.butterfly.runner import ButterflyRunner
     from swarm.config import AveragingConfig
 
     group = GroupInfo.create(
         records, measured={r.peer_id: 1e6 * (i + 1) for i, r in enumerate(records)}
     )
-    runner = SimpleNamespace(config=AveragingConfig(), _chunk_elems={}, excluded={})
+    runner = SimpleNamespace(config=AveragingConfig(), _chunk_elems={}, excluded=Exclusions())
     codec = get_codec("int8")
     plan = ButterflyRunner._plan(runner, group, 100_000, codec)
     accused = max(range(len(records)), key=plan.size)
-    runner.excluded = {group.members[accused].peer_id: "accused in an earlier round"}
+    runner.excluded.accuse(group.members[accused].peer_id, "accused in an earlier round")
     assert ButterflyRunner._plan(runner, group, 100_000, codec) == plan
     assert plan.size(accused) > 0
+
+
+def test_an_accusation_excludes_for_rounds_that_double_with_each_repeat(records):
+    """A wrong accusation (an honest owner whose part averaged a far member's values) must not
+    cut an honest peer off for the rest of the run; a liar readmitted is accused again for
+    twice as long."""
+    from swarm.averaging.butterfly.exclusions import Exclusions
+
+    peer, other = records[0].peer_id, records[1].peer_id
+    ex = Exclusions(first_rounds=3, remembered=2)
+    ex.start_round()
+    ex.accuse(peer, "accused in round 1")
+    left_out = []
+    for _ in range(5):
+        ex.start_round()
+        left_out.append(peer in ex)
+    assert left_out == [True, True, True, False, False]
+    assert other not in ex and len(ex) == 0
+    with pytest.raises(KeyError):
+        ex.why(peer)
+    ex.accuse(peer, "accused again")  # round 6: out for 6 rounds
+    assert ex.why(peer) == "accused again" and ex.accusations(peer) == 2
+    for _ in range(6):
+        ex.start_round()
+        assert peer in ex
+    ex.start_round()
+    assert peer not in ex
+    # bounded: the least recently accused is forgotten first
+    ex.accuse(other, "x")
+    ex.accuse(records[2].peer_id, "y")
+    assert ex.accusations(peer) == 0 and ex.accusations(other) == 1
+    assert "not a peer" not in ex
+    with pytest.raises(ValueError):
+        Exclusions(first_rounds=0)

@@ -3,7 +3,7 @@ the owners it excluded, and the route that serves other members' part streams.
 
 :class:`~swarm.averaging.averager.Averager` forms a group (:mod:`swarm.averaging.groups`), then
 hands it here: :meth:`ButterflyRunner.allreduce` plans the parts (sized by measured bandwidth,
-nothing for an excluded owner), runs the butterfly (:class:`AllReduce`), averages the parts
+nothing sent to an owner it excluded), runs the butterfly (:class:`AllReduce`), averages the parts
 that failed again among the members left (:class:`Repair`), and writes only averaged parts back
 into the tensors.
 """
@@ -22,6 +22,7 @@ import torch
 
 from swarm.averaging.butterfly.allreduce import AllReduce, RoundParts
 from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.exclusions import Exclusions
 from swarm.averaging.butterfly.flat import FlatStaging, scatter
 from swarm.averaging.butterfly.parts import (
     PartPlan,
@@ -43,7 +44,6 @@ from swarm.averaging.result import Refusal, RefusalAction, RoundResult
 from swarm.compression import Codec
 from swarm.config import AveragingConfig
 from swarm.errors import AuthError, AveragingError, TransportError
-from swarm.identity import PeerID
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import Peer
 
@@ -81,9 +81,9 @@ class ButterflyRunner:
         self.rates = rates
         self.stream_name = f"{config.name}.part"
         self.stall = StallPolicy(config.stall_timeout_min_s, config.stall_factor)
-        # owners this peer accused of returning implausible averages: they own no part in this
-        # peer's plans and their part streams are refused, for the rest of the run
-        self.excluded: dict[PeerID, str] = {}
+        # owners this peer accused of returning implausible averages: it sends them nothing and
+        # refuses their part streams, for a number of its rounds that doubles with each accusation
+        self.excluded = Exclusions()
         # this peer's record of the others' updates: the factor on their weight in its parts
         self.reputation = Reputation()
         # error feedback per kind of round, so that rounds taking turns keep their own
@@ -117,6 +117,7 @@ class ButterflyRunner:
         written back. With ``updates`` the tensors are updates (pseudo-gradients): the parts
         this peer owns score and weigh their senders by its record of them (unless the
         averager's ``score_updates`` is off)."""
+        self.excluded.start_round()
         score = updates and self.config.score_updates
         codec = codec if codec is not None else self.codec
         loop = asyncio.get_running_loop()
@@ -151,7 +152,7 @@ class ButterflyRunner:
         self._rounds.settle(group.group_id)  # a repair that did not start here never will
         parts_idx, notes = outcome.parts, outcome.notes
         refusals = [
-            Refusal(m.peer_id, RefusalAction.EXCLUDED, -1, self.excluded[m.peer_id])
+            Refusal(m.peer_id, RefusalAction.EXCLUDED, -1, self.excluded.why(m.peer_id))
             for m in group.members
             if m.peer_id in self.excluded
         ]
@@ -161,7 +162,9 @@ class ButterflyRunner:
         for r in outcome.refusals:
             refusals.append(r)
             if r.action is RefusalAction.ACCUSED and r.peer not in self.excluded:
-                self.excluded[r.peer] = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
+                self.excluded.accuse(
+                    r.peer, f"accused in round {group.group_id.hex()[:8]}: {r.why}"
+                )
         ranges = [plan.ranges[j] for j in sorted(parts_idx)]
         await loop.run_in_executor(self._pool, scatter, tensors, result, ranges)
         allreduce_s = time.monotonic() - started
