@@ -245,7 +245,7 @@ def _victim(logs: list[PeerLog]) -> dict:
     views = [t.get(victim.short, 1.0) for x in honest for t in x.trust]
     return {
         "victim_excluded_by_honest": sum(
-            x.swarm.averager.butterfly.excluded.accusations(victim) > 0 for x in honest
+            x.swarm.averager.butterfly.excluded.accused(victim) for x in honest
         ),
         "victim_trust_min": min(views, default=1.0),
         "victim_averaged": logs[0].rounds,

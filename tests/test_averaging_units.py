@@ -980,35 +980,42 @@ def test_a_members_exclusions_never_change_the_groups_plan(records):
     assert plan.size(accused) > 0
 
 
-def test_an_accusation_excludes_for_rounds_that_double_with_each_repeat(records):
+def test_a_second_accusation_within_8_rounds_excludes_for_rounds_that_double(records):
     """A wrong accusation (an honest owner whose part averaged a far member's values) must not
-    cut an honest peer off for the rest of the run; a liar readmitted is accused again for
-    twice as long."""
+    cut an honest peer off: one accusation refuses the part only. A liar lies again at once and
+    is excluded, for twice as long each time it comes back and lies."""
     from swarm.averaging.butterfly.exclusions import Exclusions
 
     peer, other = records[0].peer_id, records[1].peer_id
-    ex = Exclusions(first_rounds=3, remembered=2)
+    ex = Exclusions(first_rounds=3, strike_rounds=2, remembered=2)
     ex.start_round()
-    ex.accuse(peer, "accused in round 1")
+    assert not ex.accuse(peer, "accused in round 1")  # a strike only
+    assert peer not in ex and ex.accused(peer) and not ex.accused(other)
+    for _ in range(3):
+        ex.start_round()
+    assert not ex.accuse(peer, "round 4: more than 2 rounds after the first")
+    ex.start_round()
+    assert ex.accuse(peer, "round 5: within 2 rounds")  # out for rounds 6-8
     left_out = []
     for _ in range(5):
         ex.start_round()
         left_out.append(peer in ex)
-    assert left_out == [True, True, True, False, False]
-    assert other not in ex and len(ex) == 0
+    assert left_out == [True, True, True, False, False] and ex.exclusions(peer) == 1
     with pytest.raises(KeyError):
         ex.why(peer)
-    ex.accuse(peer, "accused again")  # round 6: out for 6 rounds
-    assert ex.why(peer) == "accused again" and ex.accusations(peer) == 2
+    ex.start_round()
+    assert ex.accuse(peer, "round 11")  # excluded before: out again at once, for 6 rounds
+    assert ex.why(peer) == "round 11" and ex.exclusions(peer) == 2 and len(ex) == 1
     for _ in range(6):
         ex.start_round()
         assert peer in ex
     ex.start_round()
-    assert peer not in ex
+    assert peer not in ex and other not in ex and len(ex) == 0
     # bounded: the least recently accused is forgotten first
     ex.accuse(other, "x")
     ex.accuse(records[2].peer_id, "y")
-    assert ex.accusations(peer) == 0 and ex.accusations(other) == 1
+    assert not ex.accused(peer) and ex.accused(other)
     assert "not a peer" not in ex
+    assert Exclusions(strike_rounds=0).accuse(peer, "at once")
     with pytest.raises(ValueError):
         Exclusions(first_rounds=0)

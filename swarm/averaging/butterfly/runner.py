@@ -162,9 +162,9 @@ class ButterflyRunner:
         for r in outcome.refusals:
             refusals.append(r)
             if r.action is RefusalAction.ACCUSED and r.peer not in self.excluded:
-                self.excluded.accuse(
-                    r.peer, f"accused in round {group.group_id.hex()[:8]}: {r.why}"
-                )
+                why = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
+                if self.excluded.accuse(r.peer, why):
+                    logger.warning("excluding %s: accused again (%s)", r.peer.short, r.why)
         ranges = [plan.ranges[j] for j in sorted(parts_idx)]
         await loop.run_in_executor(self._pool, scatter, tensors, result, ranges)
         allreduce_s = time.monotonic() - started
