@@ -151,7 +151,8 @@ class AveragingConfig:
             bandwidth it announces.
         check_owners: a member refuses a part whose returned average lies implausibly far from
             its own values compared with the other parts (:mod:`swarm.averaging.butterfly.checks`),
-            accuses its owner in the round report and excludes it from its later rounds.
+            accuses its owner in the round report and, at a second accusation within 8 rounds,
+            excludes it from its next rounds (:mod:`swarm.averaging.butterfly.exclusions`).
         score_updates: in rounds that average updates (DiLoCo pseudo-gradients, gradients), the
             owner of a part weighs each sender by how far its running alignment with the part's
             robust mean lies below the owner's own (:mod:`swarm.averaging.butterfly.scoring`):
