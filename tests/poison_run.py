@@ -244,7 +244,7 @@ def _victim(logs: list[PeerLog]) -> dict:
     colluders = [x.swarm.averager.butterfly for x in logs if x.attacker]
     views = [t.get(victim.short, 1.0) for x in honest for t in x.trust]
     return {
-        "victim_excluded_by_honest": sum(
+        "victim_accused_by_honest": sum(
             x.swarm.averager.butterfly.excluded.accused(victim) for x in honest
         ),
         "victim_trust_min": min(views, default=1.0),

@@ -241,7 +241,7 @@ def test_colluders_cannot_get_an_honest_peer_excluded() -> None:
     got = asyncio.run(
         run(peers=8, attackers=2, fault=Fault.NONE, rounds=12, score_updates=True, slander=True)
     )
-    assert got["victim_excluded_by_honest"] == 0, got
+    assert got["victim_accused_by_honest"] == 0, got
     assert got["victim_trust_min"] >= LOWERED_BELOW, got
     # it averages as often as the others (an accused member's part no longer waits for its
     # accusers until the stall limit: they say so)

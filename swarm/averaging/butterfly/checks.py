@@ -25,11 +25,14 @@ rounding, and its owner accused, at 10 Mbit/s in calm runs.)
 A part is judged against the parts whose contributors include all of its own (itself among
 them): a part that a far member's values went into, while the other parts were averaged without
 them (the member's other sends were refused or late), lies farther from the own values for an
-honest reason, and the parts without that member say nothing of how far. (Before, an honest
-owner whose part was averaged with one member only, its other senders having excluded it, was
-accused at 15x the median of the parts they averaged without it, in loaded 8-peer runs.) A part
-with fewer than three such parts gets the ``r_j > 1`` bound. In a round where every part had
-every member, this is the median of all of them, whatever an owner claims: a subset of all.
+honest reason, and the parts without that member say nothing of how far. (Before, in loaded
+8-peer runs where two members refused a third's streams, an honest member accused that third
+member as an owner: 0.0364 from its values against a median of 0.00232.) A part with fewer than
+three such parts gets the ``r_j > 1`` bound. In a round where every part had every member, this
+is the median of all of them, whatever an owner claims (a subset of all). Where members are
+missing from the other parts, an owner that claims them among its contributors gets that
+looser bound: the claim is the owner's word, and only the checker's own membership can be
+verified.
 
 A member whose own values are the odd ones out (the robust mean of its own part clipped them)
 does not judge: every honest average then lies as far from its values as they drifted in that
