@@ -226,7 +226,7 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
         "nan": any(not math.isfinite(v) for v in losses),
         "rounds_to_downweight": _rounds_to_downweight(honest, attacker_ids),
         "honest_downweighted": sorted(_lowered(honest, honest_ids)),
-        "honest_lowered_views": _lowered_views(honest, honest_ids),
+        "honest_lowered_by_most": _lowered_by_most(honest, honest_ids),
         "honest_trust_min": _min_trust(honest, honest_ids),
         # per peer, the median over the honest peers that scored it of their record at the end
         "honest_record_min": min(_end_records(honest, honest_ids).values(), default=1.0),
@@ -278,17 +278,15 @@ def _lowered(honest: list[PeerLog], ids: set[str]) -> set[str]:
     return {p for x in honest for t in x.trust for p, v in t.items() if p in ids and v < 0.5}
 
 
-def _lowered_views(honest: list[PeerLog], ids: set[str]) -> int:
-    """How many (scorer, scored) pairs of honest peers had the scored below half, ever."""
-    return len(
-        {
-            (i, p)
-            for i, x in enumerate(honest)
-            for t in x.trust
-            for p, v in t.items()
-            if p in ids and v < 0.5
-        }
-    )
+def _lowered_by_most(honest: list[PeerLog], ids: set[str]) -> int:
+    """The most honest scorers that ever held one honest peer below half."""
+    by: dict[str, set[int]] = {}
+    for i, x in enumerate(honest):
+        for t in x.trust:
+            for p, v in t.items():
+                if p in ids and v < 0.5:
+                    by.setdefault(p, set()).add(i)
+    return max(map(len, by.values()), default=0)
 
 
 def _min_trust(honest: list[PeerLog], ids: set[str]) -> float:
