@@ -217,6 +217,7 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
     attacker_ids = {x.swarm.peer.peer_id.short for x in logs if x.attacker}
     losses = [test_loss(x.swarm.model) for x in honest]
     clipped = sum(1 for x in honest for c in x.clipped if c in honest_ids)
+    lowering = _lowering_scorers(honest, honest_ids)
     contributions = sum(x.contributions for x in honest)
     return {
         "rounds": rounds,
@@ -225,8 +226,9 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
         "anchor_loss": max(anchor_loss(x.swarm) for x in honest),
         "nan": any(not math.isfinite(v) for v in losses),
         "rounds_to_downweight": _rounds_to_downweight(honest, attacker_ids),
-        "honest_downweighted": sorted(_lowered(honest, honest_ids)),
-        "honest_lowered_by_most": _lowered_by_most(honest, honest_ids),
+        "honest_downweighted": sorted(lowering),
+        # the most honest scorers that ever held one honest peer below half
+        "honest_lowered_by_most": max(map(len, lowering.values()), default=0),
         "honest_trust_min": _min_trust(honest, honest_ids),
         # per peer, the median over the honest peers that scored it of their record at the end
         "honest_record_min": min(_end_records(honest, honest_ids).values(), default=1.0),
@@ -274,19 +276,15 @@ def _rounds_to_downweight(honest: list[PeerLog], attackers: set[str]) -> int | N
     return None
 
 
-def _lowered(honest: list[PeerLog], ids: set[str]) -> set[str]:
-    return {p for x in honest for t in x.trust for p, v in t.items() if p in ids and v < 0.5}
-
-
-def _lowered_by_most(honest: list[PeerLog], ids: set[str]) -> int:
-    """The most honest scorers that ever held one honest peer below half."""
+def _lowering_scorers(honest: list[PeerLog], ids: set[str]) -> dict[str, set[int]]:
+    """Each of ``ids`` that some honest scorer ever held below :data:`LOWERED_BELOW`: the
+    indices of those scorers."""
     by: dict[str, set[int]] = {}
     for i, x in enumerate(honest):
         for t in x.trust:
-            for p, v in t.items():
-                if p in ids and v < 0.5:
-                    by.setdefault(p, set()).add(i)
-    return max(map(len, by.values()), default=0)
+            for p in (p for p, v in t.items() if p in ids and v < LOWERED_BELOW):
+                by.setdefault(p, set()).add(i)
+    return by
 
 
 def _min_trust(honest: list[PeerLog], ids: set[str]) -> float:

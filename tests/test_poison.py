@@ -228,11 +228,12 @@ def test_honest_peers_with_unlike_data_keep_their_weight() -> None:
     peers, and each ends at full weight in the median honest view. Measured with two CPU hogs
     beside the run: in 14 runs of 68 one or more honest peers (holding classes that no other
     peer or one other held) fell below half in some views, never in more than 2 of the 7."""
+    peers = 8
     got = asyncio.run(
-        run(peers=8, attackers=0, fault=Fault.NONE, rounds=16, score_updates=True, non_iid=True)
+        run(peers=peers, attackers=0, fault=Fault.NONE, rounds=16, score_updates=True, non_iid=True)
     )
     assert not got["nan"] and got["averaged_rounds_min"] >= 4, got
-    assert 2 * got["honest_lowered_by_most"] < 8 - 1, got
+    assert got["honest_lowered_by_most"] < (peers - 1) / 2, got  # fewer than half the others
     assert got["honest_record_min"] >= LOWERED_BELOW, got
 
 
