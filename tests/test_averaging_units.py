@@ -800,6 +800,14 @@ def test_implausible_parts_names_the_outlier_only():
     assert set(implausible_parts(asymmetric)) == {0}  # what the median of all parts said
     assert implausible_parts(asymmetric, contributors=sets) == {}
     assert "too few comparable" in implausible_parts({**asymmetric, 0: 2.0}, contributors=sets)[0]
+    # updates barely align: an honest average lies about as far as the own update's size (a
+    # late member's values in part 0 only, measured at 10 Mbit/s); with too few comparable
+    # parts the rule over all of them applies when it is looser than r > 1
+    late = {0: (0, 1, 2, 3), 1: (0, 1, 2), 2: (0, 1, 2), 3: (0, 1, 2)}
+    updates = {0: 1.01, 1: 0.85, 2: 0.82, 3: 0.9}
+    assert set(implausible_parts(updates, contributors={**late, 0: (0, 1, 2)})) == set()
+    assert implausible_parts(updates, contributors=late) == {}
+    assert "few comparable" in implausible_parts({**updates, 0: 1e29}, contributors=late)[0]
     # every part with every member: an owner's claim of fewer contributors changes nothing
     full = {p: (0, 1, 2, 3) for p in range(4)}
     liar = {0: 0.14, 1: 0.15, 2: 0.13, 3: 5.0}
@@ -817,14 +825,58 @@ def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
 
     flat = torch.ones(6)
     result = torch.tensor([1.0, 1.1, float("inf"), 1.0, float("nan"), 1.0])
-    dev = _deviations(flat, result, {0: (0, 2), 1: (2, 4), 2: (4, 6)})
-    assert dev[0] < 0.1 and math.isnan(dev[1]) and math.isnan(dev[2])
+    dev, inside = _deviations(flat, result, {0: (0, 2), 1: (2, 4), 2: (4, 6)})
+    assert dev[0] < 0.1 and math.isnan(dev[1]) and math.isnan(dev[2]) and inside == {}
     assert set(not_finite(dev)) == {1, 2}
     # finite values whose float32 norms overflow: measured in float64, not taken for NaN
-    huge = _deviations(torch.ones(2), torch.full((2,), 3e38), {0: (0, 2)})
+    huge, _ = _deviations(torch.ones(2), torch.full((2,), 3e38), {0: (0, 2)})
     assert 1e37 < huge[0] < float("inf")
-    own_huge = _deviations(torch.full((4,), 1e30), torch.ones(4), {0: (0, 4)})
+    own_huge, _ = _deviations(torch.full((4,), 1e30), torch.ones(4), {0: (0, 4)})
     assert own_huge[0] == pytest.approx(1.0)
+    # a non-finite value inside the kept ranges is found there
+    dev, inside = _deviations(flat, result, {0: (0, 4)}, ((1, 3),))
+    assert dev[0] < 0.1 and math.isnan(inside[0]) and set(not_finite(dev, inside)) == {0}
+
+
+def test_kept_ranges_are_merged_split_and_forgotten_after_their_rounds():
+    from swarm.averaging.butterfly.kept import KeptRanges, merge, split
+
+    assert merge([(5, 9), (0, 2), (2, 3), (7, 12), (4, 4)]) == ((0, 3), (5, 12))
+    assert split(0, 10, ((2, 4), (6, 8))) == ([(0, 2), (4, 6), (8, 10)], [(2, 4), (6, 8)])
+    assert split(3, 7, ((0, 4), (6, 20))) == ([(4, 6)], [(3, 4), (6, 7)])
+    assert split(3, 7, ((0, 2), (8, 9))) == ([(3, 7)], [])
+    assert split(3, 7, ((0, 10),)) == ([], [(3, 7)])
+    kept = KeptRanges(rounds=3)
+    layout, other = ("", 100), ("f1", 100)
+    kept.record(layout, [(10, 20)], averaged=True)
+    kept.record(layout, [(0, 100)], averaged=False)  # nothing averaged: moved alike everywhere
+    assert kept.recent(layout) == ((10, 20),) and kept.recent(other) == ()
+    kept.record(other, [(0, 5)], averaged=True)  # another layout has its own rounds
+    kept.record(layout, [(15, 30)], averaged=True)
+    assert kept.recent(layout) == ((10, 30),)
+    kept.record(layout, [], averaged=True)  # the first range's third round after: forgotten
+    assert kept.recent(layout) == ((15, 30),) and kept.recent(other) == ((0, 5),)
+    for _ in range(2):
+        kept.record(layout, [], averaged=True)
+    assert kept.recent(layout) == ()
+
+
+def test_ranges_kept_lately_are_held_to_the_blatant_bound_only():
+    """Measured at 10 Mbit/s: after a round where a member kept its own values of one part,
+    the next sync's honest average of that range lay 0.226 from them against a median of
+    0.00487 elsewhere, and the member accused the owner."""
+    from swarm.averaging.butterfly.checks import implausible_parts
+
+    measured = {0: 0.0049, 1: 0.0051, 2: 0.0047, 3: 0.226}
+    assert set(implausible_parts(measured)) == {3}
+    # part 3 wholly kept: only the r > 1 bound; part 1 half kept, its rest by the usual rule
+    rest = {0: 0.0049, 1: 0.0051, 2: 0.0047}
+    assert implausible_parts(rest, lenient={3: 0.226, 1: 0.39}) == {}
+    assert "kept them lately" in implausible_parts(rest, lenient={3: 2.0})[3]  # flipped
+    assert set(implausible_parts(rest, lenient={3: 1e29})) == {3}
+    assert set(implausible_parts({**rest, 1: 0.2}, lenient={1: 0.3})) == {1}  # a lie outside
+    assert set(implausible_parts(rest, lenient={3: float("nan")})) == {3}
+    assert implausible_parts({0: 0.0049}, lenient={1: 5.0}) == {}  # too few parts to judge
 
 
 def test_a_round_order_far_ahead_is_not_followed():

@@ -22,6 +22,7 @@ import torch
 
 from swarm.averaging.butterfly.checks import NOT_FINITE, implausible_parts, not_finite
 from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.kept import split
 from swarm.averaging.butterfly.outcome import OwnedPart, SentPart
 from swarm.averaging.butterfly.owner import PartOwner
 from swarm.averaging.butterfly.parts import PartPlan
@@ -78,6 +79,7 @@ class AllReduce:
         self.stall_floor = ctx.stall.floor_s
         self.check_owners = check_owners
         self.workers, self.rates = ctx.workers, ctx.rates
+        self.kept = ctx.kept
         start, end = plan.ranges[ctx.me]
         self.owner: PartOwner | None = None
         if end > start:
@@ -160,7 +162,9 @@ class AllReduce:
         """Refuse (drop from ``parts``) the parts whose average is not finite, or with
         ``check_owners`` implausible; accuse their owners. Nothing non-finite is ever applied."""
         ranges = {j: self.plan.ranges[j] for j in parts}
-        deviations = await self.workers.run(_deviations, self.flat, self.result, ranges)
+        deviations, lenient = await self.workers.run(
+            _deviations, self.flat, self.result, ranges, self.kept
+        )
         judge = self.check_owners
         if judge and self.owner is not None and self.owner.reducer.own_clipped:
             # Its own values are the outliers of its own part: every honest average lies far
@@ -170,9 +174,9 @@ class AllReduce:
             judge = False
         mixed = {j for j, averaged in parts.items() if any(m != self.me for m in averaged)}
         verdicts = (
-            implausible_parts(deviations, mixed=mixed, contributors=parts)
+            implausible_parts(deviations, mixed=mixed, contributors=parts, lenient=lenient)
             if judge
-            else not_finite(deviations)
+            else not_finite(deviations, lenient)
         )
         accused = []
         for j, why in verdicts.items():
@@ -202,21 +206,38 @@ class AllReduce:
 
 
 def _deviations(
-    flat: torch.Tensor, result: torch.Tensor, ranges: dict[int, tuple[int, int]]
-) -> dict[int, float]:
-    """Per part, ``||result - flat|| / ||flat||`` (NaN when the result holds NaN or inf: see
-    :func:`swarm.averaging.butterfly.checks.not_finite`). Norms that overflow float32 (values near
-    its limit) are taken again in float64, so huge own values do not read as a bad average."""
-    out = {}
+    flat: torch.Tensor,
+    result: torch.Tensor,
+    ranges: dict[int, tuple[int, int]],
+    kept: tuple[tuple[int, int], ...] = (),
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Per part, ``||result - flat|| / ||flat||`` over its elements outside the ``kept`` ranges,
+    and over those inside them (each part in the first, the second or both; NaN when the result
+    holds NaN or inf there: see :func:`swarm.averaging.butterfly.checks.not_finite`)."""
+    outside: dict[int, float] = {}
+    inside: dict[int, float] = {}
     for j, (start, end) in ranges.items():
+        rest, mine = split(start, end, kept)
+        if rest:
+            outside[j] = _relative(flat, result, rest)
+        if mine:
+            inside[j] = _relative(flat, result, mine)
+    return outside, inside
+
+
+def _relative(flat: torch.Tensor, result: torch.Tensor, pieces: list[tuple[int, int]]) -> float:
+    """``||result - flat|| / ||flat||`` over ``pieces``. Norms that overflow float32 (values near
+    its limit) are taken again in float64, so huge own values do not read as a bad average."""
+    diff2 = size2 = 0.0
+    for start, end in pieces:
         mine, got = flat[start:end], result[start:end]
         diff = float(torch.linalg.vector_norm(got - mine))
         size = float(torch.linalg.vector_norm(mine))
         if not (math.isfinite(diff) and math.isfinite(size)):
             if not bool(torch.isfinite(got).all()):
-                out[j] = math.nan  # checked only here: a finite norm means finite values
-                continue
+                return math.nan  # checked only here: a finite norm means finite values
             diff = float(torch.linalg.vector_norm(got.double() - mine.double()))
             size = float(torch.linalg.vector_norm(mine, dtype=torch.float64))
-        out[j] = diff / max(size, 1e-30)
-    return out
+        diff2 += diff * diff
+        size2 += size * size
+    return math.sqrt(diff2) / max(math.sqrt(size2), 1e-30)

@@ -28,17 +28,25 @@ them (the member's other sends were refused or late), lies farther from the own 
 honest reason, and the parts without that member say nothing of how far. (Before, in loaded
 8-peer runs where two members refused a third's streams, an honest member accused that third
 member as an owner: 0.0364 from its values against a median of 0.00232.) A part with fewer than
-three such parts gets the ``r_j > 1`` bound. In a round where every part had every member, this
-is the median of all of them, whatever an owner claims (a subset of all). Where members are
-missing from the other parts, an owner that claims them among its contributors gets that
-looser bound: the claim is the owner's word, and only the checker's own membership can be
-verified.
+three such parts gets the looser of the ``r_j > 1`` bound and the usual rule over all the
+mixed parts: updates of one round barely align, so an honest average of them lies about as far
+from a member's own update as its size, and ``r_j > 1`` alone accused honest owners at 1.01-1.06
+(10 Mbit/s, 4 peers, a late member's values in one part only). In a round where every part had
+every member, this is the median of all of them, whatever an owner claims (a subset of all).
+Where members are missing from the other parts, an owner that claims them among its
+contributors gets that looser bound: the claim is the owner's word, and only the checker's own
+membership can be verified.
 
 A member whose own values are the odd ones out (the robust mean of its own part clipped them)
 does not judge: every honest average then lies as far from its values as they drifted in that
 part, which differs from part to part (a part of biases near zero drifts further, relative to its
 size, than a part of large weights), so its ``r_j`` would accuse honest owners. The members
 close to the others still judge.
+
+In a round of values, the ranges where the member kept its own values in its recent rounds
+(:mod:`swarm.averaging.butterfly.kept`) part from the others' for an honest reason: their
+averages are held to the ``r > 1`` bound only (``lenient``), and the rest of each part to the
+rule above.
 
 This is cheaper than BTARD's validators (no re-download, no recomputation: one pass over the
 vector) and needs no agreement; what it cannot see is a lie smaller than ``factor`` times the
@@ -58,9 +66,9 @@ UNAVERAGED_BOUND = 1.0  # the bound when most parts came back as own values (med
 NOT_FINITE = "average is not finite"  # refused whatever the other parts say
 
 
-def not_finite(deviations: Mapping[int, float]) -> dict[int, str]:
+def not_finite(*deviations: Mapping[int, float]) -> dict[int, str]:
     """Parts whose average holds NaN or inf (deviation NaN by convention), each with why."""
-    return {p: NOT_FINITE for p, d in deviations.items() if math.isnan(d)}
+    return {p: NOT_FINITE for devs in deviations for p, d in devs.items() if math.isnan(d)}
 
 
 def implausible_parts(
@@ -68,6 +76,7 @@ def implausible_parts(
     factor: float = PLAUSIBLE_FACTOR,
     mixed: Collection[int] | None = None,
     contributors: Mapping[int, Collection[int]] | None = None,
+    lenient: Mapping[int, float] | None = None,
 ) -> dict[int, str]:
     """Parts whose relative deviation is not plausible, each with why.
 
@@ -79,22 +88,36 @@ def implausible_parts(
         contributors: part -> the members whose values it averaged; a part is then judged
             against the mixed parts whose contributors include all of its own (default: every
             mixed part).
+        lenient: part -> ``r`` over the ranges of it held to the ``r > 1`` bound only (those
+            the member kept its own values of lately); ``deviations`` then covers the rest of
+            each part, and a part wholly in those ranges is missing from it.
     """
-    verdicts = not_finite(deviations)
-    judged = [d for d in deviations.values() if not math.isnan(d)]
+    lenient = lenient or {}
+    verdicts = not_finite(deviations, lenient)
+    judged = {p for devs in (deviations, lenient) for p, d in devs.items() if not math.isnan(d)}
     if len(judged) < _MIN_PARTS:
         return verdicts
+    for part, d in lenient.items():
+        if part not in verdicts and d > UNAVERAGED_BOUND + _EPS:
+            verdicts[part] = (
+                f"average {d:.3g} from own values where this member kept them lately, "
+                f"over {UNAVERAGED_BOUND:g}"
+            )
     spread = {
         p: d for p, d in deviations.items() if not math.isnan(d) and (mixed is None or p in mixed)
     }
+    overall = statistics.median(spread.values()) if len(spread) >= _MIN_PARTS else 0.0
     for part, d in deviations.items():
-        if math.isnan(d):
+        if part in verdicts:
             continue
         reference = _reference(part, spread, contributors)
         # (inf when most own values are 0: no verdict)
         median = statistics.median(reference) if len(reference) >= _MIN_PARTS else 0.0
         if median > _EPS:
             bound, rule = factor * median, f"over {factor:g}x the median {median:.3g}"
+        elif len(reference) < _MIN_PARTS and factor * overall > UNAVERAGED_BOUND:
+            bound = factor * overall
+            rule = f"over {factor:g}x the median {overall:.3g} of all parts (few comparable)"
         else:
             bound, rule = UNAVERAGED_BOUND, f"over {UNAVERAGED_BOUND:g} (too few comparable parts)"
         if d > bound + _EPS:

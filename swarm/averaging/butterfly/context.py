@@ -41,6 +41,9 @@ class RoundContext:
     # swarm.averaging.butterfly.scoring)
     score: bool = False
     trust: Mapping[int, float] = field(default_factory=dict)  # member -> its weight factor
+    # a round of values: the ranges of the flat vector this member kept its own values of in
+    # its recent rounds, merged (see swarm.averaging.butterfly.kept)
+    kept: tuple[tuple[int, int], ...] = ()
     # members whose address refused our connection this round, or that answered that the
     # group is not theirs (over there, or never started): gone, so the owner side stops
     # waiting for their part at once (a killed peer costs no stall limit)

@@ -24,6 +24,7 @@ from swarm.averaging.butterfly.allreduce import AllReduce, RoundParts
 from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.exclusions import Exclusions
 from swarm.averaging.butterfly.flat import FlatStaging, scatter
+from swarm.averaging.butterfly.kept import KeptRanges
 from swarm.averaging.butterfly.parts import (
     PartPlan,
     chunk_bytes_for,
@@ -86,6 +87,9 @@ class ButterflyRunner:
         self.excluded = Exclusions()
         # this peer's record of the others' updates: the factor on their weight in its parts
         self.reputation = Reputation()
+        # the ranges this peer kept its own values of lately, per layout: a round of values
+        # holds their averages to the blatant bound only (see butterfly.kept)
+        self.kept = KeptRanges()
         # error feedback per kind of round, so that rounds taking turns keep their own
         # residuals; staging buffers per fragment (see RoundKind)
         self.feedbacks: dict[RoundKind, FlatFeedback] = {}
@@ -127,6 +131,7 @@ class ButterflyRunner:
         flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat, updates), self.faults.weight(weight)
         started = time.monotonic()
+        layout = (kind.fragment, numel)
         ctx = RoundContext(
             group=group,
             me=me,
@@ -144,6 +149,7 @@ class ButterflyRunner:
             updates=updates,
             score=score,
             trust=self._trust_in(group, me) if score else {},
+            kept=() if updates else self.kept.recent(layout),
         )
         outcome = await self._run(ctx, plan, flat, result)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
@@ -151,6 +157,9 @@ class ButterflyRunner:
             outcome = await self._repair(repair, ctx, outcome, flat, result, started)
         self._rounds.settle(group.group_id)  # a repair that did not start here never will
         parts_idx, notes = outcome.parts, outcome.notes
+        if not kind.synced:  # a sync's failed part leaves the anchors as they were
+            alone = [plan.ranges[j] for j in plan.owned() if len(parts_idx.get(j, ())) < 2]
+            self.kept.record(layout, alone, any(len(c) > 1 for c in parts_idx.values()))
         refusals = [
             Refusal(m.peer_id, RefusalAction.EXCLUDED, -1, self.excluded.why(m.peer_id))
             for m in group.members
@@ -284,6 +293,7 @@ class ButterflyRunner:
             if ctx.score
             else {},
             score=False,  # scores are filed from the round itself
+            kept=(),  # its vector is laid out otherwise
             parent=ctx.group.group_id,
             gone=set(),
             suspected={},
