@@ -126,10 +126,7 @@ class AveragingConfig:
             value in use is :attr:`gather_window`.
         stall_timeout_min_s: a silent peer is never dropped sooner than this after its last
             chunk; beyond it, the limit is ``stall_factor`` chunk-times at the measured rate.
-            Behind 10 Mbit/s links, healthy senders go silent for 3-4 s when the link's queue
-            drops their packets (TCP retransmits after backing off): at 3 s, 4 peers dropped
-            41-77 of them per 12-round run and a member kept its own values of the part; at 6 s,
-            0-3 (3 runs; rounds 20-30% shorter, at most 1 part kept a run).
+            6 s: behind 10 Mbit/s links healthy streams go quiet for 3-4 s (README, measured).
         stall_factor: see ``stall_timeout_min_s``; increase both on very jittery links.
         group_key: matchmaking key prefix: averagers with different keys never group.
         grouping: ``latency`` (near peers by Vivaldi coordinates, regions mixed every

@@ -838,6 +838,25 @@ def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
     assert dev[0] < 0.1 and math.isnan(inside[0]) and set(not_finite(dev, inside)) == {0}
 
 
+def test_an_owner_accused_before_gets_no_leniency_in_kept_ranges():
+    """A liar refused once leaves the member with its own values of its part: the next round of
+    values must not hold that owner to the looser bound there."""
+    from swarm.averaging.butterfly.allreduce import _deviations
+    from swarm.averaging.butterfly.checks import implausible_parts
+
+    flat = torch.ones(400)
+    result = flat.clone()
+    result[:300] += 0.005  # the honest spread
+    result[300:] += 0.3  # part 3, wholly kept lately: 0.3 from the own values
+    ranges = {0: (0, 100), 1: (100, 200), 2: (200, 300), 3: (300, 400)}
+    dev, inside = _deviations(flat, result, ranges, ((300, 400),))
+    assert set(dev) == {0, 1, 2} and inside[3] == pytest.approx(0.3)
+    assert implausible_parts(dev, lenient=inside) == {}  # an honest owner there: not accused
+    dev, inside = _deviations(flat, result, ranges, ((300, 400),), whole={3})
+    assert inside == {} and dev[3] == pytest.approx(0.3)
+    assert set(implausible_parts(dev, lenient=inside)) == {3}
+
+
 def test_kept_ranges_are_merged_split_and_forgotten_after_their_rounds():
     from swarm.averaging.butterfly.kept import KeptRanges, merge, split
 

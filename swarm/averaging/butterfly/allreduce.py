@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ class AllReduce:
         self.stall_floor = ctx.stall.floor_s
         self.check_owners = check_owners
         self.workers, self.rates = ctx.workers, ctx.rates
-        self.kept = ctx.kept
+        self.kept, self.accused = ctx.kept, ctx.accused
         start, end = plan.ranges[ctx.me]
         self.owner: PartOwner | None = None
         if end > start:
@@ -163,7 +164,7 @@ class AllReduce:
         ``check_owners`` implausible; accuse their owners. Nothing non-finite is ever applied."""
         ranges = {j: self.plan.ranges[j] for j in parts}
         deviations, lenient = await self.workers.run(
-            _deviations, self.flat, self.result, ranges, self.kept
+            _deviations, self.flat, self.result, ranges, self.kept, self.accused
         )
         judge = self.check_owners
         if judge and self.owner is not None and self.owner.reducer.own_clipped:
@@ -210,14 +211,16 @@ def _deviations(
     result: torch.Tensor,
     ranges: dict[int, tuple[int, int]],
     kept: tuple[tuple[int, int], ...] = (),
+    whole: Collection[int] = (),
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Per part, ``||result - flat|| / ||flat||`` over its elements outside the ``kept`` ranges,
     and over those inside them (each part in the first, the second or both; NaN when the result
-    holds NaN or inf there: see :func:`swarm.averaging.butterfly.checks.not_finite`)."""
+    holds NaN or inf there: see :func:`swarm.averaging.butterfly.checks.not_finite`). The parts
+    in ``whole`` are measured whole, in the first."""
     outside: dict[int, float] = {}
     inside: dict[int, float] = {}
     for j, (start, end) in ranges.items():
-        rest, mine = split(start, end, kept)
+        rest, mine = ([(start, end)], []) if j in whole else split(start, end, kept)
         if rest:
             outside[j] = _relative(flat, result, rest)
         if mine:

@@ -44,6 +44,9 @@ class RoundContext:
     # a round of values: the ranges of the flat vector this member kept its own values of in
     # its recent rounds, merged (see swarm.averaging.butterfly.kept)
     kept: tuple[tuple[int, int], ...] = ()
+    # members this peer accused before (as far as it remembers): their parts get no leniency
+    # in the kept ranges, so that a refused liar cannot lie there again under the looser bound
+    accused: frozenset[int] = frozenset()
     # members whose address refused our connection this round, or that answered that the
     # group is not theirs (over there, or never started): gone, so the owner side stops
     # waiting for their part at once (a killed peer costs no stall limit)

@@ -24,7 +24,9 @@ What it costs: an owner of such a range may shift the average there by less than
 own size without being accused, in the rounds of the members that kept it. An owner that makes
 its own part fail on purpose (every member then keeps that range) earns that slack in the
 following rounds of values for the range it owned; the members that averaged a range still
-judge it by the usual rule.
+judge it by the usual rule. An owner the member accused before gets no slack: a liar refused
+once (the member then keeps its own values of that part) cannot lie there again under the
+looser bound.
 """
 
 from __future__ import annotations

@@ -150,6 +150,9 @@ class ButterflyRunner:
             score=score,
             trust=self._trust_in(group, me) if score else {},
             kept=() if updates else self.kept.recent(layout),
+            accused=frozenset(
+                i for i, m in enumerate(group.members) if self.excluded.accused(m.peer_id)
+            ),
         )
         outcome = await self._run(ctx, plan, flat, result)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
