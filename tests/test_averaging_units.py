@@ -777,6 +777,9 @@ def test_implausible_parts_names_the_outlier_only():
     assert implausible_parts({0: 0.5, 1: 1e9}) == {}  # too few parts to judge
     assert implausible_parts({0: float("inf"), 1: float("inf"), 2: 1.0}) == {}  # own values 0
     assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.0}) == {}
+    # members in agreement up to rounding: part-to-part ratios are noise under the floor
+    assert implausible_parts({0: 1.03e-5, 1: 1.1e-5, 2: 0.95e-5, 3: 8.02e-5}) == {}
+    assert set(implausible_parts({0: 1.03e-5, 1: 1.1e-5, 2: 0.95e-5, 3: 2e-3})) == {3}
     # most parts came back as own values (median 0): an averaged part is not a lie for that,
     # flipped, huge or unrelated values still are
     assert implausible_parts({0: 0.0, 1: 0.0, 2: 0.128, 3: 0.0}) == {}

@@ -43,6 +43,12 @@ part, which differs from part to part (a part of biases near zero drifts further
 size, than a part of large weights), so its ``r_j`` would accuse honest owners. The members
 close to the others still judge.
 
+Whatever the rule, an average within ``NOISE_FLOOR`` (0.1%) of the own values is plausible. Members
+that agree that closely (an anchor sync of a swarm in sync, repeated int8 rounds of the same
+values) differ by rounding, which differs from part to part by several times: the median rule
+accused an honest owner at 8e-5 against a median of 1e-5. One int8 pass rounds values by about
+0.75%; a liar kept under the floor moves a part by at most 0.1% of its size per round.
+
 In a round of values, the ranges where the member kept its own values in its recent rounds
 (:mod:`swarm.averaging.butterfly.kept`) part from the others' for an honest reason: their
 averages are held to the ``r > 1`` bound only (``lenient``), and the rest of each part to the
@@ -61,7 +67,10 @@ from collections.abc import Collection, Mapping
 
 PLAUSIBLE_FACTOR = 4.0
 _MIN_PARTS = 3  # the median of fewer parts says nothing
-_EPS = 1e-6  # relative deviations this small are always plausible (lossless, identical values)
+_EPS = 1e-6  # a median this small says the parts came back as the own values
+#: averages closer than this to the own values (relative) are plausible whatever the other
+#: parts say: members already that close differ by rounding, whose part-to-part ratio is noise
+NOISE_FLOOR = 1e-3
 UNAVERAGED_BOUND = 1.0  # the bound when most parts came back as own values (median 0)
 NOT_FINITE = "average is not finite"  # refused whatever the other parts say
 
@@ -120,7 +129,7 @@ def implausible_parts(
             rule = f"over {factor:g}x the median {overall:.3g} of all parts (few comparable)"
         else:
             bound, rule = UNAVERAGED_BOUND, f"over {UNAVERAGED_BOUND:g} (too few comparable parts)"
-        if d > bound + _EPS:
+        if d > max(bound, NOISE_FLOOR):
             verdicts[part] = f"average {d:.3g} from own values, {rule}"
     return verdicts
 
