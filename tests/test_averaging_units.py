@@ -705,6 +705,49 @@ def test_centered_clip_averages_two_contributions():
     torch.testing.assert_close(out.center, torch.tensor([0.75, 1.5, 2.25]))
 
 
+def _clip_in_row_space(rows: torch.Tensor, weights: list[float], iterations: int) -> torch.Tensor:
+    """CenteredClip as written in the papers, on the rows themselves, in float64."""
+    x = rows.double()
+    w = torch.tensor(weights, dtype=torch.float64)
+    dist = torch.cdist(x, x)
+    start = int((dist.median(dim=1).values + 1e-6 * dist.mean(dim=1)).argmin())
+    v = x[start].clone()
+    for step in range(iterations):
+        d = (x - v).norm(dim=1)
+        others = torch.cat([d[:start], d[start + 1 :]]) if step == 0 else d
+        tau = float(others.median())
+        scale = torch.where(d > tau, tau / d.clamp(min=1e-300), 1.0)
+        wk = torch.where(scale < 0.1, 0.0, w)
+        if not float(wk.sum()) > 0:
+            break
+        v = v + ((wk * scale / wk.sum())[:, None] * (x - v)).sum(0)
+    return v
+
+
+@given(
+    k=st.integers(3, 8),
+    outliers=st.integers(0, 2),
+    iterations=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_centered_clip_from_the_gram_matrix_matches_the_row_space_algorithm(
+    k, outliers, iterations, seed
+):
+    """The clip keeps its centre as a combination of the rows and measures every distance
+    through their Gram matrix; it lands where the row-space iteration does."""
+    from swarm.averaging.butterfly.robust import centered_clip
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 5.0 + torch.randn(k, 3000, generator=g)
+    rows[:outliers] *= 1 + 20 * torch.rand(outliers, 1, generator=g)
+    weights = (0.5 + torch.rand(k, generator=g)).tolist()
+    want = _clip_in_row_space(rows, weights, iterations)
+    got = centered_clip(rows.clone(), weights, iterations=iterations, overwrite=True)
+    spread = float((rows.double() - want).norm(dim=1).median())
+    assert float((got.center.double() - want).norm()) <= 1e-4 * spread
+
+
 @given(k=st.integers(3, 8), seed=st.integers(0, 2**16))
 @settings(max_examples=30, deadline=None)
 def test_centered_clip_stays_near_the_mean_of_honest_noise(k, seed):

@@ -34,6 +34,7 @@ import torch
 CLIP_ITERATIONS = 2
 OUTLIER_SCALE = 0.1  # a contribution scaled below this is an outlier (reported, left out)
 _SAFE_F32 = 1e18  # row norm below which float32 norms of differences cannot overflow
+_TINY = torch.finfo(torch.float64).tiny
 
 
 def cap_weights(weights: Sequence[float], ratio: float = 2.0) -> list[float]:
@@ -77,11 +78,11 @@ def centered_clip(
     k = rows.shape[0]
     if k == 1:
         return ClipResult(rows[0].float().clone(), (1.0,), 0.0)
-    # Distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2) and the step as one
-    # matrix-vector product: no k x n temporary per iteration. The rows are taken relative to
-    # one of them first: |x|^2 of raw values (parameters rather than their changes) would bury
-    # every difference below float32's precision relative to the values themselves. That row
-    # is the one of median norm, never a minority's huge one, which would bury all the others.
+    # Distances through dot products (||x - v||^2 = |x|^2 - 2 x.v + |v|^2). The rows are
+    # taken relative to one of them first: |x|^2 of raw values (parameters rather than their
+    # changes) would bury every difference below float32's precision relative to the values
+    # themselves. That row is the one of median norm, never a minority's huge one, which would
+    # bury all the others.
     norms = torch.linalg.vector_norm(rows.float(), dim=1)
     pick = int(torch.argsort(norms)[(k - 1) // 2])
     if bool(norms.max() < _SAFE_F32):
@@ -90,16 +91,21 @@ def centered_clip(
     else:  # huge norms: differences and their norms could overflow float32; exact in float64
         origin = rows[pick].double()
         x = rows.double() - origin
-    gram = x @ x.T
-    w = torch.tensor([float(v) for v in weights], dtype=x.dtype, device=x.device)
+    # The clip runs on the Gram matrix alone: the centre is always a combination v = x^T a of
+    # the rows (the medoid, then steps v <- (1 - sum c) v + x^T c), so every distance
+    # ||x_i - v||^2 = G_ii - 2 (G a)_i + a^T G a is a k x k product, and the rows are read
+    # twice in all (the Gram matrix, then the centre), whatever the iterations.
+    g = (x @ x.T).double().cpu()
+    w = torch.tensor([float(v) for v in weights], dtype=torch.float64)
     if float(w.sum()) <= 0:
-        w = torch.ones(k, dtype=x.dtype, device=x.device)
+        w = torch.ones(k, dtype=torch.float64)
     if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
-        return ClipResult((w / w.sum()) @ x + origin, (1.0, 1.0), 0.0)
-    sq = gram.diagonal().clone()
-    start, dist2 = _medoid(gram)
-    v = x[start].clone()
-    scale = torch.ones(k, dtype=x.dtype, device=x.device)
+        return ClipResult(_combine(x, w / w.sum(), origin), (1.0, 1.0), 0.0)
+    sq = g.diagonal()
+    start, dist2 = _medoid(g)
+    a = torch.zeros(k, dtype=torch.float64)
+    a[start] = 1.0
+    scale = torch.ones(k, dtype=torch.float64)
     tau = 0.0
     for step in range(iterations):
         if step == 0:  # from the medoid: its distances are in the Gram matrix already
@@ -107,27 +113,36 @@ def centered_clip(
             # the medoid's own distance (0) would drag the median down and clip honest rows
             others = torch.cat([dist[:start], dist[start + 1 :]])
         else:
-            dist = others = torch.sqrt(torch.clamp(sq - 2 * (x @ v) + v @ v, min=0))
+            ga = g @ a
+            dist = others = torch.sqrt(torch.clamp(sq - 2 * ga + a @ ga, min=0))
         tau = float(others.median())  # the lower median: one of two far rows is clipped
-        scale = torch.where(dist > tau, tau / torch.clamp(dist, min=torch.finfo(x.dtype).tiny), 1.0)
+        scale = torch.where(dist > tau, tau / torch.clamp(dist, min=_TINY), 1.0)
         wk = torch.where(scale < OUTLIER_SCALE, 0.0, w)
         if not float(wk.sum()) > 0:  # only outliers claim a weight: stay at the medoid
             break
-        c = wk * scale / wk.sum()  # v <- v + sum_i c_i (x_i - v) = (1 - sum c) v + x^T c
-        v = torch.addmv(v, x.T, c, beta=float(1 - c.sum()))
-    sums = _alignment(x, sq, origin.to(x.dtype), v) if score else ((), (), 0.0)
-    return ClipResult(v.add_(origin), tuple(float(s) for s in scale.cpu()), tau, *sums)
+        c = wk * scale / wk.sum()  # a <- (1 - sum c) a + c
+        a = a * float(1 - c.sum()) + c
+    center = _combine(x, a, origin)
+    sums = _alignment(x, g, a, origin.to(x.dtype)) if score else ((), (), 0.0)
+    return ClipResult(center, tuple(float(s) for s in scale), tau, *sums)
+
+
+def _combine(x: torch.Tensor, a: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
+    """``x^T a + origin``: a combination of the rows, shifted back (one pass over ``x``)."""
+    return (a.to(device=x.device, dtype=x.dtype) @ x).add_(origin)
 
 
 def _alignment(
-    x: torch.Tensor, sq: torch.Tensor, origin: torch.Tensor, v: torch.Tensor
+    x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, origin: torch.Tensor
 ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
-    """Rows ``r_i = x_i + o`` against the center ``c = v + o``: ``r_i . c``, ``|r_i|^2`` and
-    ``|c|^2``, from one pass over ``x`` (the rows were shifted by ``o`` for the clip)."""
-    xo, xv = (x @ torch.stack([origin, v]).T).unbind(1)
-    oo, ov, vv = float(origin @ origin), float(origin @ v), float(v @ v)
+    """Rows ``r_i = x_i + o`` against the center ``c = x^T a + o``: ``r_i . c``, ``|r_i|^2`` and
+    ``|c|^2``, from the Gram matrix ``g`` of ``x`` and one pass over ``x`` (``x . o``)."""
+    xo = (x @ origin).double().cpu()
+    xv = g @ a
+    oo = float(origin @ origin)
+    ov, vv = float(a @ xo), float(a @ xv)
     dots = (xv + xo + ov + oo).tolist()
-    norms2 = torch.clamp(sq + 2 * xo + oo, min=0).tolist()
+    norms2 = torch.clamp(g.diagonal() + 2 * xo + oo, min=0).tolist()
     return tuple(dots), tuple(norms2), max(0.0, vv + 2 * ov + oo)
 
 
