@@ -234,7 +234,7 @@ def _relative(flat: torch.Tensor, result: torch.Tensor, pieces: list[tuple[int, 
     diff2 = size2 = 0.0
     for start, end in pieces:
         mine, got = flat[start:end], result[start:end]
-        diff = float(torch.linalg.vector_norm(got - mine))
+        diff = float(torch.dist(got, mine))  # no temporary: half the time of norm(got - mine)
         size = float(torch.linalg.vector_norm(mine))
         if not (math.isfinite(diff) and math.isfinite(size)):
             if not bool(torch.isfinite(got).all()):
