@@ -45,6 +45,8 @@ from swarm.refusal_log import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 StreamHandler = Callable[[InboundStream, ReplyStream], Awaitable[None]]
 
 PUBLIC_PATHS = ("/ping", "/info")
@@ -104,11 +106,17 @@ class Server:
         Raises:
             TransportError: the address cannot be bound.
         """
-        app = web.Application(middlewares=[self._authenticate], client_max_size=64 * 1024)
-        app.router.add_get("/ping", self._handle_ping)
-        app.router.add_get("/info", self._handle_info)
-        app.router.add_post("/stream/{name}", self._handle_stream)
-        app.router.add_get(METRICS_PATH, self._handle_metrics)
+        # Authentication wraps each route rather than running as an aiohttp middleware: aiohttp
+        # caches middleware chains per (handler, app) in a module-level LRU of 1024 entries,
+        # which kept every closed server's app, and through it the whole peer, alive (a
+        # process that replaced peers grew by a peer's state per replacement).
+        app = web.Application(client_max_size=64 * 1024)
+        app.router.add_get("/ping", self._authenticated(self._handle_ping))
+        app.router.add_get("/info", self._authenticated(self._handle_info))
+        app.router.add_post("/stream/{name}", self._authenticated(self._handle_stream))
+        app.router.add_get(METRICS_PATH, self._handle_metrics)  # no swarm auth
+        # anything else is authenticated first too, then refused as unknown
+        app.router.add_route("*", "/{path:.*}", self._authenticated(self._handle_unknown))
         runner = web.AppRunner(
             app,
             access_log=None,
@@ -139,13 +147,16 @@ class Server:
             await self._runner.cleanup()
             self._runner = None
 
-    @web.middleware
-    async def _authenticate(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
+    def _authenticated(self, handler: _Handler) -> _Handler:
+        """``handler`` behind :meth:`_authenticate`."""
+
+        async def route(request: web.Request) -> web.StreamResponse:
+            return await self._authenticate(request, handler)
+
+        return route
+
+    async def _authenticate(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         source = request.remote or "?"
-        if request.path == METRICS_PATH and request.method == "GET":
-            return await handler(request)
         if not self.auth_work.take(source):
             return self._refuse(request, 429, AuthError("over the authentication budget"))
         try:
@@ -186,6 +197,12 @@ class Server:
         # close instead of reading (or discarding) a body nobody will use
         response.force_close()
         return response
+
+    async def _handle_unknown(self, request: web.Request) -> web.Response:
+        known = ("/ping", "/info", METRICS_PATH)
+        if request.path in known or request.path.startswith("/stream/"):
+            return web.Response(status=405, text=f"{request.method} not allowed here")
+        return web.Response(status=404, text="no such path")
 
     async def _handle_ping(self, request: web.Request) -> web.Response:
         return self._public_reply(request, b"pong")
