@@ -84,7 +84,9 @@ class Peer:
         self.progress = ProgressTracker()
         self.metrics = PeerMetrics(refusals=self._refusal_counts)
         self.watcher = PeerWatcher(self.identity.peer_id)
-        self.departed: set[PeerID] = set()  # peers whose leave marker we read
+        # peers whose leave marker we read -> when we last read it (kept one record TTL: a read
+        # may miss the marker while an older record of the peer still circulates)
+        self.departed: dict[PeerID, float] = {}
         self.monitoring = True  # publish progress and watch the run at each heartbeat
         self._expiration = 0.0  # of our last announcement
         # the last read of the run's records (when it finished, what it returned) and the read
@@ -315,7 +317,11 @@ class Peer:
             self.metrics.count_dht("get", failed=True)
             raise
         self.metrics.count_dht("get", failed=False)
-        self.departed = (self.departed | set(left)) - set(live)
+        now, oldest = time.monotonic(), time.monotonic() - self.config.record_ttl
+        marked = {pid: t for pid, t in self.departed.items() if t > oldest}
+        self.departed = {**marked, **dict.fromkeys(left, now)}
+        for pid in live:
+            self.departed.pop(pid, None)
         self.watcher.update(live, left)
         self.metrics.counts.peers_known = len(set(live) | {self.peer_id})
         self._last_read = (asyncio.get_running_loop().time(), live)

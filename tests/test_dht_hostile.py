@@ -398,3 +398,17 @@ async def test_a_checked_signature_does_not_vouch_for_another_expiration_or_valu
             assert liar.storage.merge(lie)
             (seen,) = (await reader.get("vouch")).values()
             assert (seen.value, seen.expiration) == (b"honest", honest.expiration)
+
+
+def test_single_misses_of_contacts_never_heard_again_stay_bounded():
+    """A contact that missed one request and was never asked again (a departed peer, or one of
+    a flood of fake contacts) left its count behind for good."""
+    from types import SimpleNamespace
+
+    from swarm.dht.suspects import MAX_SUSPECTS, Suspects
+
+    suspects = Suspects(router=None)  # type: ignore[arg-type]  # first misses never evict
+    for i in range(MAX_SUSPECTS + 500):
+        suspects.failed(SimpleNamespace(id=i.to_bytes(20, "big")))  # type: ignore[arg-type]
+    assert len(suspects._failures) == MAX_SUSPECTS
+    assert (MAX_SUSPECTS + 499).to_bytes(20, "big") in suspects._failures  # the newest kept

@@ -60,6 +60,8 @@ class Suspects:
         """The contact did not answer in time; the second time in a row, evict it."""
         count = self._failures.get(contact.id, 0) + 1
         if count < EVICT_AFTER_FAILURES:
+            if count == 1 and len(self._failures) >= MAX_SUSPECTS:  # contacts that never
+                self._failures.pop(next(iter(self._failures)))  # answered again nor failed
             self._failures[contact.id] = count
             return
         # one timeout on a busy host is no proof of death: skipping the node in every lookup for
