@@ -169,6 +169,7 @@ class ReplayGuard:
                 f"timestamp {timestamp:.3f} is {now - timestamp:+.1f} s from now, "
                 f"outside the {self.window_s:.0f} s window (check the clocks)"
             )
+        self._forget_idle(now - self.window_s)
         seen = self._senders.get(sender)
         if seen is None:
             seen = _SenderNonces(self._forgotten.pop(sender, float("-inf")))
@@ -180,6 +181,7 @@ class ReplayGuard:
         if nonce in seen.nonces:
             raise ReplayError("nonce seen before (replayed message)")
         seen.nonces[nonce] = timestamp
+        seen.newest = max(seen.newest, timestamp)
         self._count += 1
         if len(seen.nonces) > self.max_per_sender:
             _, evicted_ts = seen.nonces.popitem(last=False)
@@ -193,14 +195,26 @@ class ReplayGuard:
             while len(self._forgotten) > self.max_forgotten:
                 self._forgotten.popitem(last=False)
 
+    def _forget_idle(self, horizon: float) -> None:
+        """Drop the least recently active senders whose every timestamp is older than
+        ``horizon``: the window refuses them all anyway (a sender that left sends no more
+        messages, which is what expired its nonces before)."""
+        while self._senders:
+            sender, seen = next(iter(self._senders.items()))
+            if max(seen.newest, seen.floor) >= horizon:
+                return
+            del self._senders[sender]
+            self._count -= len(seen.nonces)
+
 
 class _SenderNonces:
     """One sender's nonces (insertion order is close to timestamp order) and its floor."""
 
-    __slots__ = ("floor", "nonces")
+    __slots__ = ("floor", "newest", "nonces")
 
     def __init__(self, floor: float):
         self.floor = floor  # timestamps up to this are refused: their nonces were forgotten
+        self.newest = floor  # the newest timestamp seen
         self.nonces: OrderedDict[bytes, float] = OrderedDict()
 
     def expire(self, limit: float) -> int:

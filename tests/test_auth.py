@@ -375,3 +375,21 @@ def test_replay_guard_bounded_across_many_senders_and_forgotten_ones_stay_guarde
     with pytest.raises(ReplayError):  # forgotten, yet its old message is still refused
         guard.check(1000.0, nonce, sender=first, now=1001.0)
     guard.check(1001.0, os.urandom(16), sender=first, now=1001.0)  # newer ones pass
+
+
+def test_replay_guard_forgets_senders_whose_messages_all_left_the_window() -> None:
+    """Senders that stopped (departed peers) held their last window of nonces until the guard
+    was full; once their newest message is older than the window, the window alone refuses
+    every replay of theirs, and they are dropped."""
+    guard = ReplayGuard(window_s=30)
+    old = [(os.urandom(32), os.urandom(16)) for _ in range(300)]
+    for sender, nonce in old:
+        guard.check(1000.0, nonce, sender=sender, now=1000.0)
+    future = os.urandom(32)  # a sender whose clock runs ahead stays guarded while it must be
+    guard.check(1020.0, os.urandom(16), sender=future, now=1000.0)
+    assert len(guard) == 301
+    guard.check(1031.0, os.urandom(16), sender=b"n" * 32, now=1031.0)
+    assert len(guard) == 2
+    for sender, nonce in old[:5]:
+        with pytest.raises(ReplayError):
+            guard.check(1000.0, nonce, sender=sender, now=1031.0)
