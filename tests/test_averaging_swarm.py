@@ -595,3 +595,40 @@ async def test_a_member_alone_in_a_repair_does_not_wait_for_members_that_settled
 async def _nothing() -> AsyncIterator[bytes]:
     return
     yield b""
+
+
+@pytest.mark.timeout(90)
+async def test_senders_ahead_of_a_slow_one_wait_within_the_window(monkeypatch) -> None:
+    """Under CenteredClip each chunk in flight holds one row per sender: three senders ahead
+    of a slow one (0.2 s per chunk) filled rows for all 16 chunks of every part. They now wait
+    within WINDOW_CHUNKS of the chunks averaged, and every part still averages all four."""
+    from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
+    from swarm.averaging.butterfly.reducer import PartReducer
+
+    most: list[int] = []
+    chunk_rows = PartReducer._chunk_rows
+
+    def counted(self: PartReducer, index: int) -> torch.Tensor:
+        rows = chunk_rows(self, index)
+        most.append(len(self._rows))
+        return rows
+
+    monkeypatch.setattr(PartReducer, "_chunk_rows", counted)
+    n, numel = 4, 16 << 20  # 16 chunks of 1 MiB per part
+    peers = await start_peers([81, 82, 83, 84])
+    config = fixed_group_config(n, "window", aggregator="centered_clip")
+    faults = [Fault.NONE] * (n - 1) + [Fault.OVERCLAIM]  # a slow uplink, honest values
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        tensors = [make_tensor(i + 1, numel) for i in range(n)]
+        results = await asyncio.gather(
+            *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
+        )
+        for result in results:
+            assert result.averaged and all(len(m) == n for m in result.parts.values()), result
+        assert all(torch.equal(tensors[0], t) for t in tensors[1:])
+        assert 0 < max(most) <= WINDOW_CHUNKS, max(most)
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))

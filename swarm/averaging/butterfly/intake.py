@@ -6,6 +6,12 @@ sender delivered it and no add into it is still running. The
 :class:`~swarm.averaging.butterfly.stall.StallPolicy` decides when a silent sender is dropped; a
 pending sender is checked for life first, so a killed peer is dropped at once instead of after the
 stall limit.
+
+A sender may run at most :data:`WINDOW_CHUNKS` chunks ahead of the chunks the owner has
+averaged: its stream is not read further until the others catch up (TCP holds it back). Under
+CenteredClip every chunk in flight holds a row per sender, so without the window a sender
+ahead of a slow one filled rows for the whole part (the vector's size, summed over a member's
+part: as much again as the vector itself).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ logger = logging.getLogger(__name__)
 # a sender that has not started this long into the attempt (or after another sender finished)
 # is checked for life: a killed peer is dropped at once instead of after the stall limit
 _SUSPECT_AFTER_S = 0.5
+WINDOW_CHUNKS = 8  # how far a sender may run ahead of the chunks averaged
+_WINDOW_TICK_S = 0.2  # a held reader checks its window at least this often
 
 
 class PartIntake:
@@ -51,10 +59,19 @@ class PartIntake:
         self._timing = PartTiming(time.monotonic())
         self._start_by: float | None = None  # senders that have not started by then are dropped
         self._streams: dict[int, StreamTiming] = {}  # this attempt's streams, by sender
+        self.averaged = 0  # chunks of this attempt averaged so far (in order)
+        self._moved = asyncio.Event()  # the window moved or the part was tainted
+        self._held: set[int] = set()  # senders waiting for the window (not silent)
 
     def new_attempt(self) -> None:
         self._timing = PartTiming(time.monotonic())
         self._streams = {}
+        self.chunk_averaged(0)
+
+    def chunk_averaged(self, averaged: int) -> None:
+        """The owner averaged the first ``averaged`` chunks: senders held back may go on."""
+        self.averaged = averaged
+        self._moved.set()
 
     def completed_streams(self) -> dict[int, StreamTiming]:
         """The current attempt's streams that were read to their end, by sender."""
@@ -117,13 +134,17 @@ class PartIntake:
     def fail(self, sender: int) -> None:
         """``sender``'s stream ended before it was read to its end (a complete one stays)."""
         self.reducer.fail(sender)
+        self._changed()
+
+    def _changed(self) -> None:
         self.changed.set()
+        self._moved.set()  # a failure may taint the part: held senders then read on
 
     def watch(self) -> None:
         """Drop the senders the stall policy gives up on; check slow starters' life."""
         ctx, reducer, now = self.ctx, self.reducer, time.monotonic()
         streaming = {
-            s: self._activity.get(s, now)
+            s: now if s in self._held else self._activity.get(s, now)
             for s in reducer.expected
             if reducer.state(s) is SenderState.STREAMING
         }
@@ -163,13 +184,34 @@ class PartIntake:
         reader = self._readers.get(sender)
         if reader is not None:
             reader.cancel()
-        self.changed.set()
+        self._changed()
+
+    async def _within_window(self, sender: int) -> None:
+        """Wait until ``sender``'s next chunk is within :data:`WINDOW_CHUNKS` of the chunks
+        averaged (at once when the part is tainted: the attempt is over for every sender)."""
+        reducer = self.reducer
+        while not reducer.tainted and reducer.chunks_from(sender) >= self.averaged + WINDOW_CHUNKS:
+            self._held.add(sender)
+            self._moved.clear()
+            try:
+                await asyncio.wait_for(self._moved.wait(), _WINDOW_TICK_S)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._held.discard(sender)
+        self._activity[sender] = time.monotonic()  # held is not silent
 
     async def _consume(self, request: InboundStream, sender: int) -> None:
         reducer = self.reducer
         loop = asyncio.get_running_loop()
         stream = self._streams[sender] = StreamTiming()
-        async for payload in request:
+        chunks = aiter(request)
+        while True:
+            await self._within_window(sender)
+            try:
+                payload = await anext(chunks)
+            except StopAsyncIteration:
+                return
             index = reducer.next_index(sender)
             self.bytes_received += len(payload)
             now = time.monotonic()
@@ -191,7 +233,7 @@ class PartIntake:
             # half decoded) must never be averaged, as it was when the reader failed it later
             self.reducer.fail(sender)
         self._adding[index] -= 1
-        self.changed.set()
+        self._changed()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

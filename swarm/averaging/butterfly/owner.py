@@ -214,6 +214,7 @@ class PartOwner:
                     return sent
                 self.replies.publish(sent, payload)
                 sent += 1
+                intake.chunk_averaged(sent)
             if reducer.settled() and (reducer.tainted or sent == n):
                 return sent
             if reducer.settled() and not reducer.contributors():

@@ -270,6 +270,11 @@ class PartReducer:
             raise AveragingError(f"member {sender} sent more than {len(self.chunks)} chunks")
         return s.next_chunk
 
+    def chunks_from(self, sender: int) -> int:
+        """How many chunks ``sender`` delivered in this attempt."""
+        s = self._senders.get(sender)
+        return 0 if s is None else s.next_chunk
+
     def chunk_added(self, sender: int) -> None:
         s = self._senders[sender]
         s.state = SenderState.STREAMING
