@@ -45,18 +45,7 @@ class ErrorFeedback:
         flat = self.codec._prepare(tensor)
         r = self._residual_for(tensor)
         r.add_(flat)  # r now holds e = x + r
-        try:
-            header, sections = self.codec._encode(r, tuple(tensor.shape))
-        except CompressionError:
-            r.zero_()
-            raise
-        # Pack first: a section may alias r itself (codec "none").
-        payload = pack(header, sections)
-        # r <- e - D(c), computed from the device-side sections: no trip through bytes.
-        self.codec._decode(header, sections, r, True, -1.0)
-        if self.codec.feedback_decay != 1.0:
-            r.mul_(self.codec.feedback_decay)
-        return payload
+        return encode_keeping_error(self.codec, r, tuple(tensor.shape))
 
     def _residual_for(self, tensor: torch.Tensor) -> torch.Tensor:
         r = self.residual
@@ -104,3 +93,34 @@ class ErrorFeedback:
             )
         else:
             self.residual.copy_(saved)
+
+
+def encode_keeping_error(
+    codec: Codec,
+    e: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+    decoded: torch.Tensor | None = None,
+) -> bytes:
+    """Encode flat ``e`` and leave in it the decayed error ``d * (e - D(C(e)))``; with
+    ``decoded``, also write ``D(C(e))`` there (what receivers apply).
+
+    ``D`` runs on the device-side sections, not on the bytes: no parse, and on a GPU no trip of
+    the payload back to the device.
+
+    Raises:
+        CompressionError: ``e`` is not finite; it is zeroed (a poisoned residual).
+    """
+    try:
+        header, sections = codec._encode(e, shape if shape is not None else tuple(e.shape))
+    except CompressionError:
+        e.zero_()
+        raise
+    payload = pack(header, sections)  # first: a section may alias e itself (codec "none")
+    if decoded is None:
+        codec._decode(header, sections, e, True, -1.0)
+    else:
+        codec._decode(header, sections, decoded, False, 1.0)
+        e.sub_(decoded)
+    if codec.feedback_decay != 1.0:
+        e.mul_(codec.feedback_decay)
+    return payload

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from swarm.compression import Codec, decode_into
+from swarm.compression import Codec
+from swarm.compression.feedback import encode_keeping_error
 from swarm.errors import CompressionError
 
 LOSSLESS = ("none",)
@@ -74,16 +75,8 @@ class FlatFeedback:
         if self._owner is None:
             raise CompressionError("prepare_owner() must come before encode_owned()")
         r = self._owner[offset : offset + values.numel()]
-        r.add_(values)  # r = e = x + r
-        try:
-            payload = self.codec.encode(r)
-        except CompressionError:
-            r.zero_()
-            raise
-        decode_into(payload, values, accumulate=False)  # values = D(c), what receivers apply
-        r.sub_(values)  # r = e - D(c)
-        _decay(self.codec, r)
-        return payload
+        r.add_(values)  # r = e = x + r; then values = D(c), what receivers apply
+        return encode_keeping_error(self.codec, r, decoded=values)
 
     def forget_owned(self, offset: int, n: int) -> None:
         """Clear the owner residual of ``n`` elements from ``offset``: what :meth:`encode_owned`
@@ -113,17 +106,4 @@ class FlatFeedback:
 def _encode_with(codec: Codec, values: torch.Tensor, r: torch.Tensor) -> bytes:
     """``e = values + r; c = C(e); r <- e - D(c)``; on a codec error r is cleared."""
     r.add_(values)
-    try:
-        payload = codec.encode(r)
-    except CompressionError:
-        r.zero_()
-        raise
-    decode_into(payload, r, -1.0)
-    _decay(codec, r)
-    return payload
-
-
-def _decay(codec: Codec, r: torch.Tensor) -> None:
-    """``r <- d * r``: the codec's error-feedback decay (see :mod:`swarm.compression.feedback`)."""
-    if codec.feedback_decay != 1.0:
-        r.mul_(codec.feedback_decay)
+    return encode_keeping_error(codec, r)
