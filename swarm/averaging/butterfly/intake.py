@@ -186,10 +186,12 @@ class PartIntake:
             reader.cancel()
         self._changed()
 
-    async def _within_window(self, sender: int) -> None:
+    async def _within_window(self, sender: int, stream: StreamTiming) -> None:
         """Wait until ``sender``'s next chunk is within :data:`WINDOW_CHUNKS` of the chunks
-        averaged (at once when the part is tainted: the attempt is over for every sender)."""
+        averaged (at once when the part is tainted: the attempt is over for every sender). The
+        wait is not the sender's: its stream's measured rate leaves it out."""
         reducer = self.reducer
+        began = time.monotonic()
         while not reducer.tainted and reducer.chunks_from(sender) >= self.averaged + WINDOW_CHUNKS:
             self._held.add(sender)
             self._moved.clear()
@@ -199,7 +201,9 @@ class PartIntake:
                 pass
             finally:
                 self._held.discard(sender)
-        self._activity[sender] = time.monotonic()  # held is not silent
+        now = self._activity[sender] = time.monotonic()  # held is not silent
+        if stream.first is not None:
+            stream.held_s += now - began
 
     async def _consume(self, request: InboundStream, sender: int) -> None:
         reducer = self.reducer
@@ -207,7 +211,7 @@ class PartIntake:
         stream = self._streams[sender] = StreamTiming()
         chunks = aiter(request)
         while True:
-            await self._within_window(sender)
+            await self._within_window(sender, stream)
             try:
                 payload = await anext(chunks)
             except StopAsyncIteration:

@@ -59,6 +59,7 @@ class StreamTiming:
     bytes_after_first: int = 0  # payload bytes of every chunk but the first
     chunks: int = 0
     complete: bool = False  # read to its end
+    held_s: float = 0.0  # time its owner held it back after its first chunk (not its link's)
 
     def received(self, now: float, nbytes: int) -> None:
         if self.first is None:
@@ -70,7 +71,7 @@ class StreamTiming:
 
     @property
     def elapsed(self) -> float:
-        return self.last - self.first if self.first is not None else 0.0
+        return max(0.0, self.last - self.first - self.held_s) if self.first is not None else 0.0
 
 
 @dataclass(frozen=True)
