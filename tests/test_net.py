@@ -489,6 +489,7 @@ async def test_unknown_routes_are_authenticated_first(
         ("POST", "/ping", 405),
         ("GET", "/stream/sink", 405),
         ("POST", "/metrics", 405),
+        ("HEAD", "/metrics", 405),
     ]:
         async with raw.request(method, url + path) as r:
             assert r.status == 401, (method, path)

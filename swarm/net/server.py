@@ -114,7 +114,7 @@ class Server:
         app.router.add_get("/ping", self._authenticated(self._handle_ping))
         app.router.add_get("/info", self._authenticated(self._handle_info))
         app.router.add_post("/stream/{name}", self._authenticated(self._handle_stream))
-        app.router.add_get(METRICS_PATH, self._handle_metrics)  # no swarm auth
+        app.router.add_get(METRICS_PATH, self._handle_metrics, allow_head=False)  # no swarm auth
         # anything else is authenticated first too, then refused as unknown
         app.router.add_route("*", "/{path:.*}", self._authenticated(self._handle_unknown))
         runner = web.AppRunner(
