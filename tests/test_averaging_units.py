@@ -724,13 +724,8 @@ def _clip_in_row_space(rows: torch.Tensor, weights: list[float], iterations: int
     return v
 
 
-@given(
-    k=st.integers(3, 8),
-    outliers=st.integers(0, 2),
-    iterations=st.integers(1, 4),
-    seed=st.integers(0, 2**16),
-)
 @settings(max_examples=40, deadline=None)
+@given(st.integers(3, 8), st.integers(0, 2), st.integers(1, 4), st.integers(0, 2**16))
 def test_centered_clip_from_the_gram_matrix_matches_the_row_space_algorithm(
     k, outliers, iterations, seed
 ):
