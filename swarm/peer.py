@@ -317,8 +317,8 @@ class Peer:
             self.metrics.count_dht("get", failed=True)
             raise
         self.metrics.count_dht("get", failed=False)
-        now, oldest = time.monotonic(), time.monotonic() - self.config.record_ttl
-        marked = {pid: t for pid, t in self.departed.items() if t > oldest}
+        now = time.monotonic()
+        marked = {pid: t for pid, t in self.departed.items() if t > now - self.config.record_ttl}
         self.departed = {**marked, **dict.fromkeys(left, now)}
         for pid in live:
             self.departed.pop(pid, None)

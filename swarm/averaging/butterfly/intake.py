@@ -191,8 +191,9 @@ class PartIntake:
         averaged (at once when the part is tainted: the attempt is over for every sender). The
         wait is not the sender's: its stream's measured rate leaves it out."""
         reducer = self.reducer
-        began = time.monotonic()
+        began = None
         while not reducer.tainted and reducer.chunks_from(sender) >= self.averaged + WINDOW_CHUNKS:
+            began = time.monotonic() if began is None else began
             self._held.add(sender)
             self._moved.clear()
             try:
@@ -201,6 +202,8 @@ class PartIntake:
                 pass
             finally:
                 self._held.discard(sender)
+        if began is None:
+            return
         now = self._activity[sender] = time.monotonic()  # held is not silent
         if stream.first is not None:
             stream.held_s += now - began
