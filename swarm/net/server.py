@@ -199,7 +199,7 @@ class Server:
         return response
 
     async def _handle_unknown(self, request: web.Request) -> web.Response:
-        known = ("/ping", "/info", METRICS_PATH)
+        known = (*PUBLIC_PATHS, METRICS_PATH)
         if request.path in known or request.path.startswith("/stream/"):
             return web.Response(status=405, text=f"{request.method} not allowed here")
         return web.Response(status=404, text="no such path")
