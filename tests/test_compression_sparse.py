@@ -133,6 +133,39 @@ def test_half_precision_inputs_and_non_finite_refused():
         codec.encode(x)
 
 
+@PROPS
+@given(
+    shape=st.sampled_from([(4096, 64), (1024, 16), (256, 4), (64, 1), (16, 3)]),
+    rows=st.integers(1, 4),
+    spread=st.sampled_from([3, 50, 2**31 - 1]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_two_pass_top_k_finds_the_top_values_of_each_row_ties_included(
+    shape, rows, spread, seed
+):
+    """The CPU's two-pass selection keeps k distinct positions per row whose values are the
+    row's k largest, with ties everywhere (spread 3) or nowhere."""
+    from swarm.compression.sparse import _top_k_of_rows
+
+    chunk, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, spread, (rows, chunk), generator=gen, dtype=torch.int32)
+    got = _top_k_of_rows(values, k)
+    assert got.shape == (rows, k)
+    assert all(len(set(row.tolist())) == k for row in got)
+    kept = torch.sort(torch.gather(values, 1, got), dim=1).values
+    assert torch.equal(kept, torch.sort(torch.topk(values, k, dim=1).values, dim=1).values)
+
+
+def test_non_finite_values_in_long_chunks_are_refused():
+    codec = get_codec("sparse")
+    for bad in (math.nan, math.inf, -math.inf):
+        x = torch.randn(3 * 4096)
+        x[5000] = bad
+        with pytest.raises(CompressionError, match="non-finite"):
+            codec.encode(x)
+
+
 # ---- hostile payloads
 
 
