@@ -12,7 +12,7 @@ with one :class:`~swarm.averaging.Averager` (``grouping="fixed"``, min = target 
 window ``--gather-window``, 50 ms by default: peers whose first DHT reads missed each other
 start two leaders, and the larger leader merges into the smaller, so a short window no longer
 splits the group). Each runs a warm-up round, then ``--rounds`` timed rounds of one float32
-tensor.
+tensor: a base shared by every peer plus 10% of noise of its own (:func:`peer_vector`).
 ``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
 of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
 ``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included),
@@ -252,8 +252,7 @@ async def peer_main(args: argparse.Namespace) -> None:
         deadline = time.monotonic() + 60
         while len(await peer.known_peers()) < args.n and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        g = torch.Generator().manual_seed(args.seed)
-        tensor = torch.randn(args.numel, generator=g)
+        tensor = peer_vector(args.numel, args.seed)
         rss_before = peak_rss_mb()
         cpu_start = 0.0
         for rnd in range(args.rounds + 1):
@@ -280,6 +279,23 @@ async def peer_main(args: argparse.Namespace) -> None:
             await asyncio.gather(scraper, return_exceptions=True)
         await averager.close()
         await peer.close()
+
+
+def peer_vector(numel: int, seed: int, spread: float = 0.1, span: int = 1 << 20):
+    """A base vector shared by every peer plus ``spread`` of the peer's own noise, made in
+    place (a temporary of the vector's size would raise the peak RSS measured before the
+    round). Real peers average correlated values; independent ones would put every honest
+    average sqrt(N / (N - 1)) of a member's own values away from them, which owner checks
+    rightly find implausible."""
+    import torch
+
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(1 << 30))
+    own, noise = torch.Generator().manual_seed(seed), torch.empty(span)
+    for start in range(0, numel, span):
+        piece = tensor[start : start + span]
+        mine = noise[: piece.numel()].normal_(generator=own)
+        piece.add_(mine, alpha=spread)
+    return tensor
 
 
 async def scrape_forever(url: str, interval: float) -> None:

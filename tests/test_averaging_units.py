@@ -881,6 +881,22 @@ def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
     assert dev[0] < 0.1 and math.isnan(inside[0]) and set(not_finite(dev, inside)) == {0}
 
 
+def test_deviations_of_parts_longer_than_a_span_are_measured_whole():
+    """Parts are measured a span at a time (no part-sized temporary); the figure is the whole
+    part's, non-finite values in a later span included."""
+    from swarm.averaging.butterfly.allreduce import _SPAN, _deviations
+
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randn(2 * _SPAN + 5, generator=gen)
+    result = flat + 0.01 * torch.randn(flat.numel(), generator=gen)
+    result[_SPAN + 7 :] += 0.5  # most of the deviation lies past the first span
+    dev, _ = _deviations(flat, result, {0: (3, flat.numel())})
+    want = float((result[3:] - flat[3:]).double().norm() / flat[3:].double().norm())
+    assert dev[0] == pytest.approx(want, rel=1e-4)  # float32 sums
+    result[-1] = float("nan")
+    assert math.isnan(_deviations(flat, result, {0: (3, flat.numel())})[0][0])
+
+
 def test_an_owner_accused_before_gets_no_leniency_in_kept_ranges():
     """A liar refused once leaves the member with its own values of its part: the next round of
     values must not hold that owner to the looser bound there."""
