@@ -442,7 +442,12 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
     # a round counts when every peer averaged in it (a split matchmaking fails the round)
     ok = [i for i in range(rounds) if all(rs[i]["averaged"] for rs in per_round)]
     if not ok:
-        raise RuntimeError(f"every round failed: {per_round[0][0]['reason']}")
+        why = [
+            f"round {i + 1}: "
+            + " | ".join(f"{rs[i]['averaged']} {rs[i]['reason']}" for rs in per_round)
+            for i in range(rounds)
+        ]
+        raise RuntimeError("every round failed (each peer: averaged, reason):\n" + "\n".join(why))
     slowest = [max(rs[i]["allreduce_s"] for rs in per_round) for i in ok]
     whole = [max(rs[i]["matchmaking_s"] + rs[i]["allreduce_s"] for rs in per_round) for i in ok]
     matchmaking = [max(rs[i]["matchmaking_s"] for rs in per_round) for i in ok]

@@ -28,7 +28,7 @@ from swarm.errors import AveragingError
 MAX_CHUNK_BYTES = 1 << 20  # one compressed chunk per transport frame
 MIN_CHUNK_BYTES = 128 << 10  # smaller chunks cost more per byte than they save in waiting
 CHUNK_TIME_S = 0.15  # a chunk takes about this long on one stream of the slowest member
-MAX_CHUNK_ELEMS = 4 << 20  # sparse codecs would otherwise make single huge chunks
+MAX_CHUNK_ELEMS = 1 << 20  # sparse codecs would otherwise make huge chunks (an owner row: 4 MiB)
 CHUNK_ALIGN = 4096  # a multiple of every codec's block size, so chunks quantize like the whole
 
 
