@@ -12,7 +12,8 @@ with one :class:`~swarm.averaging.Averager` (``grouping="fixed"``, min = target 
 window ``--gather-window``, 50 ms by default: peers whose first DHT reads missed each other
 start two leaders, and the larger leader merges into the smaller, so a short window no longer
 splits the group). Each runs a warm-up round, then ``--rounds`` timed rounds of one float32
-tensor: a base shared by every peer plus 10% of noise of its own (:func:`peer_vector`).
+tensor, every round started by all peers at once (this script is their barrier): a base shared
+by every peer plus 10% of noise of its own (:func:`peer_vector`).
 ``allreduce_s`` and ``matchmaking_s`` are the medians over the timed rounds of the slowest peer
 of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per round;
 ``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included),
@@ -258,6 +259,8 @@ async def peer_main(args: argparse.Namespace) -> None:
         for rnd in range(args.rounds + 1):
             if rnd == 1:  # after the warm-up round
                 cpu_start = time.process_time()
+            print(json.dumps({"ready": rnd}), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
             started = time.perf_counter()
             result = await averager.average([tensor], weight=1.0)
             if args.status == "on":  # what the training facade does after every round
@@ -358,6 +361,7 @@ def _run_config(
     try:
         first = subprocess.Popen(
             [*places[0][0], *common, "--listen", f"{places[0][1]}:0", "--seed", "0"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -378,12 +382,13 @@ def _run_config(
                         "--initial-peers",
                         address,
                     ],
+                    stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
                     env=env,
                 )
             )
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        outputs = _rounds_in_step(procs, rounds)
     finally:
         _kill_all(procs)
     return _summary(n, numel, codec, setting, rounds, outputs)
@@ -412,24 +417,30 @@ def _run_raw(
                     cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
                 )
             )
-        lines: list[list[str]] = [[] for _ in procs]
-        for _ in range(rounds + 1):
-            for i, p in enumerate(procs):  # everyone finished the last round and is ready
-                assert p.stdout is not None
-                while '"ready"' not in (line := p.stdout.readline()):
-                    if not line:
-                        raise RuntimeError("a raw peer process exited")
-                    lines[i].append(line)
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-        return [
-            "".join(done) + p.communicate(timeout=600)[0]
-            for done, p in zip(lines, procs, strict=True)
-        ]
+        return _rounds_in_step(procs, rounds)
     finally:
         _kill_all(procs)
+
+
+def _rounds_in_step(procs: list[subprocess.Popen], rounds: int) -> list[str]:
+    """Start every round of the peer processes together (each prints ``{"ready": ...}`` and
+    waits for a line on its stdin); their whole outputs. Without it, a peer that finished the
+    last round late (at 250M values on 2 cores, by many seconds) misses the others' matchmaking."""
+    lines: list[list[str]] = [[] for _ in procs]
+    for _ in range(rounds + 1):
+        for i, p in enumerate(procs):  # everyone finished the last round and is ready
+            assert p.stdout is not None
+            while '"ready"' not in (line := p.stdout.readline()):
+                if not line:
+                    raise RuntimeError("a peer process exited")
+                lines[i].append(line)
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+    return [
+        "".join(done) + p.communicate(timeout=600)[0] for done, p in zip(lines, procs, strict=True)
+    ]
 
 
 def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs: list[str]) -> dict:
