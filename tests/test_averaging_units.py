@@ -481,6 +481,30 @@ def test_flat_feedback_conserves_mass(spec):
     assert fb.state_dict()["sender"][:4096].abs().max() == 0  # other slices untouched
 
 
+def test_first_chunks_encoded_at_once_share_one_sender_residual():
+    """The first chunks of several parts encode in worker threads at the same moment: every
+    one's error lands in the one residual (each thread made its own before, the losers' lost)."""
+    import concurrent.futures
+    import threading
+
+    codec, half = get_codec("int8"), 1 << 21
+    x = torch.randn(2 * half, generator=torch.Generator().manual_seed(5))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(8):
+            fb, start = FlatFeedback(codec, 2 * half), threading.Barrier(2)
+
+            def first_chunk(at: int, fb: FlatFeedback = fb, start=start) -> bytes:
+                start.wait()
+                return fb.encode(x[at : at + half], at)
+
+            payloads = list(pool.map(first_chunk, (0, half)))
+            residual = fb.state_dict()["sender"]
+            for at, payload in zip((0, half), payloads, strict=True):
+                torch.testing.assert_close(
+                    residual[at : at + half], x[at : at + half] - decode(payload)
+                )
+
+
 @pytest.mark.parametrize("spec", ["none", "int8", "topk:0.1"])
 def test_flat_feedback_owner_applies_what_it_sends(spec):
     fb = FlatFeedback(get_codec(spec), 1000)

@@ -16,6 +16,7 @@ sends (``D(C(avg + r))``), so every member ends the round with the same values.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -43,15 +44,23 @@ class FlatFeedback:
         self._owner: torch.Tensor | None = None
         self._owner_range: tuple[int, int] = (0, 0)
         self._whole: torch.Tensor | None = None  # the owner residual of a turning layout
+        self._creating = threading.Lock()
 
     def encode(self, values: torch.Tensor, start: int) -> bytes:
         """Encode a sender chunk ``values`` (= flat[start:start+n]) with its residual."""
         if not self.enabled:
             return self.codec.encode(values)
-        if self._sender is None:
-            self._sender = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        r = self._sender[start : start + values.numel()]
+        r = self._sender_residual()[start : start + values.numel()]
         return _encode_with(self.codec, values, r)
+
+    def _sender_residual(self) -> torch.Tensor:
+        # the first chunks of several parts encode at once, in worker threads: without the
+        # lock each made a residual of its own (one more vector of memory for a moment, and the
+        # losers' errors lost)
+        with self._creating:
+            if self._sender is None:
+                self._sender = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            return self._sender
 
     def prepare_owner(self, start: int, end: int) -> None:
         """Select the owner residual of the range about to be owned (reset if it moved)."""
