@@ -515,6 +515,27 @@ def test_flat_feedback_owner_applies_what_it_sends(spec):
     torch.testing.assert_close(values, decode(payload))
 
 
+def test_an_owner_residual_keeps_its_overlap_when_the_owned_range_moves() -> None:
+    """Part sizes follow measured bandwidth, so an owner's range moves a little from round to
+    round: what it left out where the old and new ranges overlap is sent the next time (it was
+    all dropped before), and nothing comes from the range it did not own."""
+    codec, x = get_codec("int8"), torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    fb = FlatFeedback(codec, 1000)
+    fb.prepare_owner(0, 500)
+    first = x[:500].clone()
+    fb.encode_owned(first, 0)
+    fb.prepare_owner(100, 600)
+    second = torch.zeros(500)
+    fb.encode_owned(second, 0)
+    error_before = (first[100:] - x[100:500]).abs().max()
+    assert (first[100:] + second[:400] - x[100:500]).abs().max() < error_before / 10
+    assert second[400:].abs().max() == 0
+    fb.forget_owned(0, 500)  # the part was retried: its receivers discarded it
+    third = torch.zeros(500)
+    fb.encode_owned(third, 0)
+    assert third.abs().max() == 0
+
+
 def test_a_turning_layouts_owner_residual_waits_for_its_range() -> None:
     """Owning [0, 500) then [500, 1000) then [0, 500) again: with ``turning`` what the first
     round left out of [0, 500) is sent the third time; without, it is lost on the move."""

@@ -6,7 +6,8 @@ kept over the flat vector instead and indexed by absolute position:
 
 - the *sender* residual covers the whole vector (each chunk a peer sends to an owner);
 - the *owner* residual covers the part this peer owned last (the averaged part it sends back);
-  it is reset when the owned range changes, since it belongs to a range, not to a peer. With
+  it belongs to a range, not to a peer: when the owned range moves (part sizes follow measured
+  bandwidth), what it holds where the old range and the new overlap is kept, the rest dropped. With
   ``turning`` (the part layout turns with every group, as update scoring wants) it covers the
   whole vector instead, so what a range's owner left out waits until this peer owns it again.
 
@@ -43,6 +44,7 @@ class FlatFeedback:
         self._sender: torch.Tensor | None = None
         self._owner: torch.Tensor | None = None
         self._owner_range: tuple[int, int] = (0, 0)
+        self._owner_wanted: tuple[int, int] | None = None  # the range prepare_owner() gave
         self._whole: torch.Tensor | None = None  # the owner residual of a turning layout
         self._creating = threading.Lock()
 
@@ -59,20 +61,18 @@ class FlatFeedback:
         # losers' errors lost)
         with self._creating:
             if self._sender is None:
-                self._sender = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+                self._sender = self._zeros(self.numel)
             return self._sender
 
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, device=self.device)
+
     def prepare_owner(self, start: int, end: int) -> None:
-        """Select the owner residual of the range about to be owned (reset if it moved)."""
-        if not self.enabled:
-            return
-        if self.turning:
-            if self._whole is None:
-                self._whole = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-            self._owner, self._owner_range = self._whole[start:end], (start, end)
-        elif (start, end) != self._owner_range or self._owner is None:
-            self._owner = torch.zeros(end - start, dtype=torch.float32, device=self.device)
-            self._owner_range = (start, end)
+        """Own ``[start, end)`` from now on. The residual of the range owned before is kept
+        where the two overlap (what this owner left out there is still its to send) and
+        dropped elsewhere; the buffer is made by the first :meth:`encode_owned`, in a worker."""
+        if self.enabled:
+            self._owner_wanted = (start, end)
 
     def encode_owned(self, values: torch.Tensor, offset: int) -> bytes:
         """Encode an averaged chunk and overwrite ``values`` with what receivers will decode.
@@ -81,18 +81,35 @@ class FlatFeedback:
         """
         if not self.enabled:
             return self.codec.encode(values)
-        if self._owner is None:
-            raise CompressionError("prepare_owner() must come before encode_owned()")
-        r = self._owner[offset : offset + values.numel()]
+        r = self._owner_residual()[offset : offset + values.numel()]
         r.add_(values)  # r = e = x + r; then values = D(c), what receivers apply
         return encode_keeping_error(self.codec, r, decoded=values)
+
+    def _owner_residual(self) -> torch.Tensor:
+        with self._creating:
+            if self._owner_wanted is None:
+                raise CompressionError("prepare_owner() must come before encode_owned()")
+            start, end = self._owner_wanted
+            if self.turning:
+                if self._whole is None:
+                    self._whole = self._zeros(self.numel)
+                self._owner, self._owner_range = self._whole[start:end], (start, end)
+            elif self._owner is None or self._owner_range != (start, end):
+                moved = self._zeros(end - start)
+                if self._owner is not None:  # keep the overlap of the old range and the new
+                    was = self._owner_range[0]
+                    lo, hi = max(start, was), min(end, self._owner_range[1])
+                    if lo < hi:
+                        moved[lo - start : hi - start].copy_(self._owner[lo - was : hi - was])
+                self._owner, self._owner_range = moved, (start, end)
+            return self._owner
 
     def forget_owned(self, offset: int, n: int) -> None:
         """Clear the owner residual of ``n`` elements from ``offset``: what :meth:`encode_owned`
         sent there was discarded by its receivers (the part was retried), so the error it
         accounted for never happened; the previous residual is lost with it (a small, one-off
         loss of compensation, never a wrong value)."""
-        if self._owner is not None:
+        if self._owner is not None and self._owner_range == self._owner_wanted:
             self._owner[offset : offset + n].zero_()
 
     def state_dict(self) -> dict[str, Any]:
@@ -110,6 +127,7 @@ class FlatFeedback:
     def reset(self) -> None:
         self._sender = None
         self._owner = None
+        self._whole = None
 
 
 def _encode_with(codec: Codec, values: torch.Tensor, r: torch.Tensor) -> bytes:
