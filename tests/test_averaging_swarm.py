@@ -598,6 +598,45 @@ async def _nothing() -> AsyncIterator[bytes]:
 
 
 @pytest.mark.timeout(90)
+async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypatch) -> None:
+    """A sender that stalls halfway taints the part once dropped; the attempt is over, so the
+    other senders' remaining chunks are checked in a scratch row and kept nowhere (the window
+    no longer holds them back: before, they filled rows for the rest of the part, 19 chunks'
+    worth here), and the retry reuses the rows the tainted attempt left."""
+    from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
+    from swarm.averaging.butterfly.reducer import PartReducer
+
+    most: list[int] = []
+    chunk_rows = PartReducer._chunk_rows
+
+    def counted(self: PartReducer, index: int) -> torch.Tensor:
+        rows = chunk_rows(self, index)
+        most.append(len(self._rows))
+        return rows
+
+    monkeypatch.setattr(PartReducer, "_chunk_rows", counted)
+    n, numel = 4, 32 << 20  # 32 chunks of 1 MiB per part; the staller stops after 16
+    peers = await start_peers([121, 122, 123, 124])
+    config = fixed_group_config(n, "tainted", aggregator="centered_clip")
+    faults = [Fault.NONE] * (n - 1) + [Fault.STALL_MID_STREAM]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        tensors = [make_tensor(i + 1, numel) for i in range(n)]
+        results = await asyncio.gather(
+            *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
+        )
+        honest_ids = {p.peer_id for p in peers[:-1]}
+        for result in results[:-1]:  # every part averages the honest members (after a retry)
+            assert result.averaged and len(result.parts) == n, result
+            assert all(honest_ids <= set(m) for m in result.parts.values()), result
+        assert 0 < max(most) <= WINDOW_CHUNKS, max(most)
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+@pytest.mark.timeout(90)
 async def test_senders_ahead_of_a_slow_one_wait_within_the_window(monkeypatch) -> None:
     """Under CenteredClip each chunk in flight holds one row per sender: three senders ahead
     of a slow one (0.2 s per chunk) filled rows for all 16 chunks of every part. They now wait

@@ -115,6 +115,7 @@ class PartReducer:
         self._rows: dict[int, torch.Tensor] = {}
         self._spare: list[torch.Tensor] = []  # buffers of reduced chunks, for the next ones
         self._pool_lock = threading.Lock()
+        self._scratch = threading.local()  # a worker's row for the chunks of a tainted attempt
         self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
         self.own_clipped = False  # the owner's own values were clipped: it is the odd one out
         self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
@@ -145,7 +146,13 @@ class PartReducer:
             raise CompressionError(f"chunk {index} holds {header.numel}, expected {end - start}")
         with self._locks[index]:
             if self.robust:
-                row = self._chunk_rows(index)[self._slots[sender], : end - start]
+                if self.tainted:
+                    # the attempt is over, but a sender whose payload is refused must still be
+                    # dropped from the retry: checked into a scratch row, kept nowhere (rows
+                    # taken now would outlive the window, which no longer holds anyone back)
+                    row = self._scratch_row(end - start)
+                else:
+                    row = self._chunk_rows(index)[self._slots[sender], : end - start]
                 decode_into(payload, row, accumulate=False)
             else:
                 decode_into(payload, self.acc[start:end], self._senders[sender].weight)
@@ -179,6 +186,14 @@ class PartReducer:
                     rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
             self._rows[index] = rows
         return rows
+
+    def _scratch_row(self, numel: int) -> torch.Tensor:
+        row = getattr(self._scratch, "row", None)
+        if row is None or row.numel() < numel:
+            row = self._scratch.row = torch.empty(
+                numel, dtype=torch.float32, device=self.acc.device
+            )
+        return row[:numel]
 
     def _release_rows(self, index: int) -> None:
         rows = self._rows.pop(index, None)
@@ -236,6 +251,8 @@ class PartReducer:
             torch.mul(self._own, self.own_weight, out=self.acc)
         self.expected = self.contributors()
         self._senders = {}
+        for index in list(self._rows):  # chunks the tainted attempt left unreduced
+            self._release_rows(index)
         self.own_clipped = False  # judged again from the new attempt's rows
         if self.alignment is not None:
             self.alignment.reset()
