@@ -597,13 +597,8 @@ async def _nothing() -> AsyncIterator[bytes]:
     yield b""
 
 
-@pytest.mark.timeout(90)
-async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypatch) -> None:
-    """A sender that stalls halfway taints the part once dropped; the attempt is over, so the
-    other senders' remaining chunks are checked in a scratch row and kept nowhere (the window
-    no longer holds them back: before, they filled rows for the rest of the part, 19 chunks'
-    worth here), and the retry reuses the rows the tainted attempt left."""
-    from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
+def _count_chunk_rows(monkeypatch) -> list[int]:
+    """The number of chunks holding rows at every owner, each time one takes a chunk's rows."""
     from swarm.averaging.butterfly.reducer import PartReducer
 
     most: list[int] = []
@@ -615,6 +610,18 @@ async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypa
         return rows
 
     monkeypatch.setattr(PartReducer, "_chunk_rows", counted)
+    return most
+
+
+@pytest.mark.timeout(90)
+async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypatch) -> None:
+    """A sender that stalls halfway taints the part once dropped; the attempt is over, so the
+    other senders' remaining chunks are checked in a scratch row and kept nowhere (the window
+    no longer holds them back: before, they filled rows for the rest of the part, 19 chunks'
+    worth here), and the retry reuses the rows the tainted attempt left."""
+    from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
+
+    most = _count_chunk_rows(monkeypatch)
     n, numel = 4, 32 << 20  # 32 chunks of 1 MiB per part; the staller stops after 16
     peers = await start_peers([121, 122, 123, 124])
     config = fixed_group_config(n, "tainted", aggregator="centered_clip")
@@ -643,17 +650,8 @@ async def test_senders_ahead_of_a_slow_one_wait_within_the_window(monkeypatch) -
     within WINDOW_CHUNKS of the chunks averaged, every part still averages all four, and the
     owners still measure the fast senders' uploads as fast."""
     from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
-    from swarm.averaging.butterfly.reducer import PartReducer
 
-    most: list[int] = []
-    chunk_rows = PartReducer._chunk_rows
-
-    def counted(self: PartReducer, index: int) -> torch.Tensor:
-        rows = chunk_rows(self, index)
-        most.append(len(self._rows))
-        return rows
-
-    monkeypatch.setattr(PartReducer, "_chunk_rows", counted)
+    most = _count_chunk_rows(monkeypatch)
     n, numel = 4, 16 << 20  # 16 chunks of 1 MiB per part
     peers = await start_peers([81, 82, 83, 84])
     config = fixed_group_config(n, "window", aggregator="centered_clip")
