@@ -124,11 +124,6 @@ class FlatFeedback:
         if saved.numel() == self.numel and saved.is_floating_point():
             self._sender = saved.detach().reshape(-1).to(self.device, torch.float32, copy=True)
 
-    def reset(self) -> None:
-        self._sender = None
-        self._owner = None
-        self._whole = None
-
 
 def _encode_with(codec: Codec, values: torch.Tensor, r: torch.Tensor) -> bytes:
     """``e = values + r; c = C(e); r <- e - D(c)``; on a codec error r is cleared."""
