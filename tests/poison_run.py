@@ -89,6 +89,20 @@ class PeerLog:
     missed: list[str] = field(default_factory=list)  # why each due round it did not average
     waits: list[float] = field(default_factory=list)  # seconds each due round blocked step()
     trust: list[dict[str, float]] = field(default_factory=list)  # per round: short id -> record
+    groups: list[tuple[bool, tuple[PeerID, ...]]] = field(default_factory=list)  # per round
+
+
+def _record_groups(log: PeerLog) -> None:
+    """Note whether each averaging round of ``log``'s peer averaged, and with which members."""
+    averager = log.swarm.averager
+    average = averager.average
+
+    async def recorded(*args, **kwargs):
+        result = await average(*args, **kwargs)
+        log.groups.append((result.averaged, result.members))
+        return result
+
+    averager.average = recorded
 
 
 def _slander(swarm: AsyncSwarm, victim: PeerID) -> None:
@@ -192,6 +206,7 @@ async def run(
                 swarm.averager.faults.collusion = collusion
             classes = ((2 * i) % CLASSES, (2 * i + 1) % CLASSES) if non_iid else None
             logs.append(PeerLog(swarm, attacker, classes))
+            _record_groups(logs[-1])
         await asyncio.sleep(2 * options["heartbeat_s"])  # every record stored and read once
         victim = logs[0].swarm.peer.peer_id if slander else None
         finish = _Finish(len(logs))
@@ -245,6 +260,7 @@ def _victim(logs: list[PeerLog]) -> dict:
     victim = logs[0].swarm.peer.peer_id
     honest = [x for x in logs[1:] if not x.attacker]
     colluders = [x.swarm.averager.butterfly for x in logs if x.attacker]
+    honest_ids = {x.swarm.peer.peer_id for x in honest}
     views = [t.get(victim.short, 1.0) for x in honest for t in x.trust]
     return {
         "victim_accused_by_honest": sum(
@@ -254,6 +270,16 @@ def _victim(logs: list[PeerLog]) -> dict:
         "victim_averaged": logs[0].rounds,
         "others_averaged": statistics.median(x.rounds for x in honest),
         "victim_missed": logs[0].missed,
+        # its rounds that averaged nothing although an honest peer was in its group
+        "victim_failed_beside_honest": sum(
+            not averaged and any(m in honest_ids for m in members)
+            for averaged, members in logs[0].groups
+        ),
+        # its rounds in a group of itself and its accusers only (a planned honest peer was late)
+        "victim_among_accusers_only": sum(
+            len(members) > 1 and not any(m in honest_ids for m in members)
+            for _, members in logs[0].groups
+        ),
         "victim_slandered": all(
             victim in c.excluded and c.reputation.trust(victim) < LOWERED_BELOW for c in colluders
         ),

@@ -36,6 +36,10 @@ ATTACKS = [
 ]
 HONEST_DEV_BOUND = 1.0  # the benchmark's "poisoned" line
 HONEST_DEV_GOAL = 0.5  # issue 11's goal, for every attack and every round
+# Stall limits (stall_timeout_min_s; the default is 6 s): short, so that a frozen owner costs
+# seconds, but not so short that an honest sender whose first chunk a loaded 2-core machine
+# delays (8 peers share one event loop) is dropped as one that never started.
+STALL_FLOOR_S = 2.0
 OWNER_FAULTS = (*LIARS, Fault.SKIP_REPLY)  # their parts fail: averaged again without them
 
 
@@ -63,7 +67,9 @@ async def run_rounds(
     """``rounds`` rounds of ``n`` peers, the last ``attackers`` of them faulty; returns every
     honest peer's results and applied values per round, the honest inputs and the peers."""
     peers = await start_peers(n, base)
-    config = loopback_peers.fixed_group_config(n, "byz", stall_timeout_min_s=1.0, codec=codec)
+    config = loopback_peers.fixed_group_config(
+        n, "byz", stall_timeout_min_s=STALL_FLOOR_S, codec=codec
+    )
     faults = [Fault.NONE] * (n - attackers) + [fault] * attackers
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     inputs = [honest_values(i) for i in range(n)]
@@ -290,7 +296,7 @@ async def test_values_in_agreement_up_to_rounding_accuse_no_honest_owner() -> No
     whatever the other parts say. A blatant liar among such members is still accused."""
     n, numel = 4, 40_000
     peers = await start_peers(n, 230)
-    config = loopback_peers.fixed_group_config(n, "synced", stall_timeout_min_s=1.0)
+    config = loopback_peers.fixed_group_config(n, "synced", stall_timeout_min_s=STALL_FLOOR_S)
     averagers = [Averager(p, config) for p in peers]
 
     def members(seed: int) -> list[torch.Tensor]:

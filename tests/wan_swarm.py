@@ -221,17 +221,30 @@ async def average_until(
     )
 
 
-def single_region_fraction(swarm: Swarm, progress: Progress, rounds: set[int]) -> float:
-    """Among the averaged groups of ``rounds``, the fraction whose members share one region."""
-    groups: dict[bytes, tuple[PeerID, ...]] = {}
+def _groups(progress: Progress) -> dict[int, dict[bytes, tuple[PeerID, ...]]]:
+    """Per round, the members of each averaged group."""
+    groups: dict[int, dict[bytes, tuple[PeerID, ...]]] = {}
     for entries in progress.results.values():
         for r, result in entries:
-            if r in rounds and result.averaged and result.group_id is not None:
-                groups[result.group_id] = result.members
-    if not groups:
+            if result.averaged and result.group_id is not None:
+                groups.setdefault(r, {})[result.group_id] = result.members
+    return groups
+
+
+def single_region_fraction(swarm: Swarm, progress: Progress, rounds: set[int]) -> float:
+    """Among the averaged groups of ``rounds``, the fraction whose members share one region."""
+    chosen = [m for r, found in _groups(progress).items() if r in rounds for m in found.values()]
+    if not chosen:
         return 0.0
-    single = sum(len({swarm.region_of(p) for p in members}) == 1 for members in groups.values())
-    return single / len(groups)
+    return sum(len({swarm.region_of(p) for p in m}) == 1 for m in chosen) / len(chosen)
+
+
+def group_regions(swarm: Swarm, progress: Progress) -> dict[int, list[str]]:
+    """Per round, the regions of each averaged group's members ("aaab": three of a, one of b)."""
+    return {
+        r: sorted("".join(sorted(str(swarm.region_of(p)) for p in m)) for m in found.values())
+        for r, found in sorted(_groups(progress).items())
+    }
 
 
 def median(values: Sequence[float]) -> float:
