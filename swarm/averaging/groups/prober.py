@@ -14,6 +14,10 @@ the others, so distant regions stay measured and a peer that moved is found. The
 ``probes`` pings of 64 bytes and at most one DHT read and store per period, whatever the swarm
 size.
 
+A sample during which this peer's own event loop was held up (:mod:`.loop_lag`: a training
+step, a round's tensor work) is dropped once that peer has a clean one: the hold-up would read as
+distance and move this peer out of its region.
+
 Departures travel the same way: a peer that found another one gone (its address refused a
 connection, see :mod:`.liveness`) lists it under ``extra["gn"]`` and re-announces at once; the
 others read that list with the records before they plan a round and check those peers themselves
@@ -34,6 +38,7 @@ import random
 import time
 
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
+from swarm.averaging.groups.loop_lag import LagWatch
 from swarm.errors import ConfigError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
@@ -47,6 +52,11 @@ GONE_FIELD = "gn"  # key of the peers this peer found gone, in PeerRecord.extra
 # 110 of the 768 bytes a record's extra may hold
 MAX_GONE_LISTED = 8
 GONE_TAG_CHARS = 12  # a listed peer: the first hex characters of its PeerID digest
+# A sample during which this peer's event loop was held up longer than this measured the
+# hold-up as much as the path: dropped, unless the peer has no clean sample yet (a loop that is
+# always busy still gets coordinates). Below Windows' ~16 ms timer granularity, and well below
+# the 50 ms region diameter that an inflated sample would break.
+HELD_UP_S = 0.02
 MAX_REPORT_CHECKS = 8  # reported peers checked per plan (a lying list costs a few pings)
 REPORT_RECHECK_S = 5.0  # a reported peer that answered is not checked again for this long
 
@@ -82,6 +92,7 @@ class Prober:
         vivaldi: the coordinate state (``vivaldi.coordinate`` is this peer's current one).
         records: the peer records read last (every live peer of the run, this one included).
         samples: RTT samples taken so far.
+        held_up: RTT samples dropped because this peer's event loop was held up during them.
     """
 
     def __init__(
@@ -112,6 +123,8 @@ class Prober:
         self._reports_checked: dict[PeerID, float] = {}  # reported peer -> when we checked it
         self._publishing: asyncio.Task[None] | None = None
         self.samples = 0
+        self.held_up = 0  # samples dropped because this peer's loop was held up during them
+        self._measured: dict[PeerID, None] = {}  # peers with a sample free of hold-ups (LRU)
         self.refreshed_at = -math.inf  # time.monotonic() of the last refresh
         self._task: asyncio.Task[None] | None = None
 
@@ -219,18 +232,30 @@ class Prober:
         """One period's work: read records, ping, update and publish; returns samples taken."""
         records = await self.refresh(max_age_s=self.period)  # the planner's reads will do
         targets = self._choose({pid: r for pid, r in records.items() if pid != self.peer.peer_id})
-        rtts = await asyncio.gather(*(self._ping(r) for r in targets))
+        async with LagWatch() as watch:
+            timed = await asyncio.gather(*(self._timed_ping(r) for r in targets))
         taken = 0
         dims = self.vivaldi.config.dims
-        for record, rtt in zip(targets, rtts, strict=True):
+        for record, (rtt, start, end) in zip(targets, timed, strict=True):
             remote = coordinate_of(record, dims) or Coordinate.origin(dims)
             if rtt is None:
+                continue
+            held = watch.worst(start, end)
+            if held > HELD_UP_S and record.peer_id in self._measured:
+                self.held_up += 1  # this loop's hold-up, not the path: keep the clean samples
+                logger.debug(
+                    "RTT sample to %s dropped: loop held %.3f s", record.peer_id.short, held
+                )
                 continue
             try:
                 self.vivaldi.observe(rtt, remote, record.peer_id)
             except SwarmError as e:
                 logger.debug("RTT sample to %s rejected: %s", record.peer_id.short, e)
                 continue
+            if held <= HELD_UP_S:
+                self._measured[record.peer_id] = None
+                while len(self._measured) > self.vivaldi.config.max_filtered_peers:
+                    del self._measured[next(iter(self._measured))]
             taken += 1
         self.samples += taken
         if taken:
@@ -241,6 +266,11 @@ class Prober:
             else:
                 self._put_in_record()
         return taken
+
+    def measured(self, peer_id: PeerID) -> bool:
+        """Whether a sample to ``peer_id`` free of hold-ups of this loop was taken (and is
+        remembered): later held-up samples to it are dropped."""
+        return peer_id in self._measured
 
     def _choose(self, others: dict[PeerID, PeerRecord]) -> list[PeerRecord]:
         if len(others) <= self.probes:
@@ -256,6 +286,12 @@ class Prober:
         rest = [pid for pid in others if pid not in near]
         chosen = near + self.rng.sample(rest, self.probes - len(near))
         return [others[pid] for pid in chosen]
+
+    async def _timed_ping(self, record: PeerRecord) -> tuple[float | None, float, float]:
+        """:meth:`_ping`, with when it started and ended (``time.perf_counter()``)."""
+        start = time.perf_counter()
+        rtt = await self._ping(record)
+        return rtt, start, time.perf_counter()
 
     async def _ping(self, record: PeerRecord) -> float | None:
         try:
