@@ -270,6 +270,9 @@ def _victim(logs: list[PeerLog]) -> dict:
         "victim_averaged": logs[0].rounds,
         "others_averaged": statistics.median(x.rounds for x in honest),
         "victim_missed": logs[0].missed,
+        # over every averaging round it ran (training and anchor rounds, the wait at the end):
+        "victim_rounds_run": len(logs[0].groups),
+        "victim_rounds_averaged": sum(averaged for averaged, _ in logs[0].groups),
         # its rounds that averaged nothing although an honest peer was in its group
         "victim_failed_beside_honest": sum(
             not averaged and any(m in honest_ids for m in members)

@@ -252,8 +252,9 @@ def test_colluders_cannot_get_an_honest_peer_excluded() -> None:
     assert got["victim_trust_min"] >= LOWERED_BELOW, got
     # an accused member's part no longer waits for its accusers until the stall limit (they
     # say so), so an honest peer in its group is all it needs
-    assert got["victim_failed_beside_honest"] <= 0.2 * got["rounds"], got
-    assert got["victim_averaged"] + got["victim_among_accusers_only"] >= 0.5 * got["rounds"], got
+    run_ = got["victim_rounds_run"]
+    assert got["victim_failed_beside_honest"] <= 0.2 * run_, got
+    assert got["victim_rounds_averaged"] + got["victim_among_accusers_only"] >= 0.5 * run_, got
     assert got["victim_slandered"], got  # the colluders did accuse and down-score it
 
 

@@ -26,7 +26,7 @@ class LagWatch:
 
     def __init__(self, tick_s: float = TICK_S):
         self.tick_s = tick_s
-        self._late: list[tuple[float, float]] = []  # (woke at, seconds later than asked)
+        self._wakes: list[tuple[float, float]] = []  # (due at, woke at) of each late wake-up
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> LagWatch:
@@ -45,18 +45,16 @@ class LagWatch:
 
     async def _tick(self) -> None:
         while True:
-            asked = time.perf_counter()
+            due = time.perf_counter() + self.tick_s
             await asyncio.sleep(self.tick_s)
             woke = time.perf_counter()
-            self._late.append((woke, max(0.0, woke - asked - self.tick_s)))
+            if woke > due:
+                self._wakes.append((due, woke))
 
     def worst(self, start: float, end: float) -> float:
-        """The longest hold-up that overlapped ``[start, end]`` (0.0: none seen)."""
+        """The longest hold-up (a wake-up's delay past its due time) that overlapped
+        ``[start, end]`` (0.0: none seen)."""
         return max(
-            (
-                late
-                for woke, late in self._late
-                if woke >= start and woke - late - self.tick_s <= end
-            ),
+            (woke - due for due, woke in self._wakes if due <= end and woke >= start),
             default=0.0,
         )

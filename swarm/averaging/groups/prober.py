@@ -253,6 +253,7 @@ class Prober:
                 logger.debug("RTT sample to %s rejected: %s", record.peer_id.short, e)
                 continue
             if held <= HELD_UP_S:
+                self._measured.pop(record.peer_id, None)  # re-inserted last: order = recency
                 self._measured[record.peer_id] = None
                 while len(self._measured) > self.vivaldi.config.max_filtered_peers:
                     del self._measured[next(iter(self._measured))]
