@@ -152,7 +152,7 @@ def test_rounds_longer_than_their_period_are_warned_about_once(caplog) -> None:
         assert not caplog.records
         fragments.round_ended(6.0)
         fragments.round_ended(6.0)
-        assert "each round waits" in caplog.text and "2 fragments" in caplog.text
+        assert "starts late" in caplog.text and "2 fragments" in caplog.text
         caplog.clear()
         Cadence(20).round_ended(60.0)  # counted steps: no period to outlast
         assert not caplog.records

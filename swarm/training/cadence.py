@@ -127,7 +127,8 @@ class Cadence:
 
     def _check_period(self) -> None:
         """Warn once when rounds take longer than their period: blocking, a round then leaves
-        a step or two before the next one is due; overlapped, each round waits for the last."""
+        a step or two before the next one is due; overlapped, each starts when the last lands
+        (training does not wait, but rounds come less often than asked)."""
         if self.period_s is None or self.round_s is None or self._rounds < _JUDGED_AFTER:
             return
         slot = self.period_s / self.fragments
@@ -141,7 +142,7 @@ class Cadence:
                 self.round_s,
                 self.period_s,
                 f" / {self.fragments} fragments" if self.fragments > 1 else "",
-                "each round waits for the one before"
+                "each round starts late, when the one before lands"
                 if self.overlapped
                 else "few steps are left between rounds",
             )

@@ -85,6 +85,7 @@ class TrainingEngine(PersistentState):
         )
         self._overlaps = [Overlap(o) for o in self._outers]
         self._flight: Flight | None = None  # the round running in the background (overlap)
+        self._deferred = False  # a clock round fell due in flight: it starts when that lands
         # what a round averages: written into the fp32 slots before it
         self._slots_loader = {
             Mode.DILOCO: OuterState.load_pseudo_grads,
@@ -126,7 +127,9 @@ class TrainingEngine(PersistentState):
         Yields what it needs from the network (see the module docstring) and returns the
         :class:`StepReport`. With ``overlap``, a due round starts in the background and this
         step returns at once; the round lands at the first later step that finds it done, or
-        at the next due round, which waits for it (``wait_s`` in that step's report).
+        at the next due round, which waits for it (``wait_s`` in that step's report). On the
+        wall clock (``inner_steps="30s"``) nothing waits: a round due while the last one runs
+        starts at the first step after that one lands.
 
         Args:
             samples: samples in this step's batch (weights the round); default 1.
@@ -143,9 +146,16 @@ class TrainingEngine(PersistentState):
             self.inner_step()
             return report
         self.inner_step()
+        flight = self._flight
+        if due and flight is not None and self.cadence.period_s and not flight.handle.done():
+            # on the wall clock the next round could only start when this one lands: train on
+            # meanwhile and start it at the first step that finds this one landed
+            self._deferred, due = True, False
         landed = None
         if self._flight is not None and (due or self._flight.handle.done()):
             landed = yield from self.land()
+        if self._deferred and self._flight is None:
+            self._deferred, due = False, True
         if not due:
             return landed or self.local_report()
         plan = self.begin_round()
