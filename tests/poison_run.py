@@ -106,7 +106,9 @@ def _record_groups(log: PeerLog) -> None:
 
 
 def _slander(swarm: AsyncSwarm, victim: PeerID) -> None:
-    """Accuse ``victim`` and hold its record at the floor, in ``swarm``'s own view."""
+    """Accuse ``victim`` and hold its record at the floor, in ``swarm``'s own view, without
+    listing it in the record as a peer kept apart (the victim has to say so)."""
+    swarm.averager.prober.apart = None
     runner = swarm.averager.butterfly
     runner.excluded.accuse(victim, "accused by colluders")
     while runner.reputation.trust(victim) > TRUST_FLOOR:
@@ -261,6 +263,7 @@ def _victim(logs: list[PeerLog]) -> dict:
     honest = [x for x in logs[1:] if not x.attacker]
     colluders = [x.swarm.averager.butterfly for x in logs if x.attacker]
     honest_ids = {x.swarm.peer.peer_id for x in honest}
+    accusers = {x.swarm.peer.peer_id for x in logs if x.attacker}
     views = [t.get(victim.short, 1.0) for x in honest for t in x.trust]
     return {
         "victim_accused_by_honest": sum(
@@ -278,6 +281,7 @@ def _victim(logs: list[PeerLog]) -> dict:
             not averaged and any(m in honest_ids for m in members)
             for averaged, members in logs[0].groups
         ),
+        "victim_with_accusers_again": _met_again(logs[0].groups, accusers),
         # its rounds in a group of itself and its accusers only (a planned honest peer was late)
         "victim_among_accusers_only": sum(
             len(members) > 1 and not any(m in honest_ids for m in members)
@@ -287,6 +291,18 @@ def _victim(logs: list[PeerLog]) -> dict:
             victim in c.excluded and c.reputation.trust(victim) < LOWERED_BELOW for c in colluders
         ),
     }
+
+
+def _met_again(groups: list[tuple[bool, tuple[PeerID, ...]]], accusers: set[PeerID]) -> int:
+    """Rounds in which the victim met an accuser it had met (and been refused by) before: it
+    lists an accuser at once, though the next round's planners may not have read it yet."""
+    met: set[PeerID] = set()
+    again = 0
+    for _, members in groups:
+        present = accusers.intersection(members)
+        again += bool(present & met)
+        met |= present
+    return again
 
 
 def _rounds_to_downweight(honest: list[PeerLog], attackers: set[str]) -> int | None:

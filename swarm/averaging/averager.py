@@ -112,7 +112,12 @@ class Averager:
                 peer, period=config.probe_period_s, probes=config.probes_per_period
             )
             self.prober.start()
-        self.planner = GroupPlanner(peer, config, self.prober, self.liveness)
+        if self.prober is not None:  # the prober's record lists whom the planners keep apart
+            self.prober.apart = self.butterfly.apart
+            self.butterfly.apart.on_new = self.prober.tell_apart  # before the next plans
+        self.planner = GroupPlanner(
+            peer, config, self.prober, self.liveness, apart=self.butterfly.apart
+        )
         self._closed = False
 
     # ---- public API

@@ -52,6 +52,7 @@ class RoundContext:
     # waiting for their part at once (a killed peer costs no stall limit)
     gone: set[int] = field(default_factory=set)
     suspected: dict[int, float] = field(default_factory=dict)  # member -> when last checked
+    refused_us: set[int] = field(default_factory=set)  # owners that excluded this member (403)
 
     def mark_gone(self, index: int) -> None:
         """Member ``index``'s address refused our connection."""

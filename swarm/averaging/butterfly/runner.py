@@ -38,6 +38,7 @@ from swarm.averaging.butterfly.scoring import LOWERED_BELOW, PartScores, Reputat
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
+from swarm.averaging.groups.apart import KeptApart
 from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.rates import PeerRates
@@ -85,6 +86,8 @@ class ButterflyRunner:
         # owners this peer accused of returning implausible averages: it sends them nothing and
         # refuses their part streams, for a number of its rounds that doubles with each accusation
         self.excluded = Exclusions()
+        # the peers this one will not be grouped with: those it excludes or that refused it
+        self.apart = KeptApart()
         # this peer's record of the others' updates: the factor on their weight in its parts
         self.reputation = Reputation()
         # the ranges this peer kept its own values of lately, per layout: a round of values
@@ -168,6 +171,8 @@ class ButterflyRunner:
             for m in group.members
             if m.peer_id in self.excluded
         ]
+        for peer in [r.peer for r in refusals] + [group.peer_ids[j] for j in ctx.refused_us]:
+            self.apart.add(peer)
         if not kind.synced:
             refusals.extend(unbelieved_claims(group))
         refusals.extend(self._file_scores(group, outcome.scores))
@@ -177,6 +182,7 @@ class ButterflyRunner:
                 why = f"accused in round {group.group_id.hex()[:8]}: {r.why}"
                 if self.excluded.accuse(r.peer, why):
                     logger.warning("excluding %s: accused again (%s)", r.peer.short, r.why)
+                    self.apart.add(r.peer)
         ranges = [plan.ranges[j] for j in sorted(parts_idx)]
         await loop.run_in_executor(self._pool, scatter, tensors, result, ranges)
         allreduce_s = time.monotonic() - started

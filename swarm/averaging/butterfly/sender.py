@@ -105,6 +105,8 @@ class PartSender:
                 # the group is not the owner's (404), or the owner excluded this member (403):
                 # either way it will not send to this member's part, so nobody waits for it
                 self.ctx.gone.add(self.part)
+                if e.status == 403:
+                    self.ctx.refused_us.add(self.part)
             elif not isinstance(e, asyncio.TimeoutError):
                 self.ctx.suspect(self.part, now=True)  # the owner may have died mid-round
             reason = str(e) or type(e).__name__

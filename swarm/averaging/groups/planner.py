@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from swarm.averaging.groups import regions
+from swarm.averaging.groups.apart import KeptApart, apart_pairs, separate
 from swarm.averaging.groups.group import GroupInfo, next_order
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.prober import Prober
@@ -52,6 +53,8 @@ class GroupPlanner:
         config: the averager's settings (grouping, sizes, timeouts).
         prober: the RTT prober whose view the plans come from (None with ``fixed`` grouping).
         liveness: checks the peers that other records report gone, before a plan counts them.
+        apart: the peers this one will not be grouped with (see :mod:`.apart`); the prober's
+            records name the others' pairs.
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class GroupPlanner:
         config: AveragingConfig,
         prober: Prober | None,
         liveness: Liveness | None = None,
+        apart: KeptApart | None = None,
     ):
         self.peer = peer
+        self.apart = apart
         self.config = config
         self.prober = prober
         self.liveness = liveness
@@ -101,6 +106,9 @@ class GroupPlanner:
             return RoundKey(None, order=number, idle="no other peer announced in this run")
         plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
         plan = plan_of(view, number, self.grouping_config)
+        mine = self.apart.listed() if self.apart is not None else ()
+        self.prober.tell_apart()
+        plan = separate(plan, apart_pairs(self.prober.records, me, mine))
         key = plan.key_of(me)
         if key is None:
             idle = "the plan left it without a group this round"

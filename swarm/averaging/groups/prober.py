@@ -37,6 +37,7 @@ import math
 import random
 import time
 
+from swarm.averaging.groups.apart import APART_FIELD, KeptApart
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.averaging.groups.loop_lag import LagWatch
 from swarm.errors import ConfigError, SwarmError, TransportError
@@ -120,6 +121,8 @@ class Prober:
         self._published: Coordinate | None = None  # the coordinate last announced
         self.records: dict[PeerID, PeerRecord] = {}
         self.gone: dict[PeerID, float] = {}  # peer -> time.time() its address refused us
+        self.apart: KeptApart | None = None  # peers never grouped with this one (its record's)
+        self._apart_told: list[str] = []  # the apart list last put in the record
         self._reports_checked: dict[PeerID, float] = {}  # reported peer -> when we checked it
         self._publishing: asyncio.Task[None] | None = None
         self.samples = 0
@@ -214,6 +217,12 @@ class Prober:
         self._publishing = asyncio.get_running_loop().create_task(
             self._publish(), name="swarm-probe-gone"
         )
+
+    def tell_apart(self) -> None:
+        """Re-announce (in the background) when the peers kept apart changed since the record
+        last listed them: planners that do not know a pair yet plan other groups."""
+        if self.apart is not None and self.apart.tags() != self._apart_told:
+            self._tell_gone()
 
     def _gone(self, record: PeerRecord) -> bool:
         return record.timestamp <= self.gone.get(record.peer_id, -math.inf)
@@ -313,14 +322,23 @@ class Prober:
             logger.debug("publishing the coordinate failed: %s", e)
 
     def _put_in_record(self) -> None:
-        """Put the coordinate and the gone list in our record (announced by the next store)."""
+        """Put the coordinate and the gone and apart lists in our record (announced by the
+        next store)."""
         transport = self.peer.transport
         latest = sorted(self.gone, key=self.gone.__getitem__)[-MAX_GONE_LISTED:]
-        extra = {k: v for k, v in transport.record().extra.items() if k != GONE_FIELD}
+        ours = (GONE_FIELD, APART_FIELD)
+        extra = {k: v for k, v in transport.record().extra.items() if k not in ours}
         if latest:
             extra[GONE_FIELD] = [pid.digest.hex()[:GONE_TAG_CHARS] for pid in latest]
         if self.samples:  # no coordinate before the first RTT sample
             extra[COORDINATE_FIELD] = self.coordinate.to_wire()
+        apart = self._apart_told = self.apart.tags() if self.apart is not None else []
+        if apart:
+            try:
+                transport.update_record(extra={**extra, APART_FIELD: apart})
+                return
+            except ConfigError:  # no room beside a long progress: the coordinate comes first
+                logger.debug("no room in the record for the peers kept apart")
         transport.update_record(extra=extra)
 
     async def _loop(self) -> None:

@@ -366,7 +366,11 @@ def _cut(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID, 
     return groups
 
 
-def _key(round_: int, kind: str, group: Sequence[PeerID]) -> str:
-    """A matchmaking group key: short, no '/' (see :func:`~.group.matchmaking_key`)."""
+def group_key_of(round_: int, kind: str, group: Sequence[PeerID]) -> str:
+    """The key of ``group`` in a plan of ``kind`` for ``round_``: short, no '/' (see
+    :func:`~.group.matchmaking_key`)."""
     first = min(group, key=lambda p: p.digest)
     return f"r{round_}.{_KIND_TAG[kind]}.{first.digest.hex()[:_KEY_CHARS]}"
+
+
+_key = group_key_of
