@@ -13,6 +13,7 @@ expiry. Every heartbeat also reads the run's records, which logs who joined and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -20,13 +21,13 @@ from typing import Any
 
 from swarm.address import PeerAddress
 from swarm.dht import DHTNode
-from swarm.errors import DHTError, SwarmError
+from swarm.errors import ConfigError, DHTError, SwarmError
 from swarm.identity import Identity, PeerID
 from swarm.monitor.metrics import PeerMetrics
 from swarm.monitor.tracker import ProgressTracker, RoundFigures
 from swarm.monitor.watch import PeerWatcher
 from swarm.net.nat import NatTraversal
-from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD
+from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD, Progress
 from swarm.net.reachability import Reach
 from swarm.net.record import PeerRecord
 from swarm.net.relay import RelayBudget
@@ -229,13 +230,28 @@ class Peer:
         transport = self._transport
         if self.monitoring:
             reach = "public" if transport.record().bandwidth > 0 else "client"
-            progress = self.progress.snapshot(reachability=reach).to_wire()
-            record = transport.update_record(
-                extra={**transport.record().extra, PROGRESS_FIELD: progress}
-            )
+            record = self._with_progress(self.progress.snapshot(reachability=reach))
         else:
             record = transport.update_record()
         return await self._store_record(record)
+
+    def _with_progress(self, progress: Progress) -> PeerRecord:
+        """Our record with ``progress`` in it: with half as many lowered peers each time the
+        record's extra has no room for them (a scorer that lowered 8 peers, beside its
+        coordinate and lists), and without a progress at worst, never without a record."""
+        transport = self._transport
+        extra = {k: v for k, v in transport.record().extra.items() if k != PROGRESS_FIELD}
+        lowered = progress.lowered
+        while True:
+            shown = dataclasses.replace(progress, lowered=lowered).to_wire()
+            try:
+                return transport.update_record(extra={**extra, PROGRESS_FIELD: shown})
+            except ConfigError:
+                if not lowered:
+                    break
+                lowered = lowered[: len(lowered) // 2]
+        logger.warning("no room for this peer's progress in its record: announced without it")
+        return transport.update_record(extra=extra)
 
     async def _store_record(self, record: PeerRecord) -> int:
         # later than the stored entry, so that it replaces ours in every node it reaches

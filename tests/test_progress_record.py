@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from loopback_peers import start_peers
 
 from swarm.address import PeerAddress
 from swarm.errors import ConfigError, TransportError
@@ -261,3 +262,29 @@ def test_tracker_turns_counters_into_rates() -> None:
     assert p.inner_steps == 25
     assert p.utilization == 0.8
     assert p.resources == machine_resources()
+
+
+class _ManyLowered:
+    """A scorer's records that lowered 8 peers, each with the longest reason allowed."""
+
+    def lowered(self, limit: int) -> tuple[tuple[str, float, str], ...]:
+        return tuple((f"peer{i:06d}", 0.0123, "r" * 64) for i in range(limit))
+
+
+async def test_a_scorer_that_lowered_many_peers_still_announces_its_record() -> None:
+    """8 lowered peers with long reasons beside a coordinate and full gone and apart lists
+    overflow the record's extra: the peer announces fewer of them rather than no record."""
+    (peer,) = await start_peers([151])
+    try:
+        peer.progress.records = _ManyLowered()
+        tags = ["0123456789ab"] * 8
+        transport = peer.transport
+        transport.update_record(
+            extra={**transport.record().extra, "vc": [123.456] * 8, "gn": tags, "ap": tags}
+        )
+        assert await peer.announce() >= 1
+        shown = Progress.from_wire(transport.record().extra[PROGRESS_FIELD])
+        assert 0 < len(shown.lowered) < 8
+        assert transport.record().extra["ap"] == tags  # the rest of the record is kept
+    finally:
+        await peer.close()
