@@ -89,6 +89,7 @@ class Peer:
         # may miss the marker while an older record of the peer still circulates)
         self.departed: dict[PeerID, float] = {}
         self.monitoring = True  # publish progress and watch the run at each heartbeat
+        self._no_room = False  # the last announce had no room for the progress (warned once)
         self._expiration = 0.0  # of our last announcement
         # the last read of the run's records (when it finished, what it returned) and the read
         # in flight: the prober, the planner and the heartbeat share them (see known_peers)
@@ -245,12 +246,16 @@ class Peer:
         while True:
             shown = dataclasses.replace(progress, lowered=lowered).to_wire()
             try:
-                return transport.update_record(extra={**extra, PROGRESS_FIELD: shown})
+                record = transport.update_record(extra={**extra, PROGRESS_FIELD: shown})
+                self._no_room = False
+                return record
             except ConfigError:
                 if not lowered:
                     break
                 lowered = lowered[: len(lowered) // 2]
-        logger.warning("no room for this peer's progress in its record: announced without it")
+        if not self._no_room:
+            logger.warning("no room for this peer's progress in its record: announced without it")
+        self._no_room = True
         return transport.update_record(extra=extra)
 
     async def _store_record(self, record: PeerRecord) -> int:

@@ -15,12 +15,17 @@ from swarm.averaging.groups.apart import (
     MAX_APART_LISTED,
     KeptApart,
     apart_pairs,
-    listed_tags,
     separate,
-    tag_of,
 )
 from swarm.averaging.groups.coordinates import Coordinate
-from swarm.averaging.groups.regions import NEAR, GroupingConfig, GroupPlan, plan_groups
+from swarm.averaging.groups.peer_tags import tag_of, tags_in
+from swarm.averaging.groups.regions import (
+    NEAR,
+    GroupingConfig,
+    GroupPlan,
+    group_key_of,
+    plan_groups,
+)
 from swarm.identity import Identity, PeerID
 from swarm.net.record import PeerRecord
 
@@ -63,11 +68,14 @@ def test_kept_apart_holds_each_peer_for_a_while_and_lists_the_latest() -> None:
 def test_hostile_apart_lists_are_ignored_whole_or_in_part() -> None:
     identity = Identity.generate()
     good = tag_of(_peer(1))
-    assert listed_tags(_record(identity, {APART_FIELD: [good]})) == [good]
+
+    def listed(value: object) -> list[str]:
+        return tags_in(_record(identity, {APART_FIELD: value}), APART_FIELD, MAX_APART_LISTED)
+
+    assert listed([good]) == [good]
     for hostile in ("not a list", {"a": 1}, [good] * (MAX_APART_LISTED + 1), None, 7):
-        assert listed_tags(_record(identity, {APART_FIELD: hostile})) == []
-    mixed = [good, 5, "short", good + "x", None, ["nested"]]
-    assert listed_tags(_record(identity, {APART_FIELD: mixed})) == [good]
+        assert listed(hostile) == []
+    assert listed([good, 5, "short", good + "x", None, ["nested"]]) == [good]
 
 
 def test_a_peer_can_only_pair_itself_with_the_peers_it_names() -> None:
@@ -105,10 +113,10 @@ def test_a_victim_planned_with_its_accusers_trades_places() -> None:
     assert _pairs_within(out, pairs) == 0
     assert sorted(len(g) for g in out.groups.values()) == [4, 4]
     assert {q for g in out.groups.values() for q in g} == set(p)
-    for key, group in out.groups.items():
-        assert key.startswith("r1.n.") and key == out.key_of(min(group, key=lambda q: q.digest))
+    assert all(key == group_key_of(1, NEAR, g) for key, g in out.groups.items())
     assert separate(plan, pairs) == out  # every planner with the same view agrees
     assert separate(plan, set()) is plan
+    assert separate(plan, pairs, budget=0) is plan  # the work is bounded: none, no swap
 
 
 def test_a_swap_stays_in_the_region_when_it_can() -> None:

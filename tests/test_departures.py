@@ -19,9 +19,9 @@ from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.groups.group import GroupInfo, NoGroup
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.matchmaking import Matchmaker
+from swarm.averaging.groups.peer_tags import tag_of
 from swarm.averaging.groups.prober import (
     GONE_FIELD,
-    GONE_TAG_CHARS,
     MAX_GONE_LISTED,
     MAX_REPORT_CHECKS,
     Prober,
@@ -169,7 +169,7 @@ async def test_gone_reports_are_hints_checked_and_bounded() -> None:
     prober = Prober(peer)
     try:
         listed = [_record() for _ in range(MAX_REPORT_CHECKS + 4)]
-        tags = [r.peer_id.digest.hex()[:GONE_TAG_CHARS] for r in listed]
+        tags = [tag_of(r.peer_id) for r in listed]
         reporters = [_record({GONE_FIELD: tags[:6]}), _record({GONE_FIELD: tags[6:]})]
         hostile = [
             _record({GONE_FIELD: "not a list"}),
@@ -184,7 +184,7 @@ async def test_gone_reports_are_hints_checked_and_bounded() -> None:
         rest = prober.reported_gone()  # the others next time, never the same twice in a row
         assert {s.peer_id for s in rest}.isdisjoint({s.peer_id for s in suspects})
         assert prober.reported_gone() == []
-        unknown = _record({GONE_FIELD: [Identity.generate().peer_id.digest.hex()[:GONE_TAG_CHARS]]})
+        unknown = _record({GONE_FIELD: [tag_of(Identity.generate().peer_id)]})
         prober.records[unknown.peer_id] = unknown
         assert prober.reported_gone() == []  # a peer this view does not hold is nothing to check
     finally:
@@ -202,14 +202,14 @@ async def test_a_peer_found_gone_is_reported_in_its_finders_record() -> None:
             if GONE_FIELD in finder.transport.record().extra:
                 break
             await asyncio.sleep(0.01)
-        assert finder.transport.record().extra[GONE_FIELD] == [gone.digest.hex()[:GONE_TAG_CHARS]]
+        assert finder.transport.record().extra[GONE_FIELD] == [tag_of(gone)]
         seen = {}
         for _ in range(100):  # announced at once, not at the next heartbeat
             seen = await other.known_peers()
             if GONE_FIELD in seen.get(finder.peer_id, _record()).extra:
                 break
             await asyncio.sleep(0.05)
-        assert seen[finder.peer_id].extra[GONE_FIELD] == [gone.digest.hex()[:GONE_TAG_CHARS]]
+        assert seen[finder.peer_id].extra[GONE_FIELD] == [tag_of(gone)]
     finally:
         await prober.close()
         await asyncio.gather(finder.close(), other.close())

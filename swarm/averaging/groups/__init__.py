@@ -12,4 +12,7 @@
 - :mod:`~swarm.averaging.groups.join_desk`: a leader's join RPC and its patience
 - :mod:`~swarm.averaging.groups.liveness`: one ping tells a killed peer from a slow one
 - :mod:`~swarm.averaging.groups.rates`: upload rates of other peers as this peer measured them
+- :mod:`~swarm.averaging.groups.loop_lag`: this peer's event-loop hold-ups while probes run
+- :mod:`~swarm.averaging.groups.apart`: peers that refuse each other, kept out of one group
+- :mod:`~swarm.averaging.groups.peer_tags`: the short tags that name peers in a record
 """

@@ -18,13 +18,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
+from swarm.averaging.groups.peer_tags import by_tag, tag_of, tags_in
 from swarm.averaging.groups.regions import GroupPlan, group_key_of
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 
 APART_FIELD = "ap"  # key of the peers this peer will not average with, in PeerRecord.extra
 MAX_APART_LISTED = 8
-APART_TAG_CHARS = 12  # a listed peer: the first hex characters of its PeerID digest
+# candidates weighed per plan, a bound on the work free identities can make every planner do
+# (1024 peers each listing 8: 52 ms on this machine, 300 ms before separation had a budget)
+SEPARATION_BUDGET = 20_000
 # how long a refusal keeps a pair apart: kept apart, the two never meet to refuse again, so
 # this is about how often a lasting refusal costs one of the refused peer's rounds
 APART_HOLD_S = 600.0
@@ -61,72 +64,77 @@ class KeptApart:
         return [tag_of(p) for p in self.listed(now)]
 
 
-def tag_of(peer: PeerID) -> str:
-    return peer.digest.hex()[:APART_TAG_CHARS]
-
-
-def listed_tags(record: PeerRecord) -> list[str]:
-    """The tags ``record`` lists as kept apart; [] when the entry is missing or malformed."""
-    raw = record.extra.get(APART_FIELD)
-    if not isinstance(raw, list) or len(raw) > MAX_APART_LISTED:
-        return []
-    return [t for t in raw if isinstance(t, str) and len(t) == APART_TAG_CHARS]
-
-
 def apart_pairs(
     records: Mapping[PeerID, PeerRecord], me: PeerID, mine: Iterable[PeerID] = ()
 ) -> set[frozenset[PeerID]]:
     """Every pair of known peers that one of the two lists (``mine``: this peer's own list,
     newer than its record in ``records``)."""
-    by_tag = {tag_of(p): p for p in records}
-    by_tag.setdefault(tag_of(me), me)
+    tagged = by_tag([*records, me])
     pairs = {frozenset((me, p)) for p in mine if p != me}
     for owner, record in records.items():
         if owner == me:
             continue
-        for tag in listed_tags(record):
-            other = by_tag.get(tag)
+        for tag in tags_in(record, APART_FIELD, MAX_APART_LISTED):
+            other = tagged.get(tag)
             if other is not None and other != owner:
                 pairs.add(frozenset((owner, other)))
     return pairs
 
 
-def separate(plan: GroupPlan, pairs: set[frozenset[PeerID]]) -> GroupPlan:
+def separate(
+    plan: GroupPlan, pairs: set[frozenset[PeerID]], budget: int = SEPARATION_BUDGET
+) -> GroupPlan:
     """``plan`` with no listed pair in one group where a swap can avoid it.
 
     A member that shares its group with a peer it is paired with trades places with a member
     of another group, chosen so that neither group gets a pair: one of its own region first,
-    then the earliest group. The same view and pairs give the same plan on every peer.
+    then the earliest group, then the lowest digest. The same view and pairs give the same plan
+    on every peer. At most ``budget`` candidates are weighed in all (free identities that list
+    8 peers each cost the plan that many, not a scan of the swarm per pair).
     """
-    if not pairs:
-        return plan
+    partners: dict[PeerID, set[PeerID]] = {}
+    for pair in pairs:
+        a, b = tuple(pair)
+        partners.setdefault(a, set()).add(b)
+        partners.setdefault(b, set()).add(a)
     groups = [list(members) for members in plan.groups.values()]
     region_of = {p: i for i, region in enumerate(plan.regions) for p in region}
 
-    def clashes(members: Iterable[PeerID], peer: PeerID) -> bool:
-        return any(frozenset((peer, q)) in pairs for q in members if q != peer)
+    def clashes(peer: PeerID, members: list[PeerID], leaving: PeerID) -> bool:
+        """Whether ``peer`` is paired with one of ``members`` other than ``leaving``."""
+        mine = partners.get(peer, ())
+        return any(q in mine for q in members if q != leaving)
+
+    def swap_for(peer: PeerID, gi: int) -> tuple[list[PeerID], PeerID] | None:
+        """The group and member ``peer`` (of group ``gi``) trades places with, if any."""
+        nonlocal budget
+        group = groups[gi]
+        for same_region in (True, False):
+            for other in (g for hi, g in enumerate(groups) if hi != gi):
+                if budget <= 0:
+                    return None
+                budget -= len(other)
+                fits = [
+                    q
+                    for q in other
+                    if (region_of.get(q) == region_of.get(peer)) == same_region
+                    and not clashes(peer, other, q)
+                    and not clashes(q, group, peer)
+                ]
+                if fits:
+                    return other, min(fits, key=lambda q: q.digest)
+        return None
 
     moved = False
     for gi, group in enumerate(groups):
-        for peer in sorted(group, key=lambda p: p.digest):
-            if peer not in group or not clashes(group, peer):
+        for peer in sorted((p for p in group if p in partners), key=lambda p: p.digest):
+            if peer not in group or not clashes(peer, group, peer):
                 continue
-            best: tuple[tuple[bool, int, bytes], int, PeerID] | None = None
-            for hi, other in enumerate(groups):
-                if hi == gi:
-                    continue
-                for q in other:
-                    if clashes([x for x in other if x != q], peer):
-                        continue
-                    if clashes([x for x in group if x != peer], q):
-                        continue
-                    rank = (region_of.get(q) != region_of.get(peer), hi, q.digest)
-                    if best is None or rank < best[0]:
-                        best = (rank, hi, q)
-            if best is not None:
-                _, hi, q = best
+            swap = swap_for(peer, gi)
+            if swap is not None:
+                other, q = swap
                 group[group.index(peer)] = q
-                groups[hi][groups[hi].index(q)] = peer
+                other[other.index(q)] = peer
                 moved = True
     if not moved:
         return plan

@@ -40,6 +40,7 @@ import time
 from swarm.averaging.groups.apart import APART_FIELD, KeptApart
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.averaging.groups.loop_lag import LagWatch
+from swarm.averaging.groups.peer_tags import by_tag, tag_of, tags_in
 from swarm.errors import ConfigError, SwarmError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
@@ -52,7 +53,6 @@ GONE_FIELD = "gn"  # key of the peers this peer found gone, in PeerRecord.extra
 # peers a record lists as gone (the latest ones; longer lists are ignored): 8 tags take about
 # 110 of the 768 bytes a record's extra may hold
 MAX_GONE_LISTED = 8
-GONE_TAG_CHARS = 12  # a listed peer: the first hex characters of its PeerID digest
 # A sample during which this peer's event loop was held up longer than this measured the
 # hold-up as much as the path: dropped, unless the peer has no clean sample yet (a loop that is
 # always busy still gets coordinates). Below Windows' ~16 ms timer granularity, and well below
@@ -192,15 +192,15 @@ class Prober:
     def reported_gone(self) -> list[PeerRecord]:
         """Peers that other records list as gone and that this view still holds: to check
         (each at most once per ``REPORT_RECHECK_S``, at most ``MAX_REPORT_CHECKS`` at once)."""
-        by_tag = {pid.digest.hex()[:GONE_TAG_CHARS]: pid for pid in self.records}
+        tagged = by_tag(self.records)
         now = time.monotonic()
         self._reports_checked = {
             p: t for p, t in self._reports_checked.items() if now - t < REPORT_RECHECK_S
         }
         suspects: list[PeerRecord] = []
         for record in list(self.records.values()):
-            for tag in _gone_list(record):
-                pid = by_tag.get(tag)
+            for tag in tags_in(record, GONE_FIELD, MAX_GONE_LISTED):
+                pid = tagged.get(tag)
                 if pid is None or pid == self.peer.peer_id or pid in self._reports_checked:
                     continue
                 self._reports_checked[pid] = now
@@ -329,7 +329,7 @@ class Prober:
         ours = (GONE_FIELD, APART_FIELD)
         extra = {k: v for k, v in transport.record().extra.items() if k not in ours}
         if latest:
-            extra[GONE_FIELD] = [pid.digest.hex()[:GONE_TAG_CHARS] for pid in latest]
+            extra[GONE_FIELD] = [tag_of(pid) for pid in latest]
         if self.samples:  # no coordinate before the first RTT sample
             extra[COORDINATE_FIELD] = self.coordinate.to_wire()
         apart = self._apart_told = self.apart.tags() if self.apart is not None else []
@@ -360,11 +360,3 @@ def _moved(before: Coordinate, after: Coordinate) -> float:
     if before.dims != after.dims:
         return math.inf
     return math.dist(before.vector, after.vector) + abs(before.height - after.height)
-
-
-def _gone_list(record: PeerRecord) -> list[str]:
-    """The peers ``record`` lists as gone (hex tags); [] when the entry is missing or malformed."""
-    raw = record.extra.get(GONE_FIELD)
-    if not isinstance(raw, list) or len(raw) > MAX_GONE_LISTED:
-        return []
-    return [t for t in raw if isinstance(t, str) and len(t) == GONE_TAG_CHARS]

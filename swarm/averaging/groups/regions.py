@@ -279,19 +279,19 @@ def plan_groups(
     regions = _as_regions(peers, clusters)
     if config.is_cross_round(round_) and len(regions) > 1:  # one region: nothing to mix
         order = [p for region in regions for p in _hashed(region, round_, CROSS)]
-        groups = {_key(round_, CROSS, g): g for g in _deal(order, config)}
+        groups = {group_key_of(round_, CROSS, g): g for g in _deal(order, config)}
         return GroupPlan(round_, CROSS, regions, groups)
     able = [r for r in regions if len(r) >= config.min_group_size]
     if not able:  # no region can average alone (a scattered swarm): mix everyone
         order = [p for region in regions for p in _hashed(region, round_, CROSS)]
-        groups = {_key(round_, CROSS, g): g for g in _deal(order, config)}
+        groups = {group_key_of(round_, CROSS, g): g for g in _deal(order, config)}
         return GroupPlan(round_, CROSS, regions, groups)
     groups = {}
     near, alone = _attach_small([view[p] for p in peers], clusters, config)
     for region in near:
         members = [peers[k] for k in region]
         groups.update(
-            {_key(round_, NEAR, g): g for g in _cut(_hashed(members, round_, NEAR), config)}
+            {group_key_of(round_, NEAR, g): g for g in _cut(_hashed(members, round_, NEAR), config)}
         )
     return GroupPlan(round_, NEAR, regions, groups, tuple(peers[k] for k in sorted(alone)))
 
@@ -306,7 +306,7 @@ def random_plan(
     groups, start = {}, 0
     for size in sorted(sizes, reverse=True):
         group = tuple(order[start : start + size])
-        groups[_key(round_, RANDOM, group)] = group
+        groups[group_key_of(round_, RANDOM, group)] = group
         start += size
     return GroupPlan(round_, RANDOM, plan.regions, groups, tuple(order[start:]))
 
@@ -371,6 +371,3 @@ def group_key_of(round_: int, kind: str, group: Sequence[PeerID]) -> str:
     :func:`~.group.matchmaking_key`)."""
     first = min(group, key=lambda p: p.digest)
     return f"r{round_}.{_KIND_TAG[kind]}.{first.digest.hex()[:_KEY_CHARS]}"
-
-
-_key = group_key_of
