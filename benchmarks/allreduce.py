@@ -5,6 +5,7 @@ Prints one JSON object per line and configuration::
     {"n": peers, "numel": elements, "codec": ..., "setting": "loopback",
      "matchmaking_s": ..., "allreduce_s": ..., "bytes_sent_per_peer": ...,
      "rss_before_mb": ..., "peak_rss_mb": ..., "round_growth_vectors": ...,
+     "kept_vectors": ..., "transient_vectors": ...,
      "efficiency": null, "rounds": ...}
 
 Every peer is its own process (this script with ``--peer``) bound to its own 127.0.0.x address,
@@ -19,7 +20,10 @@ of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per r
 ``peak_rss_mb`` is the largest peak resident set of any peer process (tensors included),
 ``rss_before_mb`` the largest before the first round (its vector made), and
 ``round_growth_vectors`` the largest growth of one peer over its own ``rss_before_mb``, in
-vectors (the goal for a streaming round is at most 1.5);
+vectors (the goal for a streaming round is at most 1.5); on Linux, ``kept_vectors`` what a peer
+holds between rounds once they ran (its error-feedback residuals: state like an optimizer's) and
+``transient_vectors`` the largest growth within one timed round over the resident set just
+before it (``VmHWM`` after ``clear_refs``);
 ``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
 seconds of all peer processes together per timed round. Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
@@ -132,11 +136,64 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def print_usage(cpu_start: float, rounds: int, rss_before_mb: float) -> None:
+def proc_status_mb(field: str) -> float | None:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process, in
+    MiB; None where /proc is not there (macOS, Windows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start ``VmHWM`` again from the resident set now (Linux 4.0+: ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class RoundMemory:
+    """Per timed round: the resident set before it and its peak during it (Linux)."""
+
+    def __init__(self) -> None:
+        self.first_rss = proc_status_mb("VmRSS")  # before the first round, warm-up included
+        self.rounds: list[tuple[float, float]] = []  # (rss before, peak during), MiB
+        self._before: float | None = None
+
+    def start(self) -> None:
+        self._before = proc_status_mb("VmRSS")
+        if not reset_peak_rss():
+            self._before = None
+
+    def end(self) -> None:
+        peak = proc_status_mb("VmHWM")
+        if self._before is not None and peak is not None:
+            self.rounds.append((self._before, peak))
+
+    def usage(self) -> dict:
+        last = proc_status_mb("VmRSS")
+        kept = last - self.first_rss if last is not None and self.first_rss is not None else None
+        transient = max((peak - before for before, peak in self.rounds), default=None)
+        return {"kept_mb": kept, "transient_mb": transient}
+
+
+def print_usage(
+    cpu_start: float, rounds: int, rss_before_mb: float, memory: RoundMemory | None = None
+) -> None:
     """This peer process's last line: its resident set before the first round (the peak so far,
-    its vector included), its peak, and CPU seconds per timed round."""
+    its vector included), its peak, CPU seconds per timed round and, where /proc tells, what
+    it keeps between rounds and the largest growth within a timed round."""
     cpu = (time.process_time() - cpu_start) / max(rounds, 1)
     usage = {"rss_before_mb": rss_before_mb, "peak_rss_mb": peak_rss_mb(), "cpu_s_per_round": cpu}
+    if memory is not None:
+        usage.update(memory.usage())
     print(json.dumps(usage), flush=True)
 
 
@@ -255,14 +312,19 @@ async def peer_main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         tensor = peer_vector(args.numel, args.seed)
         rss_before = peak_rss_mb()
+        memory = RoundMemory()
         cpu_start = 0.0
         for rnd in range(args.rounds + 1):
             if rnd == 1:  # after the warm-up round
                 cpu_start = time.process_time()
             print(json.dumps({"ready": rnd}), flush=True)
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            if rnd > 0:
+                memory.start()
             started = time.perf_counter()
             result = await averager.average([tensor], weight=1.0)
+            if rnd > 0:
+                memory.end()
             if args.status == "on":  # what the training facade does after every round
                 peer.record_round(result.figures(time.perf_counter() - started))
             row = {
@@ -274,7 +336,7 @@ async def peer_main(args: argparse.Namespace) -> None:
                 "bytes_sent": result.bytes_sent,
             }
             print(json.dumps(row), flush=True)
-        print_usage(cpu_start, args.rounds, rss_before)
+        print_usage(cpu_start, args.rounds, rss_before, memory)
         await asyncio.sleep(0.5)  # let the others read their last replies
     finally:
         if scraper is not None:
@@ -467,6 +529,9 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
     rss = max(r["peak_rss_mb"] for r in usage)
     before = max(r["rss_before_mb"] for r in usage)
     growth = max(r["peak_rss_mb"] - r["rss_before_mb"] for r in usage)
+    vector_mib = numel * 4 / 2**20
+    kept = [r["kept_mb"] for r in usage if r.get("kept_mb") is not None]
+    transient = [r["transient_mb"] for r in usage if r.get("transient_mb") is not None]
     cpu = sum(r["cpu_s_per_round"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
     return {
         "n": n,
@@ -480,7 +545,11 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
         "rss_before_mb": round(before, 1),
         "peak_rss_mb": round(rss, 1),
         # the largest growth of one peer over its RSS before the first round, in vectors
-        "round_growth_vectors": round(growth * 1e6 / 2**20 / (numel * 4 / 1e6), 2),
+        "round_growth_vectors": round(growth / vector_mib, 2),
+        # what a peer keeps between rounds (error-feedback residuals, reused buffers) and the
+        # largest growth within one timed round over the RSS just before it (Linux only)
+        "kept_vectors": round(max(kept) / vector_mib, 2) if kept else None,
+        "transient_vectors": round(max(transient) / vector_mib, 2) if transient else None,
         "cpu_s_per_round": round(cpu, 4),  # all peer processes together, timed rounds only
         "efficiency": (
             round(sent * 8 / TBF_RATE_BITS / statistics.median(slowest), 3)

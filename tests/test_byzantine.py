@@ -271,16 +271,18 @@ async def test_round_tensors_stay_on_the_gpu_and_the_clip_runs_there() -> None:
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     try:
         inputs = [honest_values(i, 50_000).cuda() for i in range(3)]
-        tensors = [x.clone() for x in inputs]
+        # two tensors each: gathered into one flat GPU buffer, the averages written back there
+        tensors = [[x[:20_000].clone(), x[20_000:].clone()] for x in inputs]
         results = await asyncio.gather(
-            *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
+            *(a.average(t) for a, t in zip(averagers, tensors, strict=True))
         )
-        for result, got in zip(results[:2], tensors[:2], strict=True):
-            assert result.averaged and got.is_cuda and torch.isfinite(got).all()
+        for result, pair in zip(results[:2], tensors[:2], strict=True):
+            got = torch.cat(pair)
+            assert result.averaged and all(t.is_cuda for t in pair) and torch.isfinite(got).all()
             assert honest_dev(got.cpu(), [x.cpu() for x in inputs[:2]]) <= HONEST_DEV_BOUND
             assert peers[2].peer_id in {r.peer for r in result.refusals}
         stagings = averagers[0].butterfly._stagings.values()
-        assert stagings and all(s._result is not None and s._result.is_cuda for s in stagings)
+        assert stagings and all(s._flat is not None and s._flat.is_cuda for s in stagings)
     finally:
         for a in averagers:
             await a.close()

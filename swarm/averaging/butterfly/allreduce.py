@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +21,12 @@ import torch
 
 from swarm.averaging.butterfly.checks import NOT_FINITE, implausible_parts, not_finite
 from swarm.averaging.butterfly.context import RoundContext
-from swarm.averaging.butterfly.kept import split
 from swarm.averaging.butterfly.outcome import OwnedPart, SentPart
 from swarm.averaging.butterfly.owner import PartOwner
 from swarm.averaging.butterfly.parts import PartPlan
 from swarm.averaging.butterfly.scoring import PartScores
 from swarm.averaging.butterfly.sender import PartSender
+from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.groups.rates import stream_upload_rate
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import TransportError
@@ -60,7 +58,8 @@ class AllReduce:
             deadline, faults, aggregator, excluded members).
         plan: the part plan derived from the group.
         flat: this peer's values (float32, contiguous, any device); read-only during the round.
-        result: staging buffer of the same size; part ``j`` is valid when :meth:`run` says so.
+        staged: where the averages wait for their verdict; part ``j`` holds its average when
+            :meth:`run` says so.
         check_owners: refuse parts whose average is implausibly far from this member's values
             (:mod:`swarm.averaging.butterfly.checks`) and accuse their owners.
     """
@@ -72,24 +71,25 @@ class AllReduce:
         ctx: RoundContext,
         plan: PartPlan,
         flat: torch.Tensor,
-        result: torch.Tensor,
+        staged: StagedAverages,
         check_owners: bool = True,
     ):
         self.group, self.me, self.deadline = ctx.group, ctx.me, ctx.deadline
-        self.plan, self.flat, self.result = plan, flat, result
+        self.plan, self.flat, self.staged = plan, flat, staged
         self.stall_floor = ctx.stall.floor_s
         self.check_owners = check_owners
         self.workers, self.rates = ctx.workers, ctx.rates
-        self.kept, self.accused = ctx.kept, ctx.accused
         start, end = plan.ranges[ctx.me]
         self.owner: PartOwner | None = None
         if end > start:
             rel = tuple((s - start, e - start) for s, e in plan.chunks(ctx.me))
-            self.owner = PartOwner(ctx, flat[start:end], result[start:end], rel, start)
+            # the own part is reduced in a buffer of its own size, staged once it is settled
+            acc = torch.empty(end - start, dtype=torch.float32, device=flat.device)
+            self.owner = PartOwner(ctx, flat[start:end], acc, rel, start)
         # an owner this member accused gets nothing from it, and its average is not applied;
         # the plan is the group's, the same for every member (the part is repaired instead)
         self.senders = [
-            PartSender(ctx, transport, stream_name, j, plan.chunks(j), flat, result)
+            PartSender(ctx, transport, stream_name, j, plan.chunks(j), flat, staged)
             for j in plan.owned()
             if j != ctx.me and j not in ctx.excluded
         ]
@@ -124,6 +124,8 @@ class AllReduce:
             part = outcome.part if isinstance(outcome, SentPart) else self.me
             if outcome.contributors is not None:
                 parts[part] = outcome.contributors
+                if isinstance(outcome, OwnedPart) and self.owner is not None:
+                    self.staged.stage_values(part, self.plan.ranges[part][0], self.owner.acc)
             if outcome.note:
                 notes.append(outcome.note)
             refusals.extend(outcome.refusals)
@@ -162,10 +164,7 @@ class AllReduce:
     ) -> list[Refusal]:
         """Refuse (drop from ``parts``) the parts whose average is not finite, or with
         ``check_owners`` implausible; accuse their owners. Nothing non-finite is ever applied."""
-        ranges = {j: self.plan.ranges[j] for j in parts}
-        deviations, lenient = await self.workers.run(
-            _deviations, self.flat, self.result, ranges, self.kept, self.accused
-        )
+        deviations, lenient = await self.workers.run(self.staged.deviations, list(parts))
         judge = self.check_owners
         if judge and self.owner is not None and self.owner.reducer.own_clipped:
             # Its own values are the outliers of its own part: every honest average lies far
@@ -204,52 +203,3 @@ class AllReduce:
         if self.owner is None:
             raise TransportError("this member owns no part", status=409)
         await self.owner.serve(request, reply, sender, dict(header))
-
-
-def _deviations(
-    flat: torch.Tensor,
-    result: torch.Tensor,
-    ranges: dict[int, tuple[int, int]],
-    kept: tuple[tuple[int, int], ...] = (),
-    whole: Collection[int] = (),
-) -> tuple[dict[int, float], dict[int, float]]:
-    """Per part, ``||result - flat|| / ||flat||`` over its elements outside the ``kept`` ranges,
-    and over those inside them (each part in the first, the second or both; NaN when the result
-    holds NaN or inf there: see :func:`swarm.averaging.butterfly.checks.not_finite`). The parts
-    in ``whole`` are measured whole, in the first."""
-    outside: dict[int, float] = {}
-    inside: dict[int, float] = {}
-    for j, (start, end) in ranges.items():
-        rest, mine = ([(start, end)], []) if j in whole else split(start, end, kept)
-        if rest:
-            outside[j] = _relative(flat, result, rest)
-        if mine:
-            inside[j] = _relative(flat, result, mine)
-    return outside, inside
-
-
-def _relative(flat: torch.Tensor, result: torch.Tensor, pieces: list[tuple[int, int]]) -> float:
-    """``||result - flat|| / ||flat||`` over ``pieces``. Norms that overflow float32 (values near
-    its limit) are taken again in float64, so huge own values do not read as a bad average."""
-    diff2 = size2 = 0.0
-    for start, end in _spans(pieces):
-        mine, got = flat[start:end], result[start:end]
-        diff = float(torch.dist(got, mine))  # half the time of norm(got - mine)
-        size = float(torch.linalg.vector_norm(mine))
-        if not (math.isfinite(diff) and math.isfinite(size)):
-            if not bool(torch.isfinite(got).all()):
-                return math.nan  # checked only here: a finite norm means finite values
-            diff = float(torch.linalg.vector_norm(got.double() - mine.double()))
-            size = float(torch.linalg.vector_norm(mine, dtype=torch.float64))
-        diff2 += diff * diff
-        size2 += size * size
-    return math.sqrt(diff2) / max(math.sqrt(size2), 1e-30)
-
-
-_SPAN = 1 << 20  # torch.dist allocates its operands' difference: 4 MiB at most, not a part
-
-
-def _spans(pieces: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    for start, end in pieces:
-        for at in range(start, end, _SPAN):
-            yield at, min(at + _SPAN, end)

@@ -42,7 +42,7 @@ class PartOwner:
     Args:
         ctx: the round; this member owns part ``ctx.me``.
         values: this member's values of the part (read-only during the round).
-        acc: the part's slice of the staging buffer (receives the average).
+        acc: a buffer of the part's size (receives the average: what the senders apply).
         chunks: ``(start, end)`` of every chunk, relative to the part.
         start: the part's offset in the flat vector (for the error feedback).
     """
@@ -58,7 +58,7 @@ class PartOwner:
         self.ctx = ctx
         self.group, self.me = ctx.group, ctx.me
         self.feedback, self.workers, self.faults = ctx.feedback, ctx.workers, ctx.faults
-        self.values, self.start = values, start
+        self.values, self.acc, self.start = values, acc, start
         senders = [i for i in range(len(ctx.group.members)) if i != ctx.me]
         senders = [i for i in senders if i not in ctx.excluded]
         self.reducer = PartReducer(

@@ -13,11 +13,13 @@ deadline).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from swarm.averaging.butterfly.parts import PartPlan
+from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.groups.group import GROUP_ID_BYTES, GroupInfo
 
 
@@ -70,12 +72,21 @@ class Repair:
                 out[part] = tuple(sorted(index[self.group.members[i].peer_id] for i in common))
         return out
 
-    def scatter(self, sub_result: torch.Tensor, result: torch.Tensor, parts: set[int]) -> None:
-        """Copy the repaired ``parts`` from the repair's result into the round's result."""
+    def stage(
+        self,
+        sub_staged: StagedAverages,
+        sub_parts: Iterable[int],
+        staged: StagedAverages,
+        parts: set[int],
+    ) -> None:
+        """Stage the repaired ``parts`` in the round's ``staged``, from the repair's own
+        (``sub_parts``: the repair's parts that averaged); a worker thread's work."""
+        sub_result = torch.empty_like(sub_staged.flat)
+        sub_staged.apply([sub_result], sub_parts)
         offset = 0
         for part, (start, end) in zip(self.parts, self.ranges, strict=True):
             if part in parts:
-                result[start:end].copy_(sub_result[offset : offset + end - start])
+                staged.stage_values(part, start, sub_result[offset : offset + end - start])
             offset += end - start
 
 

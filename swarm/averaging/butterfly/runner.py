@@ -23,7 +23,7 @@ import torch
 from swarm.averaging.butterfly.allreduce import AllReduce, RoundParts
 from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.exclusions import Exclusions
-from swarm.averaging.butterfly.flat import FlatStaging, scatter
+from swarm.averaging.butterfly.flat import FlatStaging
 from swarm.averaging.butterfly.kept import KeptRanges
 from swarm.averaging.butterfly.parts import (
     PartPlan,
@@ -35,6 +35,7 @@ from swarm.averaging.butterfly.repair import Repair
 from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.averaging.butterfly.rounds import RoundRegistry
 from swarm.averaging.butterfly.scoring import LOWERED_BELOW, PartScores, Reputation
+from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
@@ -131,7 +132,7 @@ class ButterflyRunner:
         me = group.index_of(self.peer.peer_id)
         plan = self._plan(group, numel, codec)
         staging = self._stagings.setdefault(kind.staging, FlatStaging())
-        flat, result = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
+        flat = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat, updates), self.faults.weight(weight)
         started = time.monotonic()
         layout = (kind.fragment, numel)
@@ -157,10 +158,11 @@ class ButterflyRunner:
                 i for i, m in enumerate(group.members) if self.excluded.accused(m.peer_id)
             ),
         )
-        outcome = await self._run(ctx, plan, flat, result)
+        staged = StagedAverages(flat, ctx.kept, ctx.accused)
+        outcome = await self._run(ctx, plan, flat, staged)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:
-            outcome = await self._repair(repair, ctx, outcome, flat, result, started)
+            outcome = await self._repair(repair, ctx, outcome, flat, staged, started)
         self._rounds.settle(group.group_id)  # a repair that did not start here never will
         parts_idx, notes = outcome.parts, outcome.notes
         if not kind.synced:  # a sync's failed part leaves the anchors as they were
@@ -183,8 +185,7 @@ class ButterflyRunner:
                 if self.excluded.accuse(r.peer, why):
                     logger.warning("excluding %s: accused again (%s)", r.peer.short, r.why)
                     self.apart.add(r.peer)
-        ranges = [plan.ranges[j] for j in sorted(parts_idx)]
-        await loop.run_in_executor(self._pool, scatter, tensors, result, ranges)
+        await loop.run_in_executor(self._pool, staged.apply, tensors, sorted(parts_idx))
         allreduce_s = time.monotonic() - started
         ids = group.peer_ids
         parts = {j: tuple(ids[i] for i in idx) for j, idx in sorted(parts_idx.items())}
@@ -257,11 +258,11 @@ class ButterflyRunner:
         return frozenset(i for i, m in enumerate(group.members) if m.peer_id in self.excluded)
 
     async def _run(
-        self, ctx: RoundContext, plan: PartPlan, flat: torch.Tensor, result: torch.Tensor
+        self, ctx: RoundContext, plan: PartPlan, flat: torch.Tensor, staged: StagedAverages
     ) -> RoundParts:
         """One all-reduce of ``ctx.group``, registered so that its members' streams find it."""
         round_ = AllReduce(
-            self.peer.transport, self.stream_name, ctx, plan, flat, result, self.config.check_owners
+            self.peer.transport, self.stream_name, ctx, plan, flat, staged, self.config.check_owners
         )
         self._rounds.start(ctx.group.group_id, round_)
         try:
@@ -275,7 +276,7 @@ class ButterflyRunner:
         ctx: RoundContext,
         outcome: RoundParts,
         flat: torch.Tensor,
-        result: torch.Tensor,
+        staged: StagedAverages,
         started: float,
     ) -> RoundParts:
         """Average the round's failed parts again among the members left (see
@@ -287,7 +288,6 @@ class ButterflyRunner:
             return outcome
         loop = asyncio.get_running_loop()
         sub = await loop.run_in_executor(self._pool, repair.gather, flat)
-        sub_result = torch.empty_like(sub)
         codec = ctx.feedback.codec
         plan = self._plan(repair.group, repair.numel, codec)
         sub_ctx = dataclasses.replace(
@@ -307,10 +307,13 @@ class ButterflyRunner:
             gone=set(),
             suspected={},
         )
-        fixed = await self._run(sub_ctx, plan, sub, sub_result)
+        sub_staged = StagedAverages(sub, sub_ctx.kept, sub_ctx.accused)
+        fixed = await self._run(sub_ctx, plan, sub, sub_staged)
         parts = repair.repaired(plan, fixed.parts, ctx.group)
         if parts:
-            await loop.run_in_executor(self._pool, repair.scatter, sub_result, result, set(parts))
+            await loop.run_in_executor(
+                self._pool, repair.stage, sub_staged, fixed.parts, staged, set(parts)
+            )
         notes = [f"part {j} averaged again among {len(c)} peers" for j, c in parts.items()]
         if len(parts) < len(repair.parts):
             notes.append(f"{len(repair.parts) - len(parts)} failed part(s) kept local values")

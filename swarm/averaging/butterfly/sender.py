@@ -3,7 +3,8 @@
 Member ``i`` opens one stream to the owner of part ``j`` (route ``{name}.part``) with the header
 ``{"g": group id, "p": part, "a": attempt, "w": weight}`` and streams its compressed values of
 part ``j`` chunk by chunk (with its error feedback). The averaged chunks come back on the reply
-while later chunks still go out; they land in a staging buffer, and the part counts as averaged
+while later chunks still go out; they are staged compressed
+(:class:`~swarm.averaging.butterfly.staged.StagedAverages`), and the part counts as averaged
 only after the owner's ``ok`` trailer, with every chunk received and a valid contributor list.
 A ``retry`` trailer starts the part again with the same payloads (once).
 """
@@ -20,8 +21,8 @@ import torch
 
 from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.outcome import FAILURES, MAX_ATTEMPTS, SentPart
+from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.result import Refusal, RefusalAction
-from swarm.compression import decode_into, read_header
 from swarm.errors import AveragingError, CompressionError, TransportError
 from swarm.protocols import StreamTransport
 
@@ -50,7 +51,7 @@ class PartSender:
         part: the part (and its owner's index).
         chunks: absolute ``(start, end)`` of every chunk of the part.
         flat: this member's values (read-only during the round).
-        result: the staging buffer (same size as ``flat``).
+        staged: where the averaged chunks wait for the round's verdict.
     """
 
     def __init__(
@@ -61,12 +62,12 @@ class PartSender:
         part: int,
         chunks: tuple[tuple[int, int], ...],
         flat: torch.Tensor,
-        result: torch.Tensor,
+        staged: StagedAverages,
     ):
         self.ctx = ctx
         self.transport, self.stream_name = transport, stream_name
         self.group, self.me, self.part, self.chunks = ctx.group, ctx.me, part, chunks
-        self.flat, self.result, self.weight = flat, result, ctx.weight
+        self.flat, self.staged, self.weight = flat, staged, ctx.weight
         self.feedback, self.workers = ctx.feedback, ctx.workers
         self.deadline, self.faults = ctx.deadline, ctx.faults
         self.bytes_sent = 0
@@ -168,7 +169,8 @@ class PartSender:
             if s.header.get("ok") is not True:
                 raise AveragingError(f"owner refused: {s.header.get('why')!s:.200}")
             received = 0
-            async for payload in s:  # staged in ``result``; applied after an ok trailer only
+            self.staged.begin_part(self.part)  # a retry's chunks replace the last attempt's
+            async for payload in s:  # staged; applied after an ok trailer only
                 if received >= len(chunks):
                     raise AveragingError("owner sent more chunks than the part has")
                 cs, ce = chunks[received]
@@ -200,9 +202,6 @@ class PartSender:
 
     def _stage_chunk(self, payload: bytes, start: int, end: int) -> None:
         try:
-            header = read_header(payload, max_numel=end - start)
-            if header.numel != end - start:
-                raise CompressionError(f"chunk holds {header.numel}, expected {end - start}")
-            decode_into(payload, self.result[start:end], accumulate=False)
+            self.staged.stage(self.part, start, end, payload)
         except CompressionError as e:
             raise OwnerLied(f"sent an averaged chunk that does not decode: {e}") from e

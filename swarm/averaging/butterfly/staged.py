@@ -1,0 +1,191 @@
+"""The averages of one round, staged until their verdict: kept as the owners sent them.
+
+A member applies a part only once its owner confirmed it and the average looks plausible next to
+the member's own values (:mod:`~swarm.averaging.butterfly.checks`). Until then the averaged
+chunks wait here *compressed*, as they came off the wire, not decoded into a float32 buffer the
+size of the vector: with ``int8`` a quarter of the vector, with ``sparse`` about 1/140 (``none``
+holds its float32 bytes, as a buffer would). Each chunk is decoded once on arrival, into a
+chunk-sized scratch row (a malformed one accuses its owner at once), to measure its distance from
+this member's values, and once more when the round applies it. The member's own part, reduced in
+a buffer of the part's size, and parts that a repair averaged are staged as float32 values.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Collection, Iterable, Iterator
+
+import torch
+
+from swarm.averaging.butterfly.flat import write_at
+from swarm.averaging.butterfly.kept import split
+from swarm.compression import decode_into, read_header
+from swarm.errors import CompressionError
+
+Range = tuple[int, int]
+
+_SPAN = 1 << 20  # torch.dist allocates its operands' difference: 4 MiB at most, not a part
+
+
+class StagedAverages:
+    """The averaged parts of one round, until the round applies the accepted ones.
+
+    Args:
+        flat: this member's values (read-only during the round).
+        kept: the ranges where this member kept its own values in recent rounds: distances
+            there are measured apart (see :func:`~swarm.averaging.butterfly.checks.
+            implausible_parts`).
+        whole: parts measured whole, ``kept`` or not (their owners were accused before).
+    """
+
+    def __init__(
+        self, flat: torch.Tensor, kept: tuple[Range, ...] = (), whole: Collection[int] = ()
+    ):
+        self.flat = flat
+        self.kept, self.whole = kept, frozenset(whole)
+        self._payloads: dict[int, list[tuple[int, int, bytes]]] = {}
+        self._values: dict[int, tuple[int, torch.Tensor]] = {}
+        self._unmeasured: set[int] = set()  # parts staged as values, distances not taken yet
+        self._outside: dict[int, _Distance] = {}
+        self._inside: dict[int, _Distance] = {}
+        self._scratch = threading.local()
+
+    @property
+    def staged_bytes(self) -> int:
+        """Memory the staged averages hold: payload bytes plus float32 values."""
+        payloads = sum(len(p) for chunks in self._payloads.values() for _, _, p in chunks)
+        return payloads + sum(4 * v.numel() for _, v in self._values.values())
+
+    def begin_part(self, part: int) -> None:
+        """Part ``part``'s chunks start again (a new attempt): forget what came before."""
+        self._payloads.pop(part, None)
+        self._values.pop(part, None)
+        self._unmeasured.discard(part)
+        self._outside.pop(part, None)
+        self._inside.pop(part, None)
+
+    def stage(self, part: int, start: int, end: int, payload: bytes) -> None:
+        """Stage the averaged chunk ``[start, end)`` of ``part`` (a worker thread's work).
+
+        Raises:
+            CompressionError: it does not decode to ``end - start`` values.
+        """
+        header = read_header(payload, max_numel=end - start)
+        if header.numel != end - start:
+            raise CompressionError(f"chunk holds {header.numel}, expected {end - start}")
+        got = decode_into(payload, self._row(end - start), accumulate=False)
+        self._measure(part, start, end, got)
+        self._payloads.setdefault(part, []).append((start, end, payload))
+
+    def stage_values(self, part: int, start: int, values: torch.Tensor) -> None:
+        """Stage ``part`` as float32 ``values`` from ``start`` (in place of any chunks)."""
+        self.begin_part(part)
+        self._values[part] = (start, values)
+        self._unmeasured.add(part)
+
+    def deviations(self, parts: Iterable[int]) -> tuple[dict[int, float], dict[int, float]]:
+        """Per part, ``||average - flat|| / ||flat||`` over its elements outside the kept
+        ranges, and over those inside them (each part in the first, the second or both; NaN
+        where the average holds NaN or inf: see :func:`~swarm.averaging.butterfly.checks.
+        not_finite`)."""
+        outside: dict[int, float] = {}
+        inside: dict[int, float] = {}
+        for part in parts:
+            if part in self._unmeasured:
+                self._unmeasured.discard(part)
+                start, values = self._values[part]
+                self._measure(part, start, start + values.numel(), values)
+            if part in self._outside:
+                outside[part] = self._outside[part].value()
+            if part in self._inside:
+                inside[part] = self._inside[part].value()
+        return outside, inside
+
+    def apply(self, tensors: list[torch.Tensor], parts: Iterable[int]) -> None:
+        """Write the staged averages of ``parts`` into ``tensors`` (laid end to end like
+        ``flat``); a worker thread's work."""
+        single = tensors[0] if len(tensors) == 1 else None
+        direct = single is not None and single.dtype == torch.float32 and single.is_contiguous()
+        for part in parts:
+            if part in self._values:
+                start, values = self._values[part]
+                write_at(tensors, start, values)
+                continue
+            for start, end, payload in self._payloads.get(part, ()):
+                if direct:
+                    decode_into(payload, single.detach().view(-1)[start:end], accumulate=False)
+                else:
+                    got = decode_into(payload, self._row(end - start), accumulate=False)
+                    write_at(tensors, start, got)
+
+    def _measure(self, part: int, start: int, end: int, got: torch.Tensor) -> None:
+        """Add ``got`` (the average of ``[start, end)``) to ``part``'s distances."""
+        if part in self.whole:
+            rest, mine = [(start, end)], []
+        else:
+            rest, mine = split(start, end, self.kept)
+        for pieces, table in ((rest, self._outside), (mine, self._inside)):
+            for s, e in pieces:
+                distance = table.setdefault(part, _Distance())
+                distance.add(self.flat[s:e], got[s - start : e - start])
+
+    def _row(self, numel: int) -> torch.Tensor:
+        """This thread's scratch row of at least ``numel`` values, on ``flat``'s device."""
+        row = getattr(self._scratch, "row", None)
+        if row is None or row.numel() < numel:
+            row = self._scratch.row = torch.empty(
+                numel, dtype=torch.float32, device=self.flat.device
+            )
+        return row[:numel]
+
+
+class _Distance:
+    """``||got - mine||`` and ``||mine||`` summed over pieces; NaN once ``got`` was not finite.
+    Norms that overflow float32 (values near its limit) are taken again in float64, so huge own
+    values do not read as a bad average."""
+
+    def __init__(self) -> None:
+        self.diff2 = self.size2 = 0.0
+        self.finite = True
+
+    def add(self, mine: torch.Tensor, got: torch.Tensor) -> None:
+        if not self.finite:
+            return
+        for at, to in _spans(mine.numel()):
+            m, g = mine[at:to], got[at:to]
+            diff = float(torch.dist(g, m))  # half the time of norm(got - mine)
+            size = float(torch.linalg.vector_norm(m))
+            if not (math.isfinite(diff) and math.isfinite(size)):
+                if not bool(torch.isfinite(g).all()):
+                    self.finite = False  # checked only here: a finite norm means finite values
+                    return
+                diff = float(torch.linalg.vector_norm(g.double() - m.double()))
+                size = float(torch.linalg.vector_norm(m, dtype=torch.float64))
+            self.diff2 += diff * diff
+            self.size2 += size * size
+
+    def value(self) -> float:
+        if not self.finite:
+            return math.nan
+        return math.sqrt(self.diff2) / max(math.sqrt(self.size2), 1e-30)
+
+
+def _spans(numel: int) -> Iterator[Range]:
+    for at in range(0, numel, _SPAN):
+        yield at, min(at + _SPAN, numel)
+
+
+def deviations(
+    flat: torch.Tensor,
+    result: torch.Tensor,
+    ranges: dict[int, Range],
+    kept: tuple[Range, ...] = (),
+    whole: Collection[int] = (),
+) -> tuple[dict[int, float], dict[int, float]]:
+    """:meth:`StagedAverages.deviations` of a float32 ``result`` the size of ``flat``, whose
+    ``ranges`` hold the parts' averages."""
+    staged = StagedAverages(flat, kept, whole)
+    for part, (start, end) in ranges.items():
+        staged.stage_values(part, start, result[start:end])
+    return staged.deviations(ranges)
