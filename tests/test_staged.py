@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.averaging.butterfly.flat import FlatStaging, laid_end_to_end
 from swarm.averaging.butterfly.staged import StagedAverages, deviations
 from swarm.compression import decode, get_codec
 from swarm.errors import CompressionError
@@ -144,3 +145,45 @@ def test_tampered_averages_are_refused_or_staged_never_crash(codec, cut, flips):
         return
     dev = staged.deviations([0])[0][0]
     assert math.isnan(dev) or dev >= 0
+
+
+def test_tensors_laid_end_to_end_in_one_storage_are_read_in_place():
+    buffer = torch.arange(10, dtype=torch.float32)
+    views = [buffer[:6].view(2, 3), buffer[6:7].view(()), buffer[7:]]
+    flat = laid_end_to_end(views)
+    assert flat is not None and flat.data_ptr() == buffer.data_ptr() and torch.equal(flat, buffer)
+    assert torch.equal(laid_end_to_end(views[1:]), buffer[6:])
+    staging = FlatStaging()
+    got, in_place = staging.gather(views, 10)
+    assert in_place and got.data_ptr() == buffer.data_ptr() and staging._flat is None
+    # what the round writes into the flat vector lands in the views
+    StagedAverages(got).apply([got], [])
+    got[7:].fill_(-1)
+    assert torch.equal(views[2], torch.full((3,), -1.0))
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [torch.zeros(3), torch.zeros(4)],  # two storages
+        [torch.zeros(10)[5:], torch.zeros(10)[:5]],  # two storages again
+        "out of order",
+        "a gap",
+        "float64",
+        "not contiguous",
+    ],
+)
+def test_other_tensors_are_gathered_into_a_copy(tensors):
+    buffer = torch.zeros(12)
+    named = {
+        "out of order": [buffer[6:], buffer[:6]],
+        "a gap": [buffer[:4], buffer[5:]],
+        "float64": [torch.zeros(12, dtype=torch.float64)[:6], torch.zeros(6, dtype=torch.float64)],
+        "not contiguous": [buffer.view(3, 4).t()],
+    }
+    tensors = named[tensors] if isinstance(tensors, str) else tensors
+    assert laid_end_to_end(tensors) is None
+    staging = FlatStaging()
+    numel = sum(t.numel() for t in tensors)
+    got, in_place = staging.gather(tensors, numel)
+    assert not in_place and got.numel() == numel and staging._flat is got

@@ -161,6 +161,9 @@ async def test_anchor_sync_brings_apart_peers_to_one_model(sync_every: int) -> N
                 assert max(gaps) < 1e-5, gaps
             else:
                 assert max(gaps) > 1e-2, gaps  # the anchors stay apart for good
+            # slots and anchors are views of one buffer each: averaged in place, no copy kept
+            stagings = a.averager.butterfly._stagings.values()
+            assert stagings and all(s._flat is None for s in stagings)
         finally:
             await b.close()
     finally:
@@ -193,6 +196,8 @@ async def test_fragments_take_turns_over_the_network_each_with_its_own_residuals
                 torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
             kinds = {k.fragment for k in a.averager.butterfly.feedbacks if k.saved}
             assert kinds == {"1/2", "2/2"}, kinds
+            # a fragment's slots are one run of the slot buffer: averaged in place
+            assert all(s._flat is None for s in a.averager.butterfly._stagings.values())
             await a.save(tmp_path / "a.pt")
             saved = read_checkpoint(tmp_path / "a.pt")["averager"]
             assert saved["feedback"] is None and set(saved["fragments"]) == {"1/2", "2/2"}

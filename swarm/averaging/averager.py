@@ -7,8 +7,8 @@
     if not result.averaged:
         logger.warning("training on alone: %s", result.reason)
 
-Memory per round beyond the tensors: a float32 copy of them on their device unless they are a
-single contiguous float32 tensor (then it is read in place), reused across rounds; the averages
+Memory per round beyond the tensors: a float32 copy of them on their device unless they lie end
+to end in one float32 storage (then they are read in place), reused across rounds; the averages
 waiting for their verdict, in host memory as the owners sent them (compressed); this member's own
 part in a float32 buffer of the part's size, and the rows of the chunks an owner is reducing.
 Lossy codecs add their error-feedback residual (one float per element, kept across rounds).

@@ -113,10 +113,18 @@ class OuterState:
         self.device = torch.device(device) if device is not None else tensors.device
         # off the model's GPU: pinned, so copies to and from it can run asynchronously
         self.offloaded = self.device != tensors.device and tensors.device.type == "cuda"
-        # What the averager sees and averages in place: one fp32 tensor per model tensor.
-        self.slots = [self.new_like(t) for t in tensors.all]
-        self.anchor = [self.new_like(t).copy_(t.detach()) for t in tensors.params]
-        self.buffer_anchor = [self.new_like(b).copy_(b.detach()) for b in tensors.buffers]
+        # What the averager sees and averages in place: one fp32 tensor per model tensor, all
+        # views of one buffer, which the averager reads and writes as its flat vector (a
+        # gathered copy would be one more fp32 copy of the model); the anchors likewise, for
+        # the rounds that sync them.
+        self.slots = self.flat_like(tensors.all)
+        anchors = self.flat_like(tensors.all)
+        for a, t in zip(anchors, tensors.all, strict=True):
+            a.copy_(t.detach())
+        self.anchor, self.buffer_anchor = (
+            anchors[: len(tensors.params)],
+            anchors[len(tensors.params) :],
+        )
         self.momentum = [self.new_like(a) for a in self.anchor] if keep_momentum else []
         self.norms: deque[float] = deque(maxlen=NORM_HISTORY)  # recent averaged ‖Δ‖
 
@@ -138,6 +146,19 @@ class OuterState:
         )
         part.norms = deque(maxlen=NORM_HISTORY)
         return part
+
+    def flat_like(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Zero fp32 tensors shaped like ``tensors``, laid end to end in one buffer where this
+        state lives (pinned when offloaded)."""
+        numel = sum(t.numel() for t in tensors)
+        flat = torch.zeros(
+            numel, dtype=torch.float32, device=self.device, pin_memory=self.offloaded
+        )
+        out, at = [], 0
+        for t in tensors:
+            out.append(flat[at : at + t.numel()].view(t.shape))
+            at += t.numel()
+        return out
 
     def new_like(self, t: torch.Tensor) -> torch.Tensor:
         """A zero fp32 tensor shaped like ``t`` where this state lives (pinned when offloaded)."""

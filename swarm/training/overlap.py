@@ -120,8 +120,8 @@ class Overlap:
         outer = self.outer
         anchors = outer.anchor + outer.buffer_anchor
         if not self._local:
-            self._local = [outer.new_like(s) for s in outer.slots]
-            self._anchor0 = [outer.new_like(a) for a in anchors]
+            self._local = outer.flat_like(outer.slots)
+            self._anchor0 = outer.flat_like(anchors)  # a sync averages it in place
             self._momentum0 = [outer.new_like(m) for m in outer.momentum]
         for copies, sources in (
             (self._local, outer.slots),

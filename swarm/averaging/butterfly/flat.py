@@ -1,7 +1,7 @@
 """The tensors of a round laid end to end as one flat float32 vector.
 
-Memory beyond the tensors, on their device: a float32 copy of them unless they are a single
-contiguous float32 tensor (then it is read in place), reused across rounds of the same size.
+Memory beyond the tensors, on their device: a float32 copy of them unless they lie end to end
+in one float32 storage (then they are read in place), reused across rounds of the same size.
 The averages wait for their verdict compressed (:mod:`~swarm.averaging.butterfly.staged`).
 """
 
@@ -21,20 +21,37 @@ def check_tensors(tensors: list[torch.Tensor]) -> None:
             raise AveragingError("average() takes contiguous tensors (use .contiguous())")
 
 
+def laid_end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one flat float32 view of their storage when they lie end to end in it
+    (each contiguous float32, each starting where the one before ends), else None."""
+    if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0].detach()
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,))
+
+
 class FlatStaging:
     """A reused flat buffer for the rounds of one averager (run its methods in a worker thread)."""
 
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
 
-    def gather(self, tensors: list[torch.Tensor], numel: int) -> torch.Tensor:
-        """This peer's values as one flat float32 vector on the tensors' device (a single
-        contiguous float32 tensor is read in place). Tensors spread over several devices gather
+    def gather(self, tensors: list[torch.Tensor], numel: int) -> tuple[torch.Tensor, bool]:
+        """This peer's values as one flat float32 vector on the tensors' device, and whether it
+        is the tensors' own storage: tensors laid end to end in one storage (a single contiguous
+        float32 tensor, or views of one buffer like the training slots) are read and written in
+        place, others copied into a reused buffer. Tensors spread over several devices gather
         on the first one's."""
         device = tensors[0].device if tensors else torch.device("cpu")
-        single = tensors[0] if len(tensors) == 1 else None
-        if single is not None and single.dtype == torch.float32 and single.is_contiguous():
-            return single.detach().view(-1)
+        in_place = laid_end_to_end(tensors)
+        if in_place is not None:
+            self._flat = None  # the layout may have changed: no copy kept for nothing
+            return in_place, True
         if self._flat is None or self._flat.numel() != numel or self._flat.device != device:
             self._flat = torch.empty(numel, dtype=torch.float32, device=device)
         offset = 0
@@ -42,7 +59,7 @@ class FlatStaging:
             n = t.numel()
             self._flat[offset : offset + n].copy_(t.detach().reshape(-1))
             offset += n
-        return self._flat
+        return self._flat, False
 
 
 def write_at(tensors: list[torch.Tensor], start: int, values: torch.Tensor) -> None:

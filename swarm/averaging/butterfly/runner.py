@@ -132,7 +132,7 @@ class ButterflyRunner:
         me = group.index_of(self.peer.peer_id)
         plan = self._plan(group, numel, codec)
         staging = self._stagings.setdefault(kind.staging, FlatStaging())
-        flat = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
+        flat, in_place = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
         flat, weight = self.faults.contribution(flat, updates), self.faults.weight(weight)
         started = time.monotonic()
         layout = (kind.fragment, numel)
@@ -185,7 +185,8 @@ class ButterflyRunner:
                 if self.excluded.accuse(r.peer, why):
                     logger.warning("excluding %s: accused again (%s)", r.peer.short, r.why)
                     self.apart.add(r.peer)
-        await loop.run_in_executor(self._pool, staged.apply, tensors, sorted(parts_idx))
+        targets = [flat] if in_place else tensors
+        await loop.run_in_executor(self._pool, staged.apply, targets, sorted(parts_idx))
         allreduce_s = time.monotonic() - started
         ids = group.peer_ids
         parts = {j: tuple(ids[i] for i in idx) for j, idx in sorted(parts_idx.items())}
