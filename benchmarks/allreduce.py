@@ -21,9 +21,10 @@ of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per r
 ``rss_before_mb`` the largest before the first round (its vector made), and
 ``round_growth_vectors`` the largest growth of one peer over its own ``rss_before_mb``, in
 vectors (the goal for a streaming round is at most 1.5); on Linux, ``kept_vectors`` what a peer
-holds between rounds once they ran (its error-feedback residuals: state like an optimizer's) and
-``transient_vectors`` the largest growth within one timed round over the resident set just
-before it (``VmHWM`` after ``clear_refs``);
+holds resident between rounds once they ran (its error-feedback residuals, state like an
+optimizer's, and the freed pages glibc keeps) and ``transient_vectors`` the largest growth
+within one timed round over the live memory just before it (``VmHWM`` after ``clear_refs``,
+the free heap pages given back first);
 ``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
 seconds of all peer processes together per timed round. Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
@@ -56,71 +57,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from netns import rate_limited_namespaces, tbf_available
+from rss import RoundMemory, peak_rss_mb
+
 ROOT = Path(__file__).resolve().parent.parent
 CODECS = {"none": "none", "fp16": "fp16", "int8": "int8", "topk": "topk:0.01", "1bit": "1bit"}
 TBF_RATE_BITS = 100_000_000
-_NS, _BRIDGE, _SUBNET = "swarm-bench-", "swbench0", "10.77.0."
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-@contextlib.contextmanager
-def rate_limited_namespaces(n: int, rate_bits: int):
-    """``n`` namespaces on one bridge, each behind a veth limited both ways to ``rate_bits``/s.
-
-    Yields the command prefix and address of each peer: (["ip", "netns", "exec", NAME], IP).
-    """
-    tbf = ["tbf", "rate", f"{rate_bits // 1_000_000}mbit", "burst", "128kb", "latency", "100ms"]
-    try:
-        _sh("ip", "link", "add", _BRIDGE, "type", "bridge")
-        _sh("ip", "link", "set", _BRIDGE, "up")
-        peers = []
-        for i in range(n):
-            ns, outer, inner, ip = f"{_NS}{i}", f"swbv{i}", f"swbp{i}", f"{_SUBNET}{i + 1}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-            _sh("ip", "link", "set", inner, "netns", ns)
-            _sh("ip", "link", "set", outer, "master", _BRIDGE, "up")
-            run = ["ip", "netns", "exec", ns]
-            _sh(*run, "ip", "addr", "add", f"{ip}/24", "dev", inner)
-            _sh(*run, "ip", "link", "set", inner, "up")
-            _sh(*run, "ip", "link", "set", "lo", "up")
-            _sh(*run, "tc", "qdisc", "add", "dev", inner, "root", *tbf)  # peer -> network
-            _sh("tc", "qdisc", "add", "dev", outer, "root", *tbf)  # network -> peer
-            peers.append((run, ip))
-        yield peers
-    finally:
-        for i in range(n):
-            subprocess.run(["ip", "netns", "del", f"{_NS}{i}"], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"swbv{i}"], capture_output=True)
-        subprocess.run(["ip", "link", "del", _BRIDGE], capture_output=True)
-
-
-def tbf_available() -> str | None:
-    """None when the tbf100 setting can run here, else why not."""
-    if not sys.platform.startswith("linux"):
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root (ip netns, tc)"
-    try:
-        _sh("ip", "netns", "list")
-        _sh("tc", "qdisc", "show")
-    except (OSError, subprocess.CalledProcessError) as e:
-        return f"ip/tc unavailable: {e}"
-    return None
 
 
 def parse_numel(text: str) -> int:
@@ -129,59 +80,6 @@ def parse_numel(text: str) -> int:
 
 
 # ---- one peer process
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set so far, in MB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def proc_status_mb(field: str) -> float | None:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its peak since the last reset) of this process, in
-    MiB; None where /proc is not there (macOS, Windows)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Start ``VmHWM`` again from the resident set now (Linux 4.0+: ``clear_refs`` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class RoundMemory:
-    """Per timed round: the resident set before it and its peak during it (Linux)."""
-
-    def __init__(self) -> None:
-        self.first_rss = proc_status_mb("VmRSS")  # before the first round, warm-up included
-        self.rounds: list[tuple[float, float]] = []  # (rss before, peak during), MiB
-        self._before: float | None = None
-
-    def start(self) -> None:
-        self._before = proc_status_mb("VmRSS")
-        if not reset_peak_rss():
-            self._before = None
-
-    def end(self) -> None:
-        peak = proc_status_mb("VmHWM")
-        if self._before is not None and peak is not None:
-            self.rounds.append((self._before, peak))
-
-    def usage(self) -> dict:
-        last = proc_status_mb("VmRSS")
-        kept = last - self.first_rss if last is not None and self.first_rss is not None else None
-        transient = max((peak - before for before, peak in self.rounds), default=None)
-        return {"kept_mb": kept, "transient_mb": transient}
 
 
 def print_usage(

@@ -61,7 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from allreduce import rate_limited_namespaces, tbf_available  # noqa: E402
+from netns import rate_limited_namespaces, tbf_available  # noqa: E402
 
 DIM, ITEMS = 64, 8192
 TBF_SETTINGS = {"tbf100": 100_000_000, "tbf10": 10_000_000}  # setting -> link rate, bits/s
