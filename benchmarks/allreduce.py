@@ -22,9 +22,9 @@ of each round; ``bytes_sent_per_peer`` is the mean payload a peer streamed per r
 ``round_growth_vectors`` the largest growth of one peer over its own ``rss_before_mb``, in
 vectors (the goal for a streaming round is at most 1.5); on Linux, ``kept_vectors`` what a peer
 holds resident between rounds once they ran (its error-feedback residuals, state like an
-optimizer's, and the freed pages glibc keeps) and ``transient_vectors`` the largest growth
-within one timed round over the live memory just before it (``VmHWM`` after ``clear_refs``,
-the free heap pages given back first);
+optimizer's, and the freed pages glibc keeps) and ``transient_vectors`` the growth within the
+first timed round over the live memory just before it (``VmHWM`` after ``clear_refs``, the
+free heap pages given back first: the median round time then comes from the others);
 ``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
 seconds of all peer processes together per timed round. Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
@@ -217,11 +217,11 @@ async def peer_main(args: argparse.Namespace) -> None:
                 cpu_start = time.process_time()
             print(json.dumps({"ready": rnd}), flush=True)
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-            if rnd > 0:
+            if rnd == 1:  # one timed round only: the heap trim before it costs page faults
                 memory.start()
             started = time.perf_counter()
             result = await averager.average([tensor], weight=1.0)
-            if rnd > 0:
+            if rnd == 1:
                 memory.end()
             if args.status == "on":  # what the training facade does after every round
                 peer.record_round(result.figures(time.perf_counter() - started))

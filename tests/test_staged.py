@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.averaging.butterfly.flat import FlatStaging, laid_end_to_end
-from swarm.averaging.butterfly.staged import StagedAverages, deviations
+from swarm.averaging.butterfly.staged import StagedAverages, deviations, stage_decoded
 from swarm.compression import decode, get_codec
 from swarm.errors import CompressionError
 
@@ -31,21 +31,28 @@ def stage_chunks(staged: StagedAverages, part: int, average: torch.Tensor, codec
 
 
 @pytest.mark.parametrize("codec", ["none", "int8", "sparse:64:8:2"])
-def test_staged_chunks_apply_what_they_decode_to_and_hold_their_payloads_only(codec):
+@pytest.mark.parametrize("decoded_on_arrival", [False, True])
+def test_staged_chunks_apply_what_they_decode_to_and_hold_their_payloads_only(
+    codec, decoded_on_arrival
+):
     flat, average = own_and_average()
     decoded = torch.cat(
         [decode(get_codec(codec).encode(average[s : s + CHUNK])) for s in range(0, 4000, CHUNK)]
     )
-    staged = StagedAverages(flat)
+    into = torch.full_like(flat, math.nan) if decoded_on_arrival else None
+    staged = StagedAverages(flat, into=into)
     stage_chunks(staged, 0, average, codec)
     # distances measured on arrival are those of the decoded average
     want, _ = deviations(flat, decoded, {0: (0, 4000)})
     got, inside = staged.deviations([0])
     assert got[0] == pytest.approx(want[0], rel=1e-5) and inside == {}
-    payload_bytes = sum(len(get_codec(codec).encode(average[s : s + CHUNK])) for s in (0,))
-    assert staged.staged_bytes <= 4 * payload_bytes + 64  # the payloads, not a float copy
-    if codec != "none":
-        assert staged.staged_bytes < 4 * average.numel() // 3
+    if decoded_on_arrival:  # decoded once, into the buffer, and applied from there
+        assert torch.equal(into, decoded) and staged.staged_bytes == 4 * average.numel()
+    else:
+        payload_bytes = sum(len(get_codec(codec).encode(average[s : s + CHUNK])) for s in (0,))
+        assert staged.staged_bytes <= 4 * payload_bytes + 64  # the payloads, not a float copy
+        if codec != "none":
+            assert staged.staged_bytes < 4 * average.numel() // 3
     # one float32 tensor: decoded in place; several of other dtypes: through a scratch row
     single = torch.zeros(4000)
     staged.apply([single], [0])
@@ -55,9 +62,16 @@ def test_staged_chunks_apply_what_they_decode_to_and_hold_their_payloads_only(co
     assert torch.equal(pair[0], decoded[:1500].bfloat16()) and torch.equal(pair[1], decoded[1500:])
 
 
-def test_a_new_attempt_forgets_the_last_and_values_replace_chunks():
+def test_only_codecs_that_compress_keep_their_payloads():
+    assert stage_decoded(get_codec("none"))
+    for spec in ("fp16", "bf16", "int8", "topk:0.01", "1bit", "sparse"):
+        assert not stage_decoded(get_codec(spec)), spec
+
+
+@pytest.mark.parametrize("decoded_on_arrival", [False, True])
+def test_a_new_attempt_forgets_the_last_and_values_replace_chunks(decoded_on_arrival):
     flat, average = own_and_average()
-    staged = StagedAverages(flat)
+    staged = StagedAverages(flat, into=torch.empty_like(flat) if decoded_on_arrival else None)
     stage_chunks(staged, 0, average[:2000] + 100, "none")  # an attempt that was retried
     staged.begin_part(0)
     stage_chunks(staged, 0, average[:2000], "none")

@@ -83,8 +83,12 @@ class AllReduce:
         self.owner: PartOwner | None = None
         if end > start:
             rel = tuple((s - start, e - start) for s, e in plan.chunks(ctx.me))
-            # the own part is reduced in a buffer of its own size, staged once it is settled
-            acc = torch.empty(end - start, dtype=torch.float32, device=flat.device)
+            # the own part is reduced in a buffer of its own size (or in its range of the
+            # buffer the averages are decoded into), staged once it is settled
+            if staged.into is not None:
+                acc = staged.into[start:end]
+            else:
+                acc = torch.empty(end - start, dtype=torch.float32, device=flat.device)
             self.owner = PartOwner(ctx, flat[start:end], acc, rel, start)
         # an owner this member accused gets nothing from it, and its average is not applied;
         # the plan is the group's, the same for every member (the part is repaired instead)

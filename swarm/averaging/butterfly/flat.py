@@ -1,8 +1,10 @@
 """The tensors of a round laid end to end as one flat float32 vector.
 
 Memory beyond the tensors, on their device: a float32 copy of them unless they lie end to end
-in one float32 storage (then they are read in place), reused across rounds of the same size.
-The averages wait for their verdict compressed (:mod:`~swarm.averaging.butterfly.staged`).
+in one float32 storage (then they are read in place), reused across rounds of the same size,
+and for ``none`` rounds a float32 buffer of the same size that the averages are decoded into;
+under compressing codecs they wait for their verdict compressed
+(:mod:`~swarm.averaging.butterfly.staged`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ class FlatStaging:
 
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
+
+    def result(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A reused float32 buffer of ``numel`` values on ``device``, for averages decoded on
+        arrival (see :func:`~swarm.averaging.butterfly.staged.stage_decoded`)."""
+        if self._result is None or self._result.numel() != numel or self._result.device != device:
+            self._result = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._result
 
     def gather(self, tensors: list[torch.Tensor], numel: int) -> tuple[torch.Tensor, bool]:
         """This peer's values as one flat float32 vector on the tensors' device, and whether it

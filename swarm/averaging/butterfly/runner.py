@@ -35,7 +35,7 @@ from swarm.averaging.butterfly.repair import Repair
 from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.averaging.butterfly.rounds import RoundRegistry
 from swarm.averaging.butterfly.scoring import LOWERED_BELOW, PartScores, Reputation
-from swarm.averaging.butterfly.staged import StagedAverages
+from swarm.averaging.butterfly.staged import StagedAverages, stage_decoded
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
@@ -158,7 +158,8 @@ class ButterflyRunner:
                 i for i, m in enumerate(group.members) if self.excluded.accused(m.peer_id)
             ),
         )
-        staged = StagedAverages(flat, ctx.kept, ctx.accused)
+        into = staging.result(numel, flat.device) if stage_decoded(codec) else None
+        staged = StagedAverages(flat, ctx.kept, ctx.accused, into)
         outcome = await self._run(ctx, plan, flat, staged)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:

@@ -3,11 +3,14 @@
 A member applies a part only once its owner confirmed it and the average looks plausible next to
 the member's own values (:mod:`~swarm.averaging.butterfly.checks`). Until then the averaged
 chunks wait here *compressed*, as they came off the wire, not decoded into a float32 buffer the
-size of the vector: with ``int8`` a quarter of the vector, with ``sparse`` about 1/140 (``none``
-holds its float32 bytes, as a buffer would). Each chunk is decoded once on arrival, into a
-chunk-sized scratch row (a malformed one accuses its owner at once), to measure its distance from
-this member's values, and once more when the round applies it. The member's own part, reduced in
-a buffer of the part's size, and parts that a repair averaged are staged as float32 values.
+size of the vector: with ``int8`` a quarter of the vector, with ``sparse`` about 1/140. Each
+chunk is decoded once on arrival, into a chunk-sized scratch row (a malformed one accuses its
+owner at once), to measure its distance from this member's values, and once more when the round
+applies it. A codec whose payloads are as large as the values (``none``) saves nothing so: its
+chunks are decoded once, into a float32 buffer the size of the vector (``into``), as before
+(holding a vector of frames instead cost 22% of a 250M-value round in fresh pages). The
+member's own part, reduced in a buffer of the part's size, and parts that a repair averaged are
+staged as float32 values.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from swarm.averaging.butterfly.flat import write_at
 from swarm.averaging.butterfly.kept import split
-from swarm.compression import decode_into, read_header
+from swarm.compression import Codec, decode_into, read_header
 from swarm.errors import CompressionError
 
 Range = tuple[int, int]
@@ -37,13 +40,21 @@ class StagedAverages:
             there are measured apart (see :func:`~swarm.averaging.butterfly.checks.
             implausible_parts`).
         whole: parts measured whole, ``kept`` or not (their owners were accused before).
+        into: a float32 buffer the size of ``flat`` to decode chunks into on arrival, instead
+            of keeping their payloads (see :func:`stage_decoded`).
     """
 
     def __init__(
-        self, flat: torch.Tensor, kept: tuple[Range, ...] = (), whole: Collection[int] = ()
+        self,
+        flat: torch.Tensor,
+        kept: tuple[Range, ...] = (),
+        whole: Collection[int] = (),
+        into: torch.Tensor | None = None,
     ):
         self.flat = flat
         self.kept, self.whole = kept, frozenset(whole)
+        self.into = into
+        self._decoded: dict[int, list[Range]] = {}  # with ``into``: the chunks decoded there
         self._payloads: dict[int, list[tuple[int, int, bytes]]] = {}
         self._values: dict[int, tuple[int, torch.Tensor]] = {}
         self._unmeasured: set[int] = set()  # parts staged as values, distances not taken yet
@@ -55,11 +66,13 @@ class StagedAverages:
     def staged_bytes(self) -> int:
         """Memory the staged averages hold: payload bytes plus float32 values."""
         payloads = sum(len(p) for chunks in self._payloads.values() for _, _, p in chunks)
-        return payloads + sum(4 * v.numel() for _, v in self._values.values())
+        decoded = sum(4 * (e - s) for chunks in self._decoded.values() for s, e in chunks)
+        return payloads + decoded + sum(4 * v.numel() for _, v in self._values.values())
 
     def begin_part(self, part: int) -> None:
         """Part ``part``'s chunks start again (a new attempt): forget what came before."""
         self._payloads.pop(part, None)
+        self._decoded.pop(part, None)
         self._values.pop(part, None)
         self._unmeasured.discard(part)
         self._outside.pop(part, None)
@@ -74,6 +87,11 @@ class StagedAverages:
         header = read_header(payload, max_numel=end - start)
         if header.numel != end - start:
             raise CompressionError(f"chunk holds {header.numel}, expected {end - start}")
+        if self.into is not None:
+            got = decode_into(payload, self.into[start:end], accumulate=False)
+            self._measure(part, start, end, got)
+            self._decoded.setdefault(part, []).append((start, end))
+            return
         got = decode_into(payload, self._row(end - start), accumulate=False)
         self._measure(part, start, end, got)
         self._payloads.setdefault(part, []).append((start, end, payload))
@@ -112,6 +130,8 @@ class StagedAverages:
                 start, values = self._values[part]
                 write_at(tensors, start, values)
                 continue
+            for start, end in self._decoded.get(part, ()):
+                write_at(tensors, start, self.into[start:end])
             for start, end, payload in self._payloads.get(part, ()):
                 if direct:
                     decode_into(payload, single.detach().view(-1)[start:end], accumulate=False)
@@ -138,6 +158,12 @@ class StagedAverages:
                 numel, dtype=torch.float32, device=self.flat.device
             )
         return row[:numel]
+
+
+def stage_decoded(codec: Codec) -> bool:
+    """Whether a round in ``codec`` stages its averages decoded into a float32 buffer: when its
+    payloads are about as large as the values, keeping them saves no memory."""
+    return codec.estimate_size(1 << 20) >= 3.5 * (1 << 20)
 
 
 class _Distance:
