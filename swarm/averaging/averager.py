@@ -9,8 +9,9 @@
 
 Memory per round beyond the tensors: a float32 copy of them on their device unless they lie end
 to end in one float32 storage (then they are read in place), reused across rounds; the averages
-waiting for their verdict, in host memory as the owners sent them (compressed); this member's own
-part in a float32 buffer of the part's size, and the rows of the chunks an owner is reducing.
+waiting for their verdict, in host memory as the owners sent them (compressed; ``none`` decodes
+them into a reused float32 buffer the size of the tensors instead); this member's own part in a
+float32 buffer of the part's size, and the rows of the chunks an owner is reducing.
 Lossy codecs add their error-feedback residual (one float per element, kept across rounds).
 Only encoded bytes cross to the CPU.
 """
