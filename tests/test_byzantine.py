@@ -328,3 +328,30 @@ async def test_values_in_agreement_up_to_rounding_accuse_no_honest_owner() -> No
         for a in averagers:
             await a.close()
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_a_faulty_contribution_still_lands_the_average_in_tensors_read_in_place() -> None:
+    """Tensors that lie end to end in one buffer (as the training slots do) are read and
+    written in place; a contribution that is a tensor of its own (the tests' attackers, here a
+    sign flip) must not take the averages with it: they land in the peer's own tensors."""
+    peers = await start_peers(3, 248)
+    config = loopback_peers.fixed_group_config(3, "in-place")
+    faults = [Fault.NONE, Fault.NONE, Fault.SIGN_FLIP]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        buffers = [honest_values(i, 30_000) for i in range(3)]
+        before = buffers[2].clone()
+        views = [[b[:10_000].view(100, 100), b[10_000:]] for b in buffers]
+        results = await asyncio.gather(
+            *(a.average(v) for a, v in zip(averagers, views, strict=True))
+        )
+        assert all(r.averaged for r in results), results
+        assert all(s._flat is None for s in averagers[2].butterfly._stagings.values())
+        # where both honest peers applied one average, the faulty peer applied it too
+        agreed = buffers[0] == buffers[1]
+        assert agreed.sum() > 10_000 and not torch.equal(buffers[2], before)
+        assert torch.equal(buffers[2][agreed], buffers[0][agreed])
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))

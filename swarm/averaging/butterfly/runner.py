@@ -132,8 +132,11 @@ class ButterflyRunner:
         me = group.index_of(self.peer.peer_id)
         plan = self._plan(group, numel, codec)
         staging = self._stagings.setdefault(kind.staging, FlatStaging())
-        flat, in_place = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
-        flat, weight = self.faults.contribution(flat, updates), self.faults.weight(weight)
+        gathered, in_place = await loop.run_in_executor(self._pool, staging.gather, tensors, numel)
+        # a faulty contribution (tests' attackers) is a tensor of its own: the average still
+        # lands in the tensors
+        flat = self.faults.contribution(gathered, updates)
+        weight = self.faults.weight(weight)
         started = time.monotonic()
         layout = (kind.fragment, numel)
         ctx = RoundContext(
@@ -186,7 +189,7 @@ class ButterflyRunner:
                 if self.excluded.accuse(r.peer, why):
                     logger.warning("excluding %s: accused again (%s)", r.peer.short, r.why)
                     self.apart.add(r.peer)
-        targets = [flat] if in_place else tensors
+        targets = [gathered] if in_place else tensors
         await loop.run_in_executor(self._pool, staged.apply, targets, sorted(parts_idx))
         allreduce_s = time.monotonic() - started
         ids = group.peer_ids
