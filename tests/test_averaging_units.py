@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import math
 import random
 import time
 
@@ -905,60 +904,6 @@ def test_implausible_parts_names_the_outlier_only():
     # NaN stands for an average holding NaN or inf: refused whatever the other parts say
     assert set(implausible_parts({0: 0.5, 1: float("nan"), 2: 0.55, 3: 0.6})) == {1}
     assert set(implausible_parts({0: 0.5, 1: float("nan")})) == {1}
-
-
-def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
-    from swarm.averaging.butterfly.checks import not_finite
-    from swarm.averaging.butterfly.staged import deviations
-
-    flat = torch.ones(6)
-    result = torch.tensor([1.0, 1.1, float("inf"), 1.0, float("nan"), 1.0])
-    dev, inside = deviations(flat, result, {0: (0, 2), 1: (2, 4), 2: (4, 6)})
-    assert dev[0] < 0.1 and math.isnan(dev[1]) and math.isnan(dev[2]) and inside == {}
-    assert set(not_finite(dev)) == {1, 2}
-    # finite values whose float32 norms overflow: measured in float64, not taken for NaN
-    huge, _ = deviations(torch.ones(2), torch.full((2,), 3e38), {0: (0, 2)})
-    assert 1e37 < huge[0] < float("inf")
-    own_huge, _ = deviations(torch.full((4,), 1e30), torch.ones(4), {0: (0, 4)})
-    assert own_huge[0] == pytest.approx(1.0)
-    # a non-finite value inside the kept ranges is found there
-    dev, inside = deviations(flat, result, {0: (0, 4)}, ((1, 3),))
-    assert dev[0] < 0.1 and math.isnan(inside[0]) and set(not_finite(dev, inside)) == {0}
-
-
-def test_deviations_of_parts_longer_than_a_span_are_measured_whole():
-    """Parts are measured a span at a time (no part-sized temporary); the figure is the whole
-    part's, non-finite values in a later span included."""
-    from swarm.averaging.butterfly.staged import _SPAN, deviations
-
-    gen = torch.Generator().manual_seed(3)
-    flat = torch.randn(2 * _SPAN + 5, generator=gen)
-    result = flat + 0.01 * torch.randn(flat.numel(), generator=gen)
-    result[_SPAN + 7 :] += 0.5  # most of the deviation lies past the first span
-    dev, _ = deviations(flat, result, {0: (3, flat.numel())})
-    want = float((result[3:] - flat[3:]).double().norm() / flat[3:].double().norm())
-    assert dev[0] == pytest.approx(want, rel=1e-4)  # float32 sums
-    result[-1] = float("nan")
-    assert math.isnan(deviations(flat, result, {0: (3, flat.numel())})[0][0])
-
-
-def test_an_owner_accused_before_gets_no_leniency_in_kept_ranges():
-    """A liar refused once leaves the member with its own values of its part: the next round of
-    values must not hold that owner to the looser bound there."""
-    from swarm.averaging.butterfly.checks import implausible_parts
-    from swarm.averaging.butterfly.staged import deviations
-
-    flat = torch.ones(400)
-    result = flat.clone()
-    result[:300] += 0.005  # the honest spread
-    result[300:] += 0.3  # part 3, wholly kept lately: 0.3 from the own values
-    ranges = {0: (0, 100), 1: (100, 200), 2: (200, 300), 3: (300, 400)}
-    dev, inside = deviations(flat, result, ranges, ((300, 400),))
-    assert set(dev) == {0, 1, 2} and inside[3] == pytest.approx(0.3)
-    assert implausible_parts(dev, lenient=inside) == {}  # an honest owner there: not accused
-    dev, inside = deviations(flat, result, ranges, ((300, 400),), whole={3})
-    assert inside == {} and dev[3] == pytest.approx(0.3)
-    assert set(implausible_parts(dev, lenient=inside)) == {3}
 
 
 def test_kept_ranges_are_merged_split_and_forgotten_after_their_rounds():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Collection
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.averaging.butterfly.flat import FlatStaging, laid_end_to_end
-from swarm.averaging.butterfly.staged import StagedAverages, deviations, stage_decoded
+from swarm.averaging.butterfly.staged import Range, StagedAverages, stage_decoded
 from swarm.compression import decode, get_codec
 from swarm.errors import CompressionError
 
@@ -22,6 +23,21 @@ def own_and_average(numel: int = 4 * CHUNK, seed: int = 0) -> tuple[torch.Tensor
     gen = torch.Generator().manual_seed(seed)
     flat = torch.randn(numel, generator=gen)
     return flat, flat + 0.05 * torch.randn(numel, generator=gen)
+
+
+def deviations(
+    flat: torch.Tensor,
+    result: torch.Tensor,
+    ranges: dict[int, Range],
+    kept: tuple[Range, ...] = (),
+    whole: Collection[int] = (),
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The distances of parts whose averages ``result`` holds (a float32 vector like ``flat``),
+    as a round measures them."""
+    staged = StagedAverages(flat, kept, whole)
+    for part, (start, end) in ranges.items():
+        staged.stage_values(part, start, result[start:end])
+    return staged.deviations(ranges)
 
 
 def stage_chunks(staged: StagedAverages, part: int, average: torch.Tensor, codec: str) -> None:
@@ -137,6 +153,18 @@ def test_an_average_of_the_wrong_size_is_refused():
     assert staged.staged_bytes == 0
 
 
+def test_an_average_in_another_codec_than_the_rounds_is_refused():
+    """An owner that answers a sparse round in float32 would make the member hold four bytes a
+    value: only the round's codec is staged (honest owners encode in it)."""
+    flat, average = own_and_average(CHUNK)
+    staged = StagedAverages(flat, codec="sparse")
+    with pytest.raises(CompressionError, match="round's codec is sparse"):
+        staged.stage(0, 0, CHUNK, get_codec("none").encode(average))
+    assert staged.staged_bytes == 0
+    staged.stage(0, 0, CHUNK, get_codec("sparse:64:8:2").encode(average))  # its own parameters
+    assert 0 < staged.staged_bytes < CHUNK
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     codec=st.sampled_from(["none", "int8", "sparse:64:8:2", "1bit"]),
@@ -201,3 +229,55 @@ def test_other_tensors_are_gathered_into_a_copy(tensors):
     numel = sum(t.numel() for t in tensors)
     got, in_place = staging.gather(tensors, numel)
     assert not in_place and got.numel() == numel and staging._flat is got
+
+
+def test_deviation_of_a_non_finite_average_is_nan_and_never_applied():
+    from swarm.averaging.butterfly.checks import not_finite
+
+    flat = torch.ones(6)
+    result = torch.tensor([1.0, 1.1, float("inf"), 1.0, float("nan"), 1.0])
+    dev, inside = deviations(flat, result, {0: (0, 2), 1: (2, 4), 2: (4, 6)})
+    assert dev[0] < 0.1 and math.isnan(dev[1]) and math.isnan(dev[2]) and inside == {}
+    assert set(not_finite(dev)) == {1, 2}
+    # finite values whose float32 norms overflow: measured in float64, not taken for NaN
+    huge, _ = deviations(torch.ones(2), torch.full((2,), 3e38), {0: (0, 2)})
+    assert 1e37 < huge[0] < float("inf")
+    own_huge, _ = deviations(torch.full((4,), 1e30), torch.ones(4), {0: (0, 4)})
+    assert own_huge[0] == pytest.approx(1.0)
+    # a non-finite value inside the kept ranges is found there
+    dev, inside = deviations(flat, result, {0: (0, 4)}, ((1, 3),))
+    assert dev[0] < 0.1 and math.isnan(inside[0]) and set(not_finite(dev, inside)) == {0}
+
+
+def test_deviations_of_parts_longer_than_a_span_are_measured_whole():
+    """Parts are measured a span at a time (no part-sized temporary); the figure is the whole
+    part's, non-finite values in a later span included."""
+    from swarm.averaging.butterfly.staged import _SPAN
+
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randn(2 * _SPAN + 5, generator=gen)
+    result = flat + 0.01 * torch.randn(flat.numel(), generator=gen)
+    result[_SPAN + 7 :] += 0.5  # most of the deviation lies past the first span
+    dev, _ = deviations(flat, result, {0: (3, flat.numel())})
+    want = float((result[3:] - flat[3:]).double().norm() / flat[3:].double().norm())
+    assert dev[0] == pytest.approx(want, rel=1e-4)  # float32 sums
+    result[-1] = float("nan")
+    assert math.isnan(deviations(flat, result, {0: (3, flat.numel())})[0][0])
+
+
+def test_an_owner_accused_before_gets_no_leniency_in_kept_ranges():
+    """A liar refused once leaves the member with its own values of its part: the next round of
+    values must not hold that owner to the looser bound there."""
+    from swarm.averaging.butterfly.checks import implausible_parts
+
+    flat = torch.ones(400)
+    result = flat.clone()
+    result[:300] += 0.005  # the honest spread
+    result[300:] += 0.3  # part 3, wholly kept lately: 0.3 from the own values
+    ranges = {0: (0, 100), 1: (100, 200), 2: (200, 300), 3: (300, 400)}
+    dev, inside = deviations(flat, result, ranges, ((300, 400),))
+    assert set(dev) == {0, 1, 2} and inside[3] == pytest.approx(0.3)
+    assert implausible_parts(dev, lenient=inside) == {}  # an honest owner there: not accused
+    dev, inside = deviations(flat, result, ranges, ((300, 400),), whole={3})
+    assert inside == {} and dev[3] == pytest.approx(0.3)
+    assert set(implausible_parts(dev, lenient=inside)) == {3}

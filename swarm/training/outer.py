@@ -162,9 +162,7 @@ class OuterState:
 
     def new_like(self, t: torch.Tensor) -> torch.Tensor:
         """A zero fp32 tensor shaped like ``t`` where this state lives (pinned when offloaded)."""
-        return torch.zeros(
-            t.shape, dtype=torch.float32, device=self.device, pin_memory=self.offloaded
-        )
+        return self.flat_like([t])[0]
 
     def _difference(
         self,

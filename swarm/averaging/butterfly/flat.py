@@ -9,6 +9,8 @@ under compressing codecs they wait for their verdict compressed
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from swarm.errors import AveragingError
@@ -81,3 +83,19 @@ def write_at(tensors: list[torch.Tensor], start: int, values: torch.Tensor) -> N
         if lo < hi:
             t.detach().view(-1)[lo - offset : hi - offset].copy_(values[lo - start : hi - start])
         offset += t.numel()
+
+
+class ScratchRows:
+    """One reused float32 row per worker thread, on ``device``, for chunk-sized work whose result
+    is kept nowhere (a chunk decoded to be measured or checked)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._local = threading.local()
+
+    def row(self, numel: int) -> torch.Tensor:
+        """This thread's row, ``numel`` values long (grown when a longer one is asked for)."""
+        row = getattr(self._local, "row", None)
+        if row is None or row.numel() < numel:
+            row = self._local.row = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return row[:numel]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.averaging.butterfly.flat import ScratchRows
 from swarm.averaging.butterfly.robust import cap_weights, centered_clip
 from swarm.averaging.butterfly.scoring import PartAlignment
 from swarm.compression import decode_into, read_header
@@ -115,7 +116,7 @@ class PartReducer:
         self._rows: dict[int, torch.Tensor] = {}
         self._spare: list[torch.Tensor] = []  # buffers of reduced chunks, for the next ones
         self._pool_lock = threading.Lock()
-        self._scratch = threading.local()  # a worker's row for the chunks of a tainted attempt
+        self._scratch = ScratchRows(acc.device)  # for the chunks of a tainted attempt
         self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
         self.own_clipped = False  # the owner's own values were clipped: it is the odd one out
         self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
@@ -150,7 +151,7 @@ class PartReducer:
                     # the attempt is over, but a sender whose payload is refused must still be
                     # dropped from the retry: checked into a scratch row, kept nowhere (rows
                     # taken now would outlive the window, which no longer holds anyone back)
-                    row = self._scratch_row(end - start)
+                    row = self._scratch.row(end - start)
                 else:
                     row = self._chunk_rows(index)[self._slots[sender], : end - start]
                 decode_into(payload, row, accumulate=False)
@@ -186,14 +187,6 @@ class PartReducer:
                     rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
             self._rows[index] = rows
         return rows
-
-    def _scratch_row(self, numel: int) -> torch.Tensor:
-        row = getattr(self._scratch, "row", None)
-        if row is None or row.numel() < numel:
-            row = self._scratch.row = torch.empty(
-                numel, dtype=torch.float32, device=self.acc.device
-            )
-        return row[:numel]
 
     def _release_rows(self, index: int) -> None:
         rows = self._rows.pop(index, None)

@@ -162,7 +162,7 @@ class ButterflyRunner:
             ),
         )
         into = staging.result(numel, flat.device) if stage_decoded(codec) else None
-        staged = StagedAverages(flat, ctx.kept, ctx.accused, into)
+        staged = StagedAverages(flat, ctx.kept, ctx.accused, into, codec.name)
         outcome = await self._run(ctx, plan, flat, staged)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:
@@ -312,7 +312,7 @@ class ButterflyRunner:
             gone=set(),
             suspected={},
         )
-        sub_staged = StagedAverages(sub, sub_ctx.kept, sub_ctx.accused)
+        sub_staged = StagedAverages(sub, sub_ctx.kept, sub_ctx.accused, codec=codec.name)
         fixed = await self._run(sub_ctx, plan, sub, sub_staged)
         parts = repair.repaired(plan, fixed.parts, ctx.group)
         if parts:

@@ -16,12 +16,11 @@ staged as float32 values.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
-from swarm.averaging.butterfly.flat import write_at
+from swarm.averaging.butterfly.flat import ScratchRows, write_at
 from swarm.averaging.butterfly.kept import split
 from swarm.compression import Codec, decode_into, read_header
 from swarm.errors import CompressionError
@@ -42,6 +41,8 @@ class StagedAverages:
         whole: parts measured whole, ``kept`` or not (their owners were accused before).
         into: a float32 buffer the size of ``flat`` to decode chunks into on arrival, instead
             of keeping their payloads (see :func:`stage_decoded`).
+        codec: the name of the round's codec: averages in another are refused, so what an
+            owner makes a member hold is what the round's codec makes of its values.
     """
 
     def __init__(
@@ -50,17 +51,18 @@ class StagedAverages:
         kept: tuple[Range, ...] = (),
         whole: Collection[int] = (),
         into: torch.Tensor | None = None,
+        codec: str | None = None,
     ):
         self.flat = flat
         self.kept, self.whole = kept, frozenset(whole)
-        self.into = into
+        self.into, self.codec = into, codec
         self._decoded: dict[int, list[Range]] = {}  # with ``into``: the chunks decoded there
         self._payloads: dict[int, list[tuple[int, int, bytes]]] = {}
         self._values: dict[int, tuple[int, torch.Tensor]] = {}
         self._unmeasured: set[int] = set()  # parts staged as values, distances not taken yet
         self._outside: dict[int, _Distance] = {}
         self._inside: dict[int, _Distance] = {}
-        self._scratch = threading.local()
+        self._scratch = ScratchRows(flat.device)
 
     @property
     def staged_bytes(self) -> int:
@@ -82,17 +84,19 @@ class StagedAverages:
         """Stage the averaged chunk ``[start, end)`` of ``part`` (a worker thread's work).
 
         Raises:
-            CompressionError: it does not decode to ``end - start`` values.
+            CompressionError: it does not decode to ``end - start`` values of the round's codec.
         """
         header = read_header(payload, max_numel=end - start)
         if header.numel != end - start:
             raise CompressionError(f"chunk holds {header.numel}, expected {end - start}")
+        if self.codec is not None and header.codec != self.codec:
+            raise CompressionError(f"chunk is {header.codec}, the round's codec is {self.codec}")
         if self.into is not None:
             got = decode_into(payload, self.into[start:end], accumulate=False)
             self._measure(part, start, end, got)
             self._decoded.setdefault(part, []).append((start, end))
             return
-        got = decode_into(payload, self._row(end - start), accumulate=False)
+        got = decode_into(payload, self._scratch.row(end - start), accumulate=False)
         self._measure(part, start, end, got)
         self._payloads.setdefault(part, []).append((start, end, payload))
 
@@ -136,7 +140,7 @@ class StagedAverages:
                 if direct:
                     decode_into(payload, single.detach().view(-1)[start:end], accumulate=False)
                 else:
-                    got = decode_into(payload, self._row(end - start), accumulate=False)
+                    got = decode_into(payload, self._scratch.row(end - start), accumulate=False)
                     write_at(tensors, start, got)
 
     def _measure(self, part: int, start: int, end: int, got: torch.Tensor) -> None:
@@ -149,15 +153,6 @@ class StagedAverages:
             for s, e in pieces:
                 distance = table.setdefault(part, _Distance())
                 distance.add(self.flat[s:e], got[s - start : e - start])
-
-    def _row(self, numel: int) -> torch.Tensor:
-        """This thread's scratch row of at least ``numel`` values, on ``flat``'s device."""
-        row = getattr(self._scratch, "row", None)
-        if row is None or row.numel() < numel:
-            row = self._scratch.row = torch.empty(
-                numel, dtype=torch.float32, device=self.flat.device
-            )
-        return row[:numel]
 
 
 def stage_decoded(codec: Codec) -> bool:
@@ -200,18 +195,3 @@ class _Distance:
 def _spans(numel: int) -> Iterator[Range]:
     for at in range(0, numel, _SPAN):
         yield at, min(at + _SPAN, numel)
-
-
-def deviations(
-    flat: torch.Tensor,
-    result: torch.Tensor,
-    ranges: dict[int, Range],
-    kept: tuple[Range, ...] = (),
-    whole: Collection[int] = (),
-) -> tuple[dict[int, float], dict[int, float]]:
-    """:meth:`StagedAverages.deviations` of a float32 ``result`` the size of ``flat``, whose
-    ``ranges`` hold the parts' averages."""
-    staged = StagedAverages(flat, kept, whole)
-    for part, (start, end) in ranges.items():
-        staged.stage_values(part, start, result[start:end])
-    return staged.deviations(ranges)
