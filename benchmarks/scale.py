@@ -23,8 +23,9 @@ simulated and how) after a 600 s warm-up. In short:
 peers. Model, from the code: per minute a peer stores its record ``60 / heartbeat_s`` times (the
 heartbeat) plus at most ``60 / probe_period_s`` times (the prober publishes its coordinate after a
 probe round that moved it 5 ms or more), and reads the peer list once per round (the plan's own
-read), the prober and the heartbeat reading only when no read is younger than their period (half the
-heartbeat): ``max(rounds, probe rounds, heartbeats)`` reads per minute; per round its matchmaking
+read), the prober and the heartbeat reading only when no read is younger than the probe period or
+``READ_S_PER_RECORD`` per peer, whichever is longer (``T``): ``ceil(round_s / T)`` reads per
+round; per round its matchmaking
 stores its declaration (once, at most once more per follower when it leads, once "busy" when
 grouped) and polls the group key (the simulation counts the polls); every 600 s
 (``refresh_interval``) the routing table is refreshed. Each operation costs what it costs on real
@@ -33,7 +34,7 @@ this process on loopback (16 subnets of 127.0.0.0/8), each stores a peer record 
 (coordinate and progress: about 650 bytes with its signature), and the datagrams and bytes every
 node sends are counted over sequential stores and gets from random nodes (Kademlia with alpha = 3
 requests in flight, a store to the k = 20 closest nodes, a get ending at a quorum of 5 holders and
-following up to 8 more answer pages from 2 of them; about log2(N) hops). The same calibration
+following up to 12 more answer pages from 2 of them; about log2(N) hops). The same calibration
 measures how many records one read of the peer list returns: the simulation's views hold no more
 (``read_cap``). ``dht_kb_per_peer_per_min`` is the bytes, and ``dht_busiest_node_mb_per_min`` what
 the node that sends the most (a holder of the peer list) sends when every peer does this.
@@ -87,7 +88,7 @@ from swarm.dht.targets import StoreTargets
 from swarm.identity import Identity
 from swarm.net.progress import Progress, Resources
 from swarm.net.record import PeerRecord
-from swarm.peer import peers_key
+from swarm.peer import READ_S_PER_RECORD, peers_key
 
 RUN_ID = "scale-calibration"
 REFRESH_INTERVAL_S = 600.0  # DHTNode's default refresh_interval
@@ -133,7 +134,7 @@ def realistic_record(identity: Identity, node: DHTNode, rng: random.Random) -> b
         run_id=RUN_ID,
         device="cuda:NVIDIA GeForce RTX 4090",
         bandwidth=12.5e6,
-        extra={"vc": coordinate.to_wire(), "pg": progress.to_wire()},
+        extra={"vc": coordinate.to_wire(), "rc": [3, -1, 0, 0], "pg": progress.to_wire()},
     )
     return record.serialize()
 
@@ -238,9 +239,11 @@ def dht_per_peer_per_min(
     peer, avg = sim.peer, sim.averaging
     due = sum(r.due for r in rounds) or 1  # (a due peer without a key stores nothing)
     rounds_per_min = 60.0 / sim.round_s
+    # the prober's and the heartbeat's reads, spaced by the swarm's size (Peer.known_peers)
+    background_read_s = max(min(avg.probe_period_s, peer.heartbeat_s), READ_S_PER_RECORD * peers)
     per_min = {
         "peer_list_store": 60.0 / peer.heartbeat_s + 60.0 / avg.probe_period_s,
-        "peer_list_get": max(60.0 / peer.heartbeat_s, 60.0 / avg.probe_period_s, rounds_per_min),
+        "peer_list_get": rounds_per_min * math.ceil(sim.round_s / background_read_s),
         "declaration_store": rounds_per_min * sum(r.stores for r in rounds) / due,
         "declaration_get": rounds_per_min * sum(r.gets for r in rounds) / due,
         "refresh": 60.0 / REFRESH_INTERVAL_S,

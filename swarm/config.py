@@ -134,7 +134,8 @@ class AveragingConfig:
             ``fixed`` (every peer declares under ``group_key`` alone). Text or a
             :class:`Grouping`; it reads back as a :class:`Grouping`.
         cross_every: period of cross-region rounds; None never mixes regions (experiments only).
-        region_rtt_s: peers within this predicted RTT of each other form a region.
+        region_rtt_s: sizes the grid cells that make regions: two peers of a region are at
+            most this predicted RTT apart, before their heights (their access links).
         probe_period_s: seconds between rounds of RTT probes (``latency``/``random`` only).
         probes_per_period: peers pinged per probe round.
         name: route prefix (``{name}.join``, ``{name}.part``), to run several averagers on one

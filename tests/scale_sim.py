@@ -5,7 +5,8 @@ Real library code: :func:`~swarm.averaging.groups.regions.plan_groups` computes 
 group key from that peer's own view, and its CPU time is measured (``time.perf_counter``); every
 peer's coordinate is a real :class:`~swarm.averaging.groups.coordinates.Vivaldi` fed with
 simulated pings by the prober's rule (every ``probe_period_s``, half of the ``probes`` to the
-peers predicted nearest, the rest at random, then the record is published); the settings and
+peers predicted nearest, the rest at random, then the record is published with the grid cell
+:func:`~swarm.averaging.groups.grid.place` keeps); the settings and
 limits are the library's (AveragingConfig, PeerConfig, the prober's gone reports, the join desk's
 patience, the DHT's slots per key).
 
@@ -47,7 +48,7 @@ from scale_sim_match import MatchConfig, Outcome, Seeker, match
 from scale_sim_net import draw_site, get_delay, ping, store_delay, true_rtt
 from scale_sim_state import RoundStats, SimConfig, SimPeer, Version
 
-from swarm.averaging.groups import regions
+from swarm.averaging.groups import grid, regions
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.averaging.groups.join_desk import LAG_SAMPLES, PATIENCE_SLACK_S
 from swarm.averaging.groups.planner import REPORT_WAIT_S
@@ -148,7 +149,9 @@ class World:
             self.stored.append(peer.idx)
         gone = tuple(sorted(peer.gone, key=lambda i: (peer.gone[i], i))[-MAX_GONE_LISTED:])
         coordinate = peer.vivaldi.coordinate if peer.samples else None
-        version = Version(t, t + store_delay(self.rng), coordinate, gone, left)
+        if coordinate is not None:
+            peer.cell = grid.place(coordinate, self.grouping.region_rtt, peer.cell)
+        version = Version(t, t + store_delay(self.rng), coordinate, gone, left, peer.cell)
         at = len(peer.versions)
         while at and peer.versions[at - 1].publish > t:  # (gone reports come in out of order)
             at -= 1
@@ -246,11 +249,11 @@ class World:
     def _plan(self, idx: int, start: float) -> None:
         """One due peer plans its round from its own view (GroupPlanner.plan)."""
         peer, stats = self.peers[idx], self.rounds[-1]
-        view, wait = self._view_of(peer, start)
+        view, cells, wait = self._view_of(peer, start)
         gc.disable()  # (a collection of the simulation's own objects is not the planner's)
         try:
             started = time.perf_counter()
-            plan = regions.plan_groups(view, stats.round, self.grouping)
+            plan = regions.plan_groups(view, stats.round, self.grouping, cells)
             key = plan.key_of(peer.pid) if len(view) > 1 else None
             stats.planner_s.append(time.perf_counter() - started)
         finally:
@@ -270,17 +273,22 @@ class World:
         )
         self._due[stats.round].append(seeker)
 
-    def _view_of(self, reader: SimPeer, t: float) -> tuple[dict[PeerID, Coordinate], float]:
-        """The reader's view at ``t`` (one read, then checks of reported peers), and how long
-        the checks held the plan up."""
+    def _view_of(
+        self, reader: SimPeer, t: float
+    ) -> tuple[dict[PeerID, Coordinate], dict[PeerID, grid.Cell], float]:
+        """The reader's view at ``t`` (one read, then checks of reported peers) with the cells
+        the records publish, and how long the checks held the plan up."""
         if self.cfg.view_quantum_s:
-            return self._anchored_view(reader, t, self.cfg.view_quantum_s), 0.0
+            return *self._anchored_view(reader, t, self.cfg.view_quantum_s), 0.0
         view: dict[PeerID, Coordinate] = {}
+        cells: dict[PeerID, grid.Cell] = {}
         reported: list[int] = []
         for i, v in self._listing(t):
             if v.left or i in reader.gone:
                 continue
             view[self.peers[i].pid] = v.coordinate or ORIGIN
+            if v.cell is not None:
+                cells[self.peers[i].pid] = v.cell
             reported.extend(v.gone)
         own = view.get(reader.pid, ORIGIN)
         view[reader.pid] = reader.vivaldi.coordinate if own == ORIGIN else own
@@ -303,21 +311,26 @@ class World:
             if self.peers[i].leave <= t:
                 reader.gone[i] = t + rtt
                 del view[self.peers[i].pid]
-        return view, min(wait, REPORT_WAIT_S)
+        return view, cells, min(wait, REPORT_WAIT_S)
 
-    def _anchored_view(self, reader: SimPeer, t: float, quantum: float) -> dict[PeerID, Coordinate]:
+    def _anchored_view(
+        self, reader: SimPeer, t: float, quantum: float
+    ) -> tuple[dict[PeerID, Coordinate], dict[PeerID, grid.Cell]]:
         """What-if: the records of one read as they stood at the last multiple of ``quantum``
         less a margin for stores to land, which every peer starting a round between the same
         two multiples shares: joins, departures and moves after it wait for the next one. No
         gone reports (subjective); the matchmaking pings dead planned peers anyway."""
         anchor = math.floor(t / quantum) * quantum - ANCHOR_MARGIN_S
         view: dict[PeerID, Coordinate] = {}
+        cells: dict[PeerID, grid.Cell] = {}
         for i, _ in self._listing(t):
             v = self.peers[i].latest(t, published=anchor)
             if v is not None and not v.left and v.publish + self.ttl > anchor:
                 view[self.peers[i].pid] = v.coordinate or ORIGIN
+                if v.cell is not None:
+                    cells[self.peers[i].pid] = v.cell
         view.setdefault(reader.pid, reader.vivaldi.coordinate)
-        return view
+        return view, cells
 
     def _patience(self, peer: SimPeer) -> float:
         most = self.cfg.averaging.matchmaking_timeout_s / 2  # Averager.patience

@@ -51,6 +51,7 @@ class Version:
     coordinate: Coordinate | None  # None before its first RTT sample
     gone: tuple[int, ...] = ()  # peers it lists as gone
     left: bool = False  # a leave marker
+    cell: tuple[int, ...] | None = None  # its grid cell (grid.place), with its coordinate
 
 
 @dataclass
@@ -68,6 +69,7 @@ class SimPeer:
     checked: dict[int, float] = field(default_factory=dict)  # reported peers checked, and when
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_HISTORY))
     samples: int = 0
+    cell: tuple[int, ...] | None = None  # the cell it published last
 
     def latest(self, t: float, published: float = math.inf) -> Version | None:
         """The newest version readable at ``t`` (and published by ``published``)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
+import math
 import random
 from collections import Counter
 
@@ -19,7 +19,6 @@ from swarm.averaging.groups.regions import (
     RANDOM,
     GroupingConfig,
     GroupPlan,
-    _complete_linkage,
     _predicted_rtts,
     find_regions,
     group_key,
@@ -112,13 +111,27 @@ def test_near_groups_with_converged_vivaldi_coordinates() -> None:
 
 
 def test_cross_rounds_mix_regions() -> None:
-    view, truth = _view({"eu": 13, "us": 11})
+    view, truth = _view({"eu": 8, "us": 7})
     for round_ in (2, 5, 8):
         plan = plan_groups(view, round_, CONFIG)
         assert plan.kind == CROSS and CONFIG.is_cross_round(round_)
         _check_partition(plan, view)
-        # 24 peers -> 6 groups of 4; both regions have >= 6 peers: every group spans both
+        # 15 peers (one cell) -> 4 groups; both regions have >= 4 peers: every group spans both
+        assert len(plan.groups) == 4
         assert all({truth[p] for p in g} == {"eu", "us"} for g in plan.groups.values())
+
+
+def test_cross_rounds_of_a_large_swarm_mix_regions_inside_cells() -> None:
+    view, truth = _view({"eu": 130, "us": 110, "asia": 60})
+    spanning = total = 0
+    for round_ in (2, 5, 8):
+        plan = plan_groups(view, round_, CONFIG)
+        assert plan.kind == CROSS
+        _check_partition(plan, view)
+        assert len(plan.groups) >= 300 // CONFIG.target_group_size
+        spanning += sum(len({truth[p] for p in g}) >= 2 for g in plan.groups.values())
+        total += len(plan.groups)
+    assert spanning / total > 0.95
 
 
 def test_cross_round_with_three_regions_takes_one_per_region() -> None:
@@ -141,9 +154,8 @@ def test_lone_peer_takes_part() -> None:
 
 
 def test_a_peer_at_the_edge_of_a_region_joins_it() -> None:
-    """Complete linkage leaves a peer alone when it is near one end of a region and past the
-    diameter from the other; in a near round it joins the region of its nearest peer instead
-    of sitting out, and so does a peer far from everyone."""
+    """A peer alone in its grid cell, near a crowd across a face of it or far from everyone,
+    joins the region of its nearest peer in a near round instead of sitting out."""
     line = {_peer(i): Coordinate((0.0025 * i, 0.0), 0.0005, 0.1) for i in range(13)}  # 0-30 ms
     edge, far = _peer(50), _peer(51)
     view = {
@@ -152,7 +164,7 @@ def test_a_peer_at_the_edge_of_a_region_joins_it() -> None:
         far: Coordinate((0.4, 0.0), 0.0005, 0.1),
     }
     regions = find_regions(view, CONFIG.region_rtt)
-    assert (edge,) in regions and (far,) in regions  # alone after complete linkage
+    assert (edge,) in regions and (far,) in regions  # alone in their cells
     assert min(predict_rtt(view[edge], c) for c in line.values()) <= CONFIG.region_rtt
     for round_ in (0, 1, 3):
         plan = plan_groups(view, round_, CONFIG)
@@ -223,9 +235,11 @@ def test_every_peer_gets_one_key(coords: list[tuple[float, float, float]], round
     view = {_peer(i): Coordinate((x, y), h, 0.5) for i, (x, y, h) in enumerate(coords)}
     for plan in (plan_groups(view, round_, CONFIG), random_plan(view, round_, CONFIG)):
         _check_partition(plan, view)
-    for region in find_regions(view, CONFIG.region_rtt):  # complete linkage: a bounded diameter
+    for region in find_regions(view, CONFIG.region_rtt):  # cells: a bounded diameter
         assert all(
-            predict_rtt(view[a], view[b]) <= CONFIG.region_rtt for a in region for b in region
+            math.dist(view[a].vector, view[b].vector) <= CONFIG.region_rtt * (1 + 1e-12)
+            for a in region
+            for b in region
         )
 
 
@@ -279,70 +293,16 @@ def test_group_keys_are_unique_and_name_the_first_member() -> None:
         )
 
 
-def _linkage_by_whole_matrix_argmin(dist: np.ndarray, limit: float) -> list[list[int]]:
-    """The reference: search the whole matrix for its first minimum before every merge."""
-    dist, n = dist.copy(), len(dist)
-    members = {i: [i] for i in range(n)}
-    while len(members) > 1:
-        i, j = divmod(int(np.argmin(dist)), n)
-        if not dist[i, j] <= limit:
-            break
-        i, j = min(i, j), max(i, j)
-        merged = np.maximum(dist[i], dist[j])
-        dist[i, :], dist[:, i] = merged, merged
-        dist[i, i] = np.inf
-        dist[j, :], dist[:, j] = np.inf, np.inf
-        members[i].extend(members.pop(j))
-    return sorted(sorted(m) for m in members.values())
-
-
-def test_linkage_merges_as_a_whole_matrix_search_would_ties_included() -> None:
-    """Keeping each row's first minimum (1024 peers: 0.05 s instead of 0.2 s) merges the same
-    pairs in the same order as searching the whole matrix, ties broken alike: peers running
-    either find the same regions."""
-    rng = np.random.default_rng(0)
-    merged = 0
-    for _ in range(1500):
-        n = int(rng.integers(1, 30))
-        dist = rng.integers(0, int(rng.integers(1, 6)), size=(n, n)).astype(float)  # many ties
-        dist = np.triu(dist, 1) + np.triu(dist, 1).T
-        np.fill_diagonal(dist, np.inf)
-        limit = float(rng.integers(0, 5))
-        expected = _linkage_by_whole_matrix_argmin(dist, limit)
-        assert sorted(sorted(m) for m in _complete_linkage(dist.copy(), limit)) == expected
-        merged += n - len(expected)
-    assert merged > 10_000  # the cases merged a lot, not just stopped at once
-
-
 def test_vectorized_predictions_are_predict_rtt() -> None:
-    """Within a rounding of predict_rtt everywhere, and exactly predict_rtt at the limit."""
+    """The predictions that place a peer alone in its cell are predict_rtt's, to a rounding."""
     view, _ = _view({"eu": 30, "us": 30, "asia": 20}, jitter=0.02)
-    peers = list(view)
-    coords = [view[p] for p in peers]
-    plain = _predicted_rtts(coords, -1.0)  # (no pair is near a negative limit)
-    assert (plain == plain.T).all() and np.isinf(np.diag(plain)).all()
-    off = []
-    for i, j in itertools.combinations(range(len(peers)), 2):
-        exact = predict_rtt(coords[i], coords[j])
-        assert plain[i, j] == pytest.approx(exact, rel=1e-15, abs=0)
-        if plain[i, j] != exact:
-            off.append((i, j, exact))
-    assert off  # numpy and math.dist round some pairs apart
-    for i, j, limit in off[:20]:
-        dist = _predicted_rtts(coords, limit)
-        assert dist[i, j] == dist[j, i] == limit  # compared with the limit as predict_rtt says
-        assert [set(r) for r in find_regions(view, limit)] == [
-            set(r) for r in _regions_by_predict_rtt(view, limit)
-        ]
-
-
-def _regions_by_predict_rtt(
-    view: dict[PeerID, Coordinate], limit: float
-) -> tuple[tuple[PeerID, ...], ...]:
-    peers = sorted(view, key=lambda p: p.digest)
-    dist = np.full((len(peers), len(peers)), np.inf)
-    for i, a in enumerate(peers):
-        for j, b in enumerate(peers[i + 1 :], i + 1):
-            dist[i, j] = dist[j, i] = predict_rtt(view[a], view[b])
-    regions = [tuple(peers[k] for k in m) for m in _linkage_by_whole_matrix_argmin(dist, limit)]
-    return tuple(sorted(regions, key=lambda r: r[0].digest))
+    coords = list(view.values())
+    rows = [0, 7, 42, 79]
+    dist = _predicted_rtts(coords, rows)
+    for r, i in enumerate(rows):
+        for j in range(len(coords)):
+            if i == j:
+                assert np.isinf(dist[r, j])
+            else:
+                exact = predict_rtt(coords[i], coords[j])
+                assert dist[r, j] == pytest.approx(exact, rel=1e-15, abs=0)

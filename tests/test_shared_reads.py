@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from loopback_peers import start_peers
 
+from swarm import peer as peer_module
 from swarm.averaging.groups.declarations import DeclarationBoard
+from swarm.averaging.groups.grid import CELL_FIELD
 from swarm.averaging.groups.prober import Prober
 from swarm.errors import DHTError, SwarmError
 from swarm.peer import Peer
@@ -70,6 +72,25 @@ async def test_concurrent_reads_of_the_run_records_share_one_dht_read(
     assert gets() == 1  # young enough: the last read answered again
     await a.known_peers()
     assert gets() == 2  # fresh asked for: read again
+
+
+async def test_reads_that_keep_a_view_current_are_spaced_by_the_swarms_size(
+    listed: tuple[Peer, Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = listed
+    gets = _count(a, "get")
+    await a.known_peers()
+    assert gets() == 1
+    await asyncio.sleep(0.3)
+    monkeypatch.setattr(peer_module, "READ_S_PER_RECORD", 0.5)  # 2 records: 1 s apart
+    await a.known_peers(max_age_s=0.1, spaced=True)
+    assert gets() == 1  # 0.3 s old: young enough for a swarm of two at 0.5 s per record
+    await a.known_peers(max_age_s=0.1)
+    assert gets() == 2  # unspaced: its own age only
+    monkeypatch.setattr(peer_module, "READ_S_PER_RECORD", 0.01)
+    await asyncio.sleep(0.15)
+    await a.known_peers(max_age_s=0.1, spaced=True)
+    assert gets() == 3  # a small swarm: the caller's age rules
 
 
 async def test_a_caller_that_stops_waiting_does_not_cancel_the_others_read(
@@ -159,4 +180,27 @@ async def test_a_coordinate_that_barely_moved_waits_for_the_heartbeat(
         assert a.transport.record().extra["vc"] == prober.coordinate.to_wire()
     finally:
         await prober.close()
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_the_record_publishes_the_grid_cell_and_readers_check_it() -> None:
+    a, b = await start_peers([172, 173])
+    prober, reader = Prober(a), Prober(b)
+    try:
+        await _both_listed(a, b)
+        assert await prober.probe_once() == 1
+        assert prober.cell is not None
+        assert a.transport.record().extra[CELL_FIELD] == list(prober.cell)
+        await a.announce()
+        await reader.refresh()
+        assert reader.cells()[a.peer_id] == prober.cell
+        for junk in ("near", [1, 2], [True] * 4, [1.5, 0, 0, 0], [10**9, 0, 0, 0]):
+            record = a.transport.record()
+            a.transport.update_record(extra={**record.extra, CELL_FIELD: junk})
+            await a.announce()
+            await reader.refresh()
+            assert a.peer_id in reader.records  # the record is kept, its cell is not
+            assert a.peer_id not in reader.cells()
+    finally:
+        await asyncio.gather(prober.close(), reader.close())
         await asyncio.gather(a.close(), b.close())

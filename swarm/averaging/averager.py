@@ -111,7 +111,10 @@ class Averager:
         self._own_prober = prober is None and config.grouping != "fixed"
         if self._own_prober:
             self.prober = Prober(
-                peer, period=config.probe_period_s, probes=config.probes_per_period
+                peer,
+                period=config.probe_period_s,
+                probes=config.probes_per_period,
+                region_rtt=config.region_rtt_s,
             )
             self.prober.start()
         if self.prober is not None:  # the prober's record lists whom the planners keep apart

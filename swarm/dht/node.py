@@ -51,7 +51,9 @@ BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 REJOIN_CHECK_S = 5.0  # how often an empty routing table is noticed in the background
 REJOIN_BACKOFF_S = (1.0, 60.0)  # wait after a rejoin that nobody answered: doubles up to the cap
-MAX_PAGES_PER_GET = 8  # answer pages a reader follows per holder
+# answer pages a reader follows per holder: with the first, 13 pages of 60 kB hold a key's 1024
+# slots of trainers' peer records (about 650 bytes each), and bound what a lying holder costs
+MAX_PAGES_PER_GET = 12
 
 
 class DHTNode:

@@ -105,7 +105,7 @@ class GroupPlanner:
         if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
             return RoundKey(None, order=number, idle="no other peer announced in this run")
         plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
-        plan = plan_of(view, number, self.grouping_config)
+        plan = plan_of(view, number, self.grouping_config, self.prober.cells())
         mine = self.apart.listed() if self.apart is not None else ()
         self.prober.tell_apart()
         plan = separate(plan, apart_pairs(self.prober.records, me, mine))

@@ -39,6 +39,7 @@ import time
 
 from swarm.averaging.groups.apart import APART_FIELD, KeptApart
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
+from swarm.averaging.groups.grid import CELL_FIELD, Cell, parse_cell, place
 from swarm.averaging.groups.loop_lag import LagWatch
 from swarm.averaging.groups.peer_tags import by_tag, tag_of, tags_in
 from swarm.errors import ConfigError, SwarmError, TransportError
@@ -88,6 +89,8 @@ class Prober:
         publish_move_s: a probe round publishes the coordinate at once only when it moved this
             far (seconds of RTT) since it was last published; a smaller move rides on the next
             heartbeat, which announces the record anyway.
+        region_rtt: the run's region diameter (seconds), which sizes the grid cell published
+            beside the coordinate (:mod:`.grid`).
 
     Attributes:
         vivaldi: the coordinate state (``vivaldi.coordinate`` is this peer's current one).
@@ -106,6 +109,7 @@ class Prober:
         ping_timeout: float = 2.0,
         rng: random.Random | None = None,
         publish_move_s: float = 0.005,
+        region_rtt: float = 0.05,
     ):
         if not period > 0 or not ping_timeout > 0:
             raise ConfigError("probe period and ping_timeout must be positive")
@@ -118,6 +122,8 @@ class Prober:
         self.rng = rng or random.Random()
         self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
         self.publish_move_s = publish_move_s
+        self.region_rtt = region_rtt
+        self.cell: Cell | None = None  # the grid cell published (None before the first sample)
         self._published: Coordinate | None = None  # the coordinate last announced
         self.records: dict[PeerID, PeerRecord] = {}
         self.gone: dict[PeerID, float] = {}  # peer -> time.time() its address refused us
@@ -149,9 +155,12 @@ class Prober:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    async def refresh(self, max_age_s: float = 0.0) -> dict[PeerID, PeerRecord]:
+    async def refresh(
+        self, max_age_s: float = 0.0, *, spaced: bool = False
+    ) -> dict[PeerID, PeerRecord]:
         """Read the peer records now (one DHT read, or the peer's last one when it is younger
-        than ``max_age_s``) and merge them into :attr:`records`.
+        than ``max_age_s``; ``spaced``: see :meth:`swarm.peer.Peer.known_peers`) and merge them
+        into :attr:`records`.
 
         A DHT read may miss some entries (it asks a quorum, not every node), and a peer whose
         view lacks a peer may compute other group keys than the rest; so a record stays until
@@ -159,7 +168,7 @@ class Prober:
         record of each peer wins.
         """
         try:
-            fresh = await self.peer.known_peers(max_age_s)
+            fresh = await self.peer.known_peers(max_age_s, spaced=spaced)
         except SwarmError as e:
             logger.debug("reading peer records failed: %s", e)
             fresh = {}
@@ -237,9 +246,20 @@ class Prober:
             view[me] = self.coordinate
         return view
 
+    def cells(self) -> dict[PeerID, Cell]:
+        """The grid cell each peer of :attr:`records` published (well-formed ones only), and
+        this peer's own."""
+        dims = self.vivaldi.config.dims
+        found = {pid: parse_cell(r.extra.get(CELL_FIELD), dims) for pid, r in self.records.items()}
+        cells = {pid: cell for pid, cell in found.items() if cell is not None}
+        if self.cell is not None:
+            cells[self.peer.peer_id] = self.cell
+        return cells
+
     async def probe_once(self) -> int:
         """One period's work: read records, ping, update and publish; returns samples taken."""
-        records = await self.refresh(max_age_s=self.period)  # the planner's reads will do
+        # the planner's reads will do, and in a large swarm one read every few periods
+        records = await self.refresh(max_age_s=self.period, spaced=True)
         targets = self._choose({pid: r for pid, r in records.items() if pid != self.peer.peer_id})
         async with LagWatch() as watch:
             timed = await asyncio.gather(*(self._timed_ping(r) for r in targets))
@@ -326,12 +346,14 @@ class Prober:
         next store)."""
         transport = self.peer.transport
         latest = sorted(self.gone, key=self.gone.__getitem__)[-MAX_GONE_LISTED:]
-        ours = (GONE_FIELD, APART_FIELD)
+        ours = (GONE_FIELD, APART_FIELD, CELL_FIELD)
         extra = {k: v for k, v in transport.record().extra.items() if k not in ours}
         if latest:
             extra[GONE_FIELD] = [tag_of(pid) for pid in latest]
         if self.samples:  # no coordinate before the first RTT sample
             extra[COORDINATE_FIELD] = self.coordinate.to_wire()
+            self.cell = place(self.coordinate, self.region_rtt, self.cell)
+            extra[CELL_FIELD] = list(self.cell)
         apart = self._apart_told = self.apart.tags() if self.apart is not None else []
         if apart:
             try:

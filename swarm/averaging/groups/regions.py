@@ -5,52 +5,60 @@ coordinates of the peers looking, e.g. read from ``{run}/peers``) and passes its
 matchmaking (:meth:`swarm.averaging.averager.Averager.average` ``group_key=``). How keys are
 decided:
 
-1. **Regions.** Complete-linkage agglomerative clustering on the predicted RTTs: start with one
-   cluster per peer, repeatedly merge the two clusters whose farthest members are closest, stop
-   when that distance exceeds ``region_rtt``. So every region has a predicted diameter of at most
-   ``region_rtt``; no region list is configured, regions emerge from the coordinates. Merging
-   uses only ``max`` and comparisons on the pairwise predictions, with ties broken by PeerID
-   order, so peers with the same view get the same regions bit for bit.
+1. **Regions.** A grid over the Vivaldi space (:mod:`.grid`): the peers of one cell form a
+   region, the cell being the one each peer publishes in its record (kept while its coordinate
+   wobbles near a face), else the one its coordinate lies in; neighbouring cells whose peers
+   all lie within ``region_rtt / 2`` (a tight cluster that a face cut) are one region. Two
+   peers of a region are at most ``region_rtt`` apart before their heights; no region list is
+   configured, regions emerge from the coordinates. A peer's region depends on its own place
+   and, near a face, on its neighbouring cell's peers only: views that differ in a few peers
+   or in their latest coordinates agree on the regions of the others. (Complete-linkage
+   clustering, used before, found natural clusters but cut a crowd of peers anywhere: in the
+   scale simulation of 1024 peers under churn, 9% of the due peers' regions were the same in
+   every view that held them.)
 2. **Near rounds.** A region smaller than ``min_group_size`` (it could never average alone)
-   joins the region of its nearest peer: complete linkage leaves peers alone whose coordinates
-   put them past the diameter of every cluster (coordinates that are young or off; in the scale
-   simulation of 256 peers with coordinates two minutes old, 10-16% of the due peers, 2-6
-   points fewer with this rule), and a peer truly far from every other (one volunteer on
+   joins the region of its nearest peer: a peer truly far from every other (one volunteer on
    another continent) would otherwise sit out every round but the cross ones. Its longer link
    lengthens its group's rounds, which overlapped rounds hide behind the next steps; sitting
    out would waste its work in three rounds of four. Each region is ordered by a hash of (round,
-   PeerID), which changes every round so that different peers of a region meet, and cut into
+   PeerID), which changes every round so that different peers of a region meet, split into
+   **cells** (halves of the hash space, halved again while both halves hold at least
+   ``CELL_GROUPS * target_group_size`` peers), and each cell is cut into
    ``ceil(size / target_group_size)`` consecutive runs: sizes differ by at most one, never exceed
    the target and are at least ``target_group_size // 2`` (so keep ``min_group_size`` at or
    below that, or some rounds plan groups too small to average). Consecutive runs keep plans
    close when views differ by one peer (one that just joined or died): the peers before it in
    the order keep their groups and those after it shift by one place, so one peer per later
-   group boundary changes group (dealing round-robin would move every peer after it).
+   group boundary changes group (dealing round-robin would move every peer after it), and
+   only inside its cell: a region of 200 peers is about eight cells, and a peer missing from
+   one view moves a few peers of its own cell, not every later group of the region.
    Key: ``r{round}.n.{first}``, ``first`` being the group's smallest PeerID (its leader), so a
    group keeps its key in views that differ elsewhere (a key named after the region or a group
    index would change for every group of the region when its first peer joins or dies).
 3. **Cross rounds** (every ``cross_every``-th round, when there are several regions; with one
    region the round is a near round, so peers that disagree on the round number still meet):
-   Moshpit-style mixing. The regions (before
-   small ones are merged, so a lone peer still takes part) are concatenated, each in its hashed
-   order, and dealt round-robin into ``ceil(n / target_group_size)`` groups: consecutive members
-   of a region go to different groups, so every group holds a peer of each region that has at
-   least as many peers as there are groups, and at most one per region smaller than that.
+   Moshpit-style mixing. All peers are split into cells by a hash of (round, PeerID) as above;
+   each cell lists its members region by region (before small ones are merged, so a lone peer
+   still takes part) and deals them round-robin into ``ceil(n / target_group_size)`` groups:
+   consecutive members of a region go to different groups, so every group holds a peer of each
+   region that has at least as many peers in the cell as there are groups, and at most one per
+   region with fewer. Swarms under ``2 * CELL_GROUPS * target_group_size`` peers are one cell.
    Key: ``r{round}.x.{first}``.
 4. :func:`random_plan` keeps the group sizes of the latency-aware plan but fills them from a
    hashed permutation of all peers: the baseline for benchmarks.
 
 Views differ between peers (DHT records arrive at different times, coordinates move). Only
-stable inputs are used: the set of PeerIDs, the round number and the predicted RTTs, which matter
-only through comparisons with ``region_rtt`` (well separated regions do not change when a
-coordinate moves a little). Two peers with different views may compute different keys; the
-matchmaking only ever groups peers that declared the *same* key, so the cost is a smaller group
-or no group for some peers in that round, never a wrong or split group. To keep views close,
+stable inputs are used: the set of PeerIDs, the round number and the published cells (the
+coordinates decide only where a peer alone in its cell goes). Two peers with different views
+may compute different keys; the matchmaking only ever groups peers that declared the *same*
+key, so the cost is a smaller group or no group for some peers in that round, never a wrong
+or split group. To keep views close,
 build the view from one DHT read per round and leave out peers whose record is very fresh.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import math
@@ -59,7 +67,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from swarm.averaging.groups.coordinates import Coordinate, predict_rtt
+from swarm.averaging.groups.coordinates import Coordinate
+from swarm.averaging.groups.grid import Cell, cell_of, join_tight
 from swarm.errors import AveragingError, ConfigError
 from swarm.identity import PeerID
 
@@ -68,7 +77,7 @@ logger = logging.getLogger(__name__)
 NEAR, CROSS, RANDOM = "near", "cross", "random"
 _KIND_TAG = {NEAR: "n", CROSS: "x", RANDOM: "z"}
 _KEY_CHARS = 16  # of the first member's digest, in hex: unique among a round's groups
-_EXACT_NEAR = 1e-9  # predictions this close to region_rtt (relative) are computed exactly
+CELL_GROUPS = 2  # a cell of a large region holds at least this many groups' worth of peers
 
 
 @dataclass(frozen=True)
@@ -123,9 +132,12 @@ class GroupPlan:
 
 
 def find_regions(
-    view: Mapping[PeerID, Coordinate], region_rtt: float
+    view: Mapping[PeerID, Coordinate],
+    region_rtt: float,
+    cells: Mapping[PeerID, Cell] | None = None,
 ) -> tuple[tuple[PeerID, ...], ...]:
-    """Complete-linkage clusters of predicted RTT at most ``region_rtt`` (see module doc).
+    """The peers of each grid cell (see the module docstring): a peer's cell is its entry in
+    ``cells`` (what it published), else the one its coordinate lies in.
 
     Returns:
         Regions ordered by their smallest PeerID, each sorted by PeerID.
@@ -133,19 +145,27 @@ def find_regions(
     Raises:
         AveragingError: coordinates of different dimension counts.
     """
-    peers, clusters = _clusters(view, region_rtt)
+    peers, clusters = _clusters(view, region_rtt, cells)
     return _as_regions(peers, clusters)
 
 
 def _clusters(
-    view: Mapping[PeerID, Coordinate], region_rtt: float
+    view: Mapping[PeerID, Coordinate],
+    region_rtt: float,
+    cells: Mapping[PeerID, Cell] | None = None,
 ) -> tuple[list[PeerID], list[list[int]]]:
-    """The peers by PeerID and their complete-linkage clusters (as indices)."""
+    """The peers by PeerID and the peers of each region: a cell, or tight neighbours joined."""
     peers = sorted(view, key=lambda p: p.digest)
     if not peers:
         return [], []
-    dist = _predicted_rtts([view[p] for p in peers], region_rtt)
-    return peers, _complete_linkage(dist, region_rtt)
+    if len({view[p].dims for p in peers}) > 1:
+        raise AveragingError("coordinates of different dimension counts cannot be compared")
+    found: dict[Cell, list[int]] = {}
+    for k, p in enumerate(peers):
+        cell = (cells or {}).get(p) or cell_of(view[p], region_rtt)
+        found.setdefault(cell, []).append(k)
+    vectors = np.array([view[p].vector for p in peers], dtype=np.float64)
+    return peers, join_tight(found, vectors, region_rtt)
 
 
 def _as_regions(peers: list[PeerID], clusters: list[list[int]]) -> tuple[tuple[PeerID, ...], ...]:
@@ -167,7 +187,7 @@ def _attach_small(
     small = [c for c in clusters if len(c) < config.min_group_size]
     if not small:
         return joined, idle
-    dist = _predicted_rtts(coords, config.region_rtt, [k for c in small for k in c])
+    dist = _predicted_rtts(coords, [k for c in small for k in c])
     dist[:, owner < 0] = np.inf  # only peers of clusters that can average are candidates
     start = 0
     for c in small:
@@ -181,89 +201,30 @@ def _attach_small(
     return joined, idle
 
 
-def _predicted_rtts(
-    coords: Sequence[Coordinate], region_rtt: float, rows: Sequence[int] | None = None
-) -> np.ndarray:
-    """:func:`predict_rtt` of every pair, vectorized (a Python loop over the pairs took 0.4 s at
-    1024 peers): ``[r, j]`` is the prediction between ``rows[r]`` (default: every peer) and
-    ``j``, as ``predict_rtt`` computes it with the smaller index first; inf for a peer itself.
-
-    Elementwise float64 operations give the same bits on every platform, but may differ from
-    ``math.dist`` in the last bit; the pairs within a hair of ``region_rtt``, the one value a
-    prediction is compared with, are computed with :func:`predict_rtt` itself.
-
-    Raises:
-        AveragingError: coordinates of different dimension counts.
-    """
-    if len({c.dims for c in coords}) > 1:
-        raise AveragingError("coordinates of different dimension counts cannot be compared")
+def _predicted_rtts(coords: Sequence[Coordinate], rows: Sequence[int]) -> np.ndarray:
+    """:func:`predict_rtt` from each of ``rows`` to every peer, vectorized (a Python loop took
+    0.4 s at 1024 peers): ``[r, j]`` is the prediction between ``rows[r]`` and ``j``, inf for a
+    peer itself. Elementwise float64 operations give the same bits on every platform (they may
+    differ from ``math.dist`` in the last bit)."""
     vectors = np.array([c.vector for c in coords], dtype=np.float64)
     heights = np.array([c.height for c in coords], dtype=np.float64)
-    n = len(coords)
-    picked = np.arange(n) if rows is None else np.asarray(rows, dtype=np.intp)
-    dist, scratch = np.zeros((len(picked), n)), np.empty((len(picked), n))
+    picked = np.asarray(rows, dtype=np.intp)
+    dist, scratch = np.zeros((len(picked), len(coords))), np.empty((len(picked), len(coords)))
     for k in range(vectors.shape[1]):
         np.subtract(vectors[picked, k, None], vectors[None, :, k], out=scratch)
         dist += np.square(scratch, out=scratch)
     np.sqrt(dist, out=dist)
-    if rows is None:  # (distance + h_i) + h_j for i < j: the upper half, mirrored
-        dist += heights[:, None]
-        dist += heights[None, :]
-        dist = np.triu(dist, 1)
-        dist += dist.T
-    else:
-        first = picked[:, None] < np.arange(n)[None, :]
-        dist = np.where(
-            first,
-            (dist + heights[picked, None]) + heights[None, :],
-            (dist + heights[None, :]) + heights[picked, None],
-        )
-    near = np.abs(np.subtract(dist, region_rtt, out=scratch), out=scratch)
-    for r, j in zip(*np.nonzero(near <= _EXACT_NEAR * region_rtt), strict=True):
-        i = int(picked[r])
-        dist[r, j] = predict_rtt(coords[min(i, j)], coords[max(i, j)])
+    dist += heights[picked, None]
+    dist += heights[None, :]
     dist[np.arange(len(picked)), picked] = np.inf
     return dist
 
 
-def _complete_linkage(dist: np.ndarray, limit: float) -> list[list[int]]:
-    """Merge the two closest clusters while they are at most ``limit`` apart; ``dist`` (square,
-    symmetric, inf on the diagonal) is used up. Returns the clusters as lists of row indices.
-
-    The pair merged is the first minimum of the whole matrix in row-major order (ties go to the
-    smallest rows). Each row's first minimum is kept: a merge of ``i`` and ``j`` only raises
-    column ``i`` and removes column ``j``, so only rows whose minimum sat there (and row ``i``)
-    are searched again, not the whole matrix (O(n^2) per merge made 1024 peers take 0.2 s).
-    """
-    n = len(dist)
-    members: dict[int, list[int]] = {i: [i] for i in range(n)}  # cluster at row i -> peers
-    nearest = dist.argmin(axis=1)  # each row's first minimum
-    closest = dist[np.arange(n), nearest]
-    while len(members) > 1:
-        i = int(closest.argmin())  # the first row holding the smallest entry
-        j = int(nearest[i])
-        if not dist[i, j] <= limit:
-            break
-        i, j = min(i, j), max(i, j)
-        # complete linkage (Lance-Williams): the merged cluster is as far as its farther half
-        row = dist[i]
-        np.maximum(row, dist[j], out=row)  # (row[i] stays inf)
-        dist[:, i] = row
-        dist[j, :], dist[:, j] = np.inf, np.inf
-        closest[j] = np.inf
-        members[i].extend(members.pop(j))
-        nearest[i] = k = int(row.argmin())
-        closest[i] = row[k]
-        rows = np.flatnonzero((nearest == i) | (nearest == j))
-        if rows.size:
-            found = dist[rows].argmin(axis=1)
-            nearest[rows] = found
-            closest[rows] = dist[rows, found]
-    return list(members.values())
-
-
 def plan_groups(
-    view: Mapping[PeerID, Coordinate], round_: int, config: GroupingConfig
+    view: Mapping[PeerID, Coordinate],
+    round_: int,
+    config: GroupingConfig,
+    cells: Mapping[PeerID, Cell] | None = None,
 ) -> GroupPlan:
     """Near groups in regular rounds, cross-region groups in every ``cross_every``-th round.
 
@@ -271,38 +232,37 @@ def plan_groups(
         view: coordinate of every peer looking for a group this round, this peer included.
         round_: the averaging round (the same on every peer, e.g. the training epoch).
         config: group sizes, cross-round period and region diameter.
+        cells: the grid cell each peer published (:mod:`.grid`); a peer without one is placed
+            by its coordinate.
 
     Raises:
         AveragingError: coordinates of different dimension counts.
     """
-    peers, clusters = _clusters(view, config.region_rtt)
+    peers, clusters = _clusters(view, config.region_rtt, cells)
     regions = _as_regions(peers, clusters)
-    if config.is_cross_round(round_) and len(regions) > 1:  # one region: nothing to mix
-        order = [p for region in regions for p in _hashed(region, round_, CROSS)]
-        groups = {group_key_of(round_, CROSS, g): g for g in _deal(order, config)}
-        return GroupPlan(round_, CROSS, regions, groups)
     able = [r for r in regions if len(r) >= config.min_group_size]
-    if not able:  # no region can average alone (a scattered swarm): mix everyone
-        order = [p for region in regions for p in _hashed(region, round_, CROSS)]
-        groups = {group_key_of(round_, CROSS, g): g for g in _deal(order, config)}
+    if (config.is_cross_round(round_) and len(regions) > 1) or not able:
+        # mix the regions (one region: nothing to mix; none can average alone: mix everyone)
+        groups = {group_key_of(round_, CROSS, g): g for g in _mixed(regions, round_, config)}
         return GroupPlan(round_, CROSS, regions, groups)
     groups = {}
     near, alone = _attach_small([view[p] for p in peers], clusters, config)
     for region in near:
-        members = [peers[k] for k in region]
-        groups.update(
-            {group_key_of(round_, NEAR, g): g for g in _cut(_hashed(members, round_, NEAR), config)}
-        )
+        for cell in _cells(_hashed([peers[k] for k in region], round_, NEAR), config):
+            groups.update({group_key_of(round_, NEAR, g): g for g in _cut(cell, config)})
     return GroupPlan(round_, NEAR, regions, groups, tuple(peers[k] for k in sorted(alone)))
 
 
 def random_plan(
-    view: Mapping[PeerID, Coordinate], round_: int, config: GroupingConfig
+    view: Mapping[PeerID, Coordinate],
+    round_: int,
+    config: GroupingConfig,
+    cells: Mapping[PeerID, Cell] | None = None,
 ) -> GroupPlan:
     """The sizes of :func:`plan_groups`' groups, filled with peers in a hashed random order."""
-    plan = plan_groups(view, round_, config)
+    plan = plan_groups(view, round_, config, cells)
     sizes = [len(g) for g in plan.groups.values()]
-    order = _hashed(sorted(view, key=lambda p: p.digest), round_, RANDOM)
+    order = [p for _, p in _hashed(sorted(view, key=lambda p: p.digest), round_, RANDOM)]
     groups, start = {}, 0
     for size in sorted(sizes, reverse=True):
         group = tuple(order[start : start + size])
@@ -318,6 +278,7 @@ def group_key(
     config: GroupingConfig,
     *,
     randomized: bool = False,
+    cells: Mapping[PeerID, Cell] | None = None,
 ) -> str | None:
     """This peer's matchmaking key for ``round_`` (see :func:`plan_groups`, :func:`random_plan`);
     None when it sits the round out (alone in its region in a regular round).
@@ -327,7 +288,7 @@ def group_key(
     """
     if me not in view:
         raise AveragingError(f"the view of round {round_} must include this peer ({me.short})")
-    plan = (random_plan if randomized else plan_groups)(view, round_, config)
+    plan = (random_plan if randomized else plan_groups)(view, round_, config, cells)
     key = plan.key_of(me)
     size = len(plan.groups[key]) if key is not None else 1
     logger.debug("round %d: %s group %s of %d", round_, plan.kind, key, size)
@@ -340,10 +301,44 @@ def without_round(key: str) -> str:
     return key.split(".", 1)[1]
 
 
-def _hashed(peers: Sequence[PeerID], round_: int, kind: str) -> list[PeerID]:
-    """``peers`` in an order that every peer computes alike and that changes every round."""
+def _hashed(peers: Sequence[PeerID], round_: int, kind: str) -> list[tuple[int, PeerID]]:
+    """``peers`` in an order that every peer computes alike and that changes every round, each
+    with its place in that order: a 64-bit hash of (kind, round, PeerID)."""
     salt = f"swarm/groups/{kind}/{round_}/".encode()
-    return sorted(peers, key=lambda p: hashlib.sha256(salt + p.digest).digest())
+    keyed = [(hashlib.sha256(salt + p.digest).digest(), p) for p in peers]
+    return [(int.from_bytes(h[:8], "big"), p) for h, p in sorted(keyed, key=lambda e: e[0])]
+
+
+def _cells(hashed: Sequence[tuple[int, PeerID]], config: GroupingConfig) -> list[list[PeerID]]:
+    """Runs of ``hashed`` that are dyadic intervals of the hash space: halved while both halves
+    hold at least ``CELL_GROUPS * target_group_size`` peers (see the module docstring)."""
+    least = CELL_GROUPS * config.target_group_size
+    keys = [k for k, _ in hashed]
+    cells: list[list[PeerID]] = []
+    pending = [(0, len(keys), 0, 1 << 64)]  # [start, end) of keys in [low, low + width)
+    while pending:
+        start, end, low, width = pending.pop()
+        middle = low + width // 2
+        cut = bisect.bisect_left(keys, middle, start, end)
+        if width > 1 and cut - start >= least and end - cut >= least:
+            pending += [(cut, end, middle, width // 2), (start, cut, low, width // 2)]
+        else:
+            cells.append([p for _, p in hashed[start:end]])
+    return cells
+
+
+def _mixed(
+    regions: Sequence[Sequence[PeerID]], round_: int, config: GroupingConfig
+) -> list[tuple[PeerID, ...]]:
+    """Cross-round groups: cells of every peer by a hash of the round, each dealt round-robin
+    in the order of its members' regions (see the module docstring)."""
+    region_of = {p: k for k, region in enumerate(regions) for p in region}
+    hashed = _hashed([p for region in regions for p in region], round_, CROSS)
+    rank = {p: k for k, (_, p) in enumerate(hashed)}
+    groups = []
+    for cell in _cells(hashed, config):
+        groups += _deal(sorted(cell, key=lambda p: (region_of[p], rank[p])), config)
+    return groups
 
 
 def _deal(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID, ...]]:
