@@ -82,11 +82,20 @@ def join_tight(
     members = {k: list(cells[c]) for k, c in enumerate(order)}
     root = list(range(len(order)))
     if len(order) > 1:
+        limit = TIGHT * region_rtt
         grid = np.array(order, dtype=np.int64)
-        near = np.abs(grid[:, None, :] - grid[None, :, :]).max(axis=2) <= 1
-        for i, j in zip(*np.nonzero(np.triu(near, 1)), strict=True):
+        low = np.array([vectors[cells[c]].min(axis=0) for c in order])
+        high = np.array([vectors[cells[c]].max(axis=0) for c in order])
+        # neighbours whose peers fit in a box of the limit's side (the rest cannot be joined)
+        fit = np.triu(np.ones((len(order), len(order)), dtype=bool), 1)
+        for k in range(grid.shape[1]):
+            fit &= np.abs(grid[:, None, k] - grid[None, :, k]) <= 1
+            span = np.maximum(high[:, None, k], high[None, :, k])
+            span -= np.minimum(low[:, None, k], low[None, :, k])
+            fit &= span <= limit
+        for i, j in zip(*np.nonzero(fit), strict=True):
             a, b = root[int(i)], root[int(j)]
-            if a != b and _within(vectors[members[a] + members[b]], TIGHT * region_rtt):
+            if a != b and _within(vectors[members[a] + members[b]], limit):
                 members[a] += members.pop(b)
                 root = [a if r == b else r for r in root]
     return list(members.values())
