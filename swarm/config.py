@@ -3,16 +3,17 @@
 Every knob lives in a frozen dataclass validated in ``__post_init__``: a broken setting or a
 broken combination raises :class:`~swarm.errors.ConfigError` when the config is built, not later
 in the middle of a round. How a peer joins (:class:`~swarm.peer_config.PeerConfig`) lives beside
-the peer and is importable from here too.
+the peer, and the named choices (:class:`Mode`, :class:`Grouping`, :class:`Aggregator`) in
+:mod:`swarm.choices`; both are importable from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.choices import AGGREGATORS, GROUPINGS, TRAINING_MODES, Aggregator, Grouping, Mode
 from swarm.compression.spec import CodecSpec
 from swarm.errors import ConfigError
 from swarm.options import SECTION, build_tree
@@ -34,61 +35,6 @@ __all__ = [
 ]
 
 
-class Mode(str, enum.Enum):
-    """What an averaging round averages, and when (``SwarmConfig.mode``).
-
-    A ``str`` enum: ``Mode.DILOCO == "diloco"``, so configs and checkpoints keep their text form.
-    """
-
-    DILOCO = "diloco"  # pseudo-gradient every inner_steps, then an outer Nesterov step
-    LOCAL_SGD = "local_sgd"  # parameter values every inner_steps
-    GRADIENTS = "gradients"  # gradients at every step, before optimizer.step() (like DDP)
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def has_outer_step(self) -> bool:
-        """The round feeds an outer optimizer (with momentum) instead of replacing values."""
-        return self is Mode.DILOCO
-
-    @property
-    def averages_values(self) -> bool:
-        """The round averages raw parameter values (sparse codecs would ruin them)."""
-        return self is Mode.LOCAL_SGD
-
-    @property
-    def averages_gradients(self) -> bool:
-        """Every step is a round, run before ``optimizer.step()`` on the averaged gradients."""
-        return self is Mode.GRADIENTS
-
-
-TRAINING_MODES = tuple(m.value for m in Mode)
-
-
-class Grouping(str, enum.Enum):
-    """Who a peer looks for partners with (``AveragingConfig.grouping``)."""
-
-    LATENCY = "latency"  # near peers by Vivaldi coordinates, regions mixed every cross_every-th
-    RANDOM = "random"  # the same group sizes with random members (a baseline)
-    FIXED = "fixed"  # every peer declares under group_key alone
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Aggregator(str, enum.Enum):
-    """How a part owner reduces its part (``AveragingConfig.aggregator``)."""
-
-    CENTERED_CLIP = "centered_clip"  # capped weights, CenteredClip around the median
-    MEAN = "mean"  # the plain weighted mean (trusted swarms only)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-GROUPINGS = tuple(g.value for g in Grouping)
-AGGREGATORS = tuple(a.value for a in Aggregator)
 DENSE_ANCHOR_SYNC_EVERY = 4  # anchor_sync_every's default with a dense codec (+25% bytes)
 SPARSE_ANCHOR_SYNC_EVERY = 8  # ... and with a sparse one (see the README's fidelity notes)
 SPARSE_ANCHOR_SYNC_CODEC = "int8"  # anchor_sync_codec's default with a sparse codec
