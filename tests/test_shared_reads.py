@@ -156,6 +156,33 @@ async def test_a_declaration_whose_round_is_over_is_not_stored() -> None:
         await a.close()
 
 
+async def test_a_move_to_another_cell_is_announced_at_once() -> None:
+    a, b = await start_peers([174, 175])
+    prober = Prober(a, publish_move_s=10.0)  # no move of the coordinate alone is announced
+    announces = 0
+    real = a.announce
+
+    async def counted() -> int:
+        nonlocal announces
+        announces += 1
+        return await real()
+
+    a.announce = counted  # type: ignore[method-assign]
+    try:
+        await _both_listed(a, b)
+        assert await prober.probe_once() == 1
+        assert announces == 1  # the first coordinate
+        assert await prober.probe_once() == 1
+        assert announces == 1  # the same cell, a small move: the heartbeat's
+        prober.cell = (99, 0, 0, 0)  # as if it had sat far away
+        assert await prober.probe_once() == 1
+        assert announces == 2 and prober.cell != (99, 0, 0, 0)
+        assert a.transport.record().extra[CELL_FIELD] == list(prober.cell)
+    finally:
+        await prober.close()
+        await asyncio.gather(a.close(), b.close())
+
+
 @pytest.mark.parametrize("move_s, announced", [(0.005, 1), (0.0, 3)])
 async def test_a_coordinate_that_barely_moved_waits_for_the_heartbeat(
     move_s: float, announced: int

@@ -87,8 +87,8 @@ class Prober:
         ping_timeout: a probe not answered by then is dropped (no sample).
         rng: peer choice and Vivaldi's random directions (seed it for reproducible tests).
         publish_move_s: a probe round publishes the coordinate at once only when it moved this
-            far (seconds of RTT) since it was last published; a smaller move rides on the next
-            heartbeat, which announces the record anyway.
+            far (seconds of RTT) since it was last published, or to another grid cell; a smaller
+            move rides on the next heartbeat, which announces the record anyway.
         region_rtt: the run's region diameter (seconds), which sizes the grid cell published
             beside the coordinate (:mod:`.grid`).
 
@@ -289,9 +289,11 @@ class Prober:
             taken += 1
         self.samples += taken
         if taken:
-            if self._published is None or _moved(self._published, self.coordinate) >= (
+            moved = self._published is None or _moved(self._published, self.coordinate) >= (
                 self.publish_move_s
-            ):
+            )
+            # a new cell goes out at once: until readers see it, their plans and ours differ
+            if moved or place(self.coordinate, self.region_rtt, self.cell) != self.cell:
                 await self._publish()
             else:
                 self._put_in_record()

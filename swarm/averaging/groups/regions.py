@@ -160,9 +160,10 @@ def _clusters(
         return [], []
     if len({view[p].dims for p in peers}) > 1:
         raise AveragingError("coordinates of different dimension counts cannot be compared")
+    published = cells or {}
     found: dict[Cell, list[int]] = {}
     for k, p in enumerate(peers):
-        cell = (cells or {}).get(p) or cell_of(view[p], region_rtt)
+        cell = published.get(p) or cell_of(view[p], region_rtt)
         found.setdefault(cell, []).append(k)
     vectors = np.array([view[p].vector for p in peers], dtype=np.float64)
     return peers, join_tight(found, vectors, region_rtt)
