@@ -20,6 +20,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "options",
         "refusal_log",
         "round_schedule",
+        "choices",
     ),  # import nothing of swarm but errors
     2: ("identity",),
     3: ("auth",),
