@@ -412,6 +412,12 @@ def main() -> None:
         help="another Swarm option for every peer (e.g. probe_period_s=15), repeatable",
     )
     real.add_argument("--no-equal", action="store_true", help="skip the equal-peers reference")
+    real.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="split the peers over this many processes (Linux): one event loop per process",
+    )
     args = parser.parse_args()
     if args.peers is None:
         args.peers = 1024 if args.sim else 16 if args.soak else 64

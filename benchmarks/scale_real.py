@@ -7,6 +7,7 @@ runners print the JSON lines (see benchmarks/scale.py).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import statistics
@@ -16,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from many_peers import PeerSpec, RunConfig, mixed_specs, run
+from many_procs import run_processes
 
 
 async def run_real(args: argparse.Namespace) -> None:
@@ -27,17 +29,23 @@ async def run_real(args: argparse.Namespace) -> None:
         specs, args.minutes * 60, step_s=args.step_s, churn_per_min=args.churn_per_min,
         seed=args.seed, warmup_s=30.0, options=options, hidden=args.hidden,
     )  # fmt: skip
-    figures = await run(config)
+    figures = await _run(config, args.processes)
     per_peer = figures.pop("per_peer")
     if not args.no_equal:
         mean_speed = statistics.fmean(s.speed for s in specs)
         equal = [PeerSpec(mean_speed, s.uplink_mbit, s.region) for s in specs]
-        reference = await run(dataclasses.replace(config, specs=equal))
+        reference = await _run(dataclasses.replace(config, specs=equal), args.processes)
         figures["equal_final_loss"] = reference["final_loss"]
         figures["equal_samples"] = reference["samples"]
     print(json.dumps({"setting": "real", **figures}), flush=True)
     for peer in per_peer:
         print(json.dumps({"setting": "real-peer", **peer}), flush=True)
+
+
+async def _run(config: RunConfig, processes: int) -> dict:
+    if processes > 1:
+        return await asyncio.to_thread(run_processes, config, processes)
+    return await run(config)
 
 
 async def run_soak(args: argparse.Namespace) -> None:

@@ -19,26 +19,21 @@ second later, joining through a live peer and downloading the swarm's state.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
-import os
 import random
-import statistics
-import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from many_peers_figures import Harvest, current_rss_mb, figures, flat, open_fds, rss_mb
 from poison_run import BATCH, CLASSES, DIM, TEST, data
 from torch import nn
-from wan import WanEmulator, WanNode
+from wan import SharedUplinks, WanEmulator, WanNode
 
 from swarm.api import AsyncSwarm
-
-try:
-    import resource  # POSIX only: no memory figure elsewhere
-except ImportError:
-    resource = None
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 DELAYS = {("eu", "eu"): 0.005, ("us", "us"): 0.005, ("eu", "us"): 0.045}
@@ -95,6 +90,11 @@ class PeerRun:
     nan: bool = False
 
 
+def run_options(config: RunConfig) -> dict[str, Any]:
+    """Every peer's Swarm options."""
+    return {**OPTIONS, "inner_steps": config.inner_steps, **config.options}
+
+
 def make_model(hidden: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
@@ -106,38 +106,64 @@ def test_loss(m: nn.Module) -> float:
 
 
 class ManyPeers:
-    """Start, train, churn and measure ``config.specs`` peers; :meth:`run` returns figures."""
+    """Start, train, churn and measure ``config.specs`` peers; :meth:`run` returns figures.
 
-    def __init__(self, config: RunConfig):
+    One process runs all of them (:meth:`run`), or a share of them (tests/many_procs.py: its
+    nodes, then the others' as remote nodes, :meth:`start`, :meth:`train`)."""
+
+    def __init__(self, config: RunConfig, uplinks: SharedUplinks | None = None):
         self.config = config
         self.rng = random.Random(config.seed)
-        self.runs: list[PeerRun] = []
-        self.wan = WanEmulator(delays=DELAYS, default_delay=0.005)
-        self.options = {**OPTIONS, "inner_steps": config.inner_steps, **config.options}
+        self.runs: dict[int, PeerRun] = {}  # by the spec's index
+        self.wan = WanEmulator(delays=DELAYS, default_delay=0.005, uplinks=uplinks)
+        self.options = run_options(config)
         self.window: tuple[float, float] = (0.0, 0.0)
         self.join_s: list[float] = []  # each start: joining and downloading the state
+        self.others: list[str] = []  # other processes' peers' addresses, to join through
 
     async def run(self) -> dict[str, Any]:
+        cfg = self.config
+        try:
+            await self.add_nodes(range(len(cfg.specs)))
+            await self.start([0])  # the first peer starts the run, the others join it together
+            await self.start(range(1, len(cfg.specs)))
+            return figures(cfg, self.options, [await self.train(time.monotonic())])
+        finally:
+            await self.close()
+
+    async def add_nodes(self, indices: Iterable[int]) -> dict[int, WanNode]:
+        """This process's hosts: ``indices`` of ``config.specs``."""
+        for i in indices:
+            spec = self.config.specs[i]
+            node = await self.wan.add_node(f"p{i}", region=spec.region)
+            self.wan.set_uplink(node, spec.uplink_mbit * MBIT)
+            self.runs[i] = PeerRun(spec, node)
+        return {i: r.node for i, r in self.runs.items()}
+
+    def add_remote(self, nodes: dict[int, WanNode]) -> None:
+        """Other processes' hosts, by index."""
+        for i, node in nodes.items():
+            if i not in self.runs:
+                self.wan.add_remote(node, region=self.config.specs[i].region)
+                self.others.append(str(node.announce))
+
+    async def start(self, indices: Iterable[int]) -> None:
+        """Start the peers of ``indices`` together; each joins through a started one."""
+        runs = [self.runs[i] for i in indices]
+        joined = await asyncio.gather(*(self._start(r) for r in runs), return_exceptions=True)
+        for r, swarm in zip(runs, joined, strict=True):
+            r.swarm = swarm if isinstance(swarm, AsyncSwarm) else None
+        failed = [e for e in joined if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]  # (the started ones close in close())
+
+    async def train(self, start: float) -> Harvest:
+        """Train every host from now; measure from ``start`` + warm-up for the duration."""
         cfg = self.config
         # tiny models: torch's intra-op threads would only contend with the one event loop
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            for i, spec in enumerate(cfg.specs):
-                node = await self.wan.add_node(f"p{i}", region=spec.region)
-                self.wan.set_uplink(node, spec.uplink_mbit * MBIT)
-                self.runs.append(PeerRun(spec, node))
-            # the first peer starts the run, the others join it together (as a burst would)
-            self.runs[0].swarm = await self._start(self.runs[0])
-            joined = await asyncio.gather(
-                *(self._start(r) for r in self.runs[1:]), return_exceptions=True
-            )
-            for r, swarm in zip(self.runs[1:], joined, strict=True):
-                r.swarm = swarm if isinstance(swarm, AsyncSwarm) else None
-            failed = [e for e in joined if isinstance(e, BaseException)]
-            if failed:
-                raise failed[0]  # (the started ones close below)
-            start = time.monotonic()
             self.window = (start + cfg.warmup_s, start + cfg.warmup_s + cfg.duration_s)
             loop_cpu: list[float] = []  # the event loop thread's CPU seconds at the window's start
             clock = asyncio.create_task(self._loop_cpu(loop_cpu))
@@ -145,20 +171,32 @@ class ManyPeers:
             watch = asyncio.create_task(self._count_datagrams(datagrams))
             samples: list[dict[str, float | None]] = []
             sampler = asyncio.create_task(self._sample(samples, start))
-            await asyncio.gather(*(self._host(i, run) for i, run in enumerate(self.runs)))
-            watch.cancel()
-            sampler.cancel()
-            clock.cancel()
-            figures = self._figures(datagrams[1] - datagrams[0])
-            # above about 0.8 the one loop is the bottleneck: figures measure the harness
-            figures["loop_cpu_share"] = (time.thread_time() - loop_cpu[0]) / max(
-                1e-9, time.monotonic() - self.window[0]
+            await asyncio.gather(*(self._host(i, run) for i, run in self.runs.items()))
+            for task in (watch, sampler, clock):
+                task.cancel()
+            return self._harvest(
+                datagrams[1] - datagrams[0],
+                (time.thread_time() - loop_cpu[0]) / max(1e-9, time.monotonic() - self.window[0]),
+                samples,
             )
-            return {**figures, "over_time": samples} if samples else figures
         finally:
-            await asyncio.gather(*(r.swarm.close() for r in self.runs if r.swarm is not None))
-            await self.wan.close()
             torch.set_num_threads(threads)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.swarm.close() for r in self.runs.values() if r.swarm is not None))
+        await self.wan.close()
+
+    def _harvest(self, datagrams: int, loop_cpu_share: float, samples: list[Any]) -> Harvest:
+        live = [r.swarm for r in self.runs.values() if r.swarm is not None]
+        with torch.no_grad():
+            models = [flat(s.model.parameters()) for s in live]
+            anchors = [flat(s.engine.outer.anchor) for s in live]
+        parameters = sum(p.numel() for p in live[0].model.parameters()) if live else 0
+        runs = [dataclasses.replace(r, swarm=None) for r in self.runs.values()]
+        return Harvest(
+            runs, models, anchors, [test_loss(s.model) for s in live], self.join_s, datagrams,
+            loop_cpu_share, rss_mb(), parameters, samples,
+        )  # fmt: skip
 
     async def _loop_cpu(self, out: list[float]) -> None:
         """The CPU time of this (the loop's) thread when the window opens."""
@@ -179,17 +217,19 @@ class ManyPeers:
             out.append(
                 {
                     "t_s": round(time.monotonic() - start, 1),
-                    "rss_mb": _current_rss_mb(),
-                    "fds": _open_fds(),
+                    "rss_mb": current_rss_mb(),
+                    "fds": open_fds(),
                     "tasks": len(asyncio.all_tasks()),
-                    "peers": sum(r.swarm is not None for r in self.runs),
+                    "peers": sum(r.swarm is not None for r in self.runs.values()),
                 }
             )
             await asyncio.sleep(every)
 
     async def _start(self, run: PeerRun) -> AsyncSwarm:
-        alive = [r for r in self.runs if r.swarm is not None and r is not run]
+        alive = [r for r in self.runs.values() if r.swarm is not None and r is not run]
         initial = [str(self.rng.choice(alive).node.announce)] if alive else []
+        if self.others:  # (another process's peer: started, or back within seconds)
+            initial.append(self.rng.choice(self.others))
         model = make_model(self.config.hidden)
         opt = torch.optim.Adam(model.parameters(), lr=self.config.lr)
         began = time.monotonic()
@@ -265,145 +305,12 @@ class ManyPeers:
             else:
                 run.reasons.append(report.reason)
 
-    def _figures(self, datagrams: int) -> dict[str, Any]:
-        cfg = self.config
-        live = [r for r in self.runs if r.swarm is not None]
-        with torch.no_grad():
-            models = [_flat(r.swarm.model.parameters()) for r in live]
-            anchors = [_flat(r.swarm.engine.outer.anchor) for r in live]
-        fast = [r for r in self.runs if r.spec.speed >= 1.0]
-        slow = [r for r in self.runs if r.spec.speed < 1.0]
-        mm = sorted(x for r in self.runs for x in r.matchmaking_s)
-        slowest_uplink = min(r.spec.uplink_mbit for r in self.runs)
-        groups_with_slow: set[str] = set()
-        for r in self.runs:
-            if r.spec.uplink_mbit == slowest_uplink:
-                groups_with_slow.update(grp for grp, _ in r.rounds)
-        rounds = [(grp, s) for r in self.runs for grp, s in r.rounds]
-        with_slow = [s for grp, s in rounds if grp in groups_with_slow]
-        without = [s for grp, s in rounds if grp not in groups_with_slow]
-        minutes = cfg.duration_s / 60
-        return {
-            "peers": len(self.runs),
-            "parameters": sum(p.numel() for p in live[0].swarm.model.parameters()),
-            "inner_steps": self.options["inner_steps"],
-            "compute_spread": max(s.speed for s in cfg.specs) / min(s.speed for s in cfg.specs),
-            "uplink_spread_mbit": [
-                min(s.uplink_mbit for s in cfg.specs),
-                max(s.uplink_mbit for s in cfg.specs),
-            ],
-            "churn_per_min": cfg.churn_per_min,
-            "duration_s": cfg.duration_s,
-            "averaged_share": _share(
-                sum(r.averaged for r in self.runs), sum(r.due for r in self.runs)
-            ),
-            "averaged_share_min": min(_share(r.averaged, r.due) for r in self.runs),
-            "matchmaking_p50_s": _quantile(mm, 0.5),
-            "matchmaking_p99_s": _quantile(mm, 0.99),
-            "utilization_fast": _utilization(fast),
-            "utilization_fast_min": min((_utilization([r]) for r in fast), default=None),
-            "utilization_slow": _utilization(slow),
-            "speed_kept_fast_min": min((self._speed_kept(r) for r in fast), default=None),
-            "round_s_p50": _quantile(sorted(without), 0.5),
-            "round_s_p50_slow_member": _quantile(sorted(with_slow), 0.5),
-            "consensus_spread": _spread(models),
-            "anchor_spread": _spread(anchors),
-            "dht_msgs_per_peer_per_min": datagrams / len(self.runs) / minutes,
-            "rss_mb_per_peer": _rss_mb() / len(self.runs),
-            "join_s_p50": _quantile(sorted(self.join_s), 0.5),
-            "join_s_max": max(self.join_s),
-            "final_loss": statistics.fmean(test_loss(r.swarm.model) for r in live),
-            "samples": sum(r.samples for r in self.runs),
-            "nan": any(r.nan for r in self.runs),
-            "restarts": sum(r.restarts for r in self.runs),
-            "reasons": _count(x for r in self.runs for x in r.reasons),
-            "per_peer": [
-                {
-                    "speed": r.spec.speed,
-                    "uplink_mbit": r.spec.uplink_mbit,
-                    "due": r.due,
-                    "averaged": r.averaged,
-                    "utilization": round(_utilization([r]) or 0.0, 3),
-                    "speed_kept": round(self._speed_kept(r), 3),
-                    "samples": r.samples,
-                }
-                for r in self.runs
-            ],
-        }
-
-    def _speed_kept(self, run: PeerRun) -> float:
-        """The emulated step time over the time ``run``'s steps took, waits for rounds left
-        out: under 1 when the shared loop could not keep up with the emulated speed."""
-        stepping = run.window_s - run.waited_s
-        nominal = run.samples / BATCH * self.config.step_s / run.spec.speed
-        return nominal / stepping if stepping > 0 else 0.0
-
 
 async def _vanish(swarm: AsyncSwarm) -> None:
     """Drop a peer as a crash would: no leave marker, no goodbye (its sockets just close)."""
     if swarm.peer is not None:
         swarm.peer._expiration = 0.0  # (fault injection) as if it never announced: no marker
     await swarm.close()
-
-
-def _flat(tensors: Any) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
-
-
-def _spread(vectors: list[torch.Tensor]) -> float:
-    """Max over peers of ||v - mean|| / ||mean||."""
-    mean = torch.stack(vectors).mean(0)
-    return max(float((v - mean).norm() / mean.norm()) for v in vectors)
-
-
-def _utilization(runs: list[PeerRun]) -> float | None:
-    wall = sum(r.window_s for r in runs)
-    return 1.0 - sum(r.waited_s for r in runs) / wall if wall else None
-
-
-def _share(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def _count(items: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
-
-
-def _rss_mb() -> float:
-    """This process's peak resident memory (MB; NaN where unknown)."""
-    if resource is None:
-        return math.nan
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**20 if sys.platform == "darwin" else 2**10)
-
-
-def _current_rss_mb() -> float | None:
-    """This process's resident memory now (MB): Linux's /proc, else the peak (POSIX), else None."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, AttributeError):
-        peak = _rss_mb()
-        return None if math.isnan(peak) else peak
-
-
-def _open_fds() -> int | None:
-    """Descriptors open in this process (Linux and macOS; None elsewhere)."""
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return len(os.listdir(folder))
-        except OSError:
-            continue
-    return None
 
 
 def mixed_specs(n: int, speeds: tuple[float, ...], uplinks: tuple[float, ...]) -> list[PeerSpec]:

@@ -6,11 +6,12 @@ Timing assertions are one-sided or generous: a loaded CI machine may add delay, 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 
 import pytest
-from wan import WanEmulator, WanNode
+from wan import SharedUplinks, WanEmulator, WanNode
 
 from swarm.auth import Membership
 from swarm.identity import Identity
@@ -168,6 +169,66 @@ async def test_udp_from_a_stranger_socket_gets_its_replies() -> None:
         finally:
             client.close()
             sock_b.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="needs SO_REUSEPORT")
+async def test_emulators_of_one_wan_share_uplinks_and_proxy_addresses() -> None:
+    """Two emulators (as two processes would run them): a host's bytes to nodes of both share
+    its one uplink, and datagrams between their nodes carry the proxies' addresses."""
+    rate, size = 2_000_000.0, 1 << 19  # two ~0.26 s transfers on one uplink: ~0.52 s
+    uplinks = SharedUplinks()
+    first = WanEmulator(default_delay=0.010, uplinks=uplinks, first_host=10)
+    second = WanEmulator(default_delay=0.010, uplinks=uplinks, first_host=20)
+    async with first, second:
+        a, c = await first.add_node("a"), await first.add_node("c")
+        b = await second.add_node("b")
+        second.add_remote(a)
+        second.add_remote(c)
+        first.add_remote(b)
+        first.set_uplink(a, rate)
+        sock_a, inbox_a = await _udp(a.host, a.listen.port)
+        sock_b, inbox_b = await _udp(b.host, b.listen.port)
+        received: dict[str, asyncio.Future[float]] = {}
+
+        def sink(name: str):
+            received[name] = asyncio.get_running_loop().create_future()
+
+            async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                total = 0
+                while data := await reader.read(65536):
+                    total += len(data)
+                    if total == size:
+                        received[name].set_result(time.perf_counter())
+                writer.close()
+
+            return serve
+
+        servers = [
+            await asyncio.start_server(sink(n.name), n.listen.host, n.listen.port) for n in (b, c)
+        ]
+        writers = []
+        try:
+            sock_a.sendto(b"ping", (b.announce.host, b.announce.port))
+            data, sender = await asyncio.wait_for(inbox_b.get(), 5)
+            assert data == b"ping" and sender == (a.announce.host, a.announce.port)
+            sock_b.sendto(b"pong", sender)
+            data, sender = await asyncio.wait_for(inbox_a.get(), 5)
+            assert data == b"pong" and sender == (b.announce.host, b.announce.port)
+            start = time.perf_counter()
+            for node in (b, c):  # b's proxy runs in the second emulator, c's in the first
+                _, writer = await _tcp_to(a, node)
+                writer.write(bytes(size))
+                writers.append(writer)
+            done = await asyncio.wait_for(asyncio.gather(*received.values()), 10)
+        finally:
+            for writer in writers:
+                writer.close()
+            for server in servers:
+                server.close()
+            sock_a.close()
+            sock_b.close()
+    ideal = 2 * size / rate + 0.010  # (each alone: half that)
+    assert ideal - EARLY <= max(done) - start < 1.2 * ideal + SLACK
 
 
 async def test_swarm_transports_ping_through_the_emulator() -> None:

@@ -27,6 +27,13 @@ take effect at once, also on open connections (a peer "moves")::
         b = await wan.add_node("b", region="us")
         # start peers with listen=a.listen, announce=a.announce (and b likewise)
         wan.move(b, "eu")
+
+Several processes can emulate one WAN (``tests/many_procs.py``): each runs an emulator for its
+own nodes and :meth:`WanEmulator.add_remote` for the others', with one :class:`SharedUplinks`
+for all. Every process binds every node's UDP proxy address (``SO_REUSEPORT``, Linux), so
+whichever of them the kernel hands a datagram can send it on from the sender's proxy address;
+a TCP proxy runs in its node's process only. Loop time is ``time.monotonic()`` in every
+process, so the uplinks' shared "busy until" times compare.
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import multiprocessing
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from swarm.address import PeerAddress
 
@@ -50,6 +58,12 @@ MAX_UDP_QUEUE_S = 1.0  # a datagram queued longer than this behind the rate limi
 Addr = tuple[str, int]
 
 
+class Uplink(Protocol):
+    rate: float
+
+    def reserve(self, nbytes: int, now: float) -> float: ...
+
+
 @dataclass
 class Link:
     """One direction between two hosts. Change ``delay`` and ``rate`` at any time."""
@@ -59,7 +73,7 @@ class Link:
     busy_until: float = 0.0  # loop time at which the bytes queued so far have left
     bytes_sent: int = 0  # total bytes carried (for benchmarks)
     datagrams: int = 0  # UDP datagrams carried (for benchmarks)
-    uplink: Link | None = None  # the sender's uplink, shared by all its links (set_uplink)
+    uplink: Uplink | None = None  # the sender's uplink, shared by all its links (set_uplink)
 
     def reserve(self, nbytes: int, now: float) -> float:
         """Queue ``nbytes`` behind what is on the wire; returns when their last byte leaves."""
@@ -68,6 +82,42 @@ class Link:
         self.busy_until = max(now, self.busy_until) + nbytes / self.rate
         self.bytes_sent += nbytes
         return self.busy_until
+
+
+class SharedUplinks:
+    """Every host's uplink, shared by the emulators of several processes: the time each is busy
+    until and its rate, in shared memory, reserved under one lock. Create it before starting
+    the processes and hand it to them as an argument."""
+
+    def __init__(self, context: Any = None):
+        context = context or multiprocessing.get_context("spawn")
+        self._busy = context.RawArray("d", 256)  # by the host's last octet
+        self._rates = context.RawArray("d", 256)
+        self._lock = context.Lock()
+
+    def of(self, host: str) -> _SharedUplink:
+        return _SharedUplink(self, int(host.rsplit(".", 1)[1]))
+
+
+class _SharedUplink:
+    """One host's uplink in :class:`SharedUplinks` (the :class:`Link` fields that uplinks use)."""
+
+    def __init__(self, shared: SharedUplinks, slot: int):
+        self.shared, self.slot = shared, slot
+
+    @property
+    def rate(self) -> float:
+        return self.shared._rates[self.slot] or math.inf
+
+    @rate.setter
+    def rate(self, value: float) -> None:
+        self.shared._rates[self.slot] = value
+
+    def reserve(self, nbytes: int, now: float) -> float:
+        busy = self.shared._busy
+        with self.shared._lock:
+            busy[self.slot] = max(now, busy[self.slot]) + nbytes / self.rate
+            return busy[self.slot]
 
 
 @dataclass(frozen=True)
@@ -126,6 +176,8 @@ class WanEmulator:
         default_delay: one-way delay of links that ``delays`` does not cover.
         rate: bytes per second of every new link (``math.inf``: unlimited).
         first_host: the first node gets ``127.0.0.<first_host>`` and ``127.0.1.<first_host>``.
+        uplinks: shared with other processes' emulators of the same WAN (module docstring);
+            UDP proxies then bind with ``SO_REUSEPORT``.
     """
 
     def __init__(
@@ -135,7 +187,9 @@ class WanEmulator:
         default_delay: float = 0.0,
         rate: float = math.inf,
         first_host: int = 10,
+        uplinks: SharedUplinks | None = None,
     ):
+        self.shared = uplinks
         self.delays = dict(delays or {})
         self.default_delay = default_delay
         self.rate = rate
@@ -144,7 +198,7 @@ class WanEmulator:
         self._region: dict[str, str | None] = {}  # node host -> region
         self._by_listen: dict[Addr, WanNode] = {}
         self._links: dict[tuple[str, str], Link] = {}
-        self._uplinks: dict[str, Link] = {}  # node host -> its uplink (set_uplink)
+        self._uplinks: dict[str, Uplink] = {}  # node host -> its uplink (set_uplink)
         self._udp: dict[str, _UdpSocket] = {}  # node name -> its proxy socket
         self._relays: dict[tuple[Addr, str], _UdpSocket] = {}
         self._servers: list[asyncio.Server] = []
@@ -163,7 +217,7 @@ class WanEmulator:
             raise ValueError(f"node {name!r} exists or no loopback host is left")
         index, self._next_host = self._next_host, self._next_host + 1
         listen_host, announce_host = f"{LISTEN_PREFIX}{index}", f"{ANNOUNCE_PREFIX}{index}"
-        tcp, udp, port = _bind_pair(announce_host, listen_host)
+        tcp, udp, port = _bind_pair(announce_host, listen_host, self.shared is not None)
         node = WanNode(name, PeerAddress(listen_host, port), PeerAddress(announce_host, port))
         self.nodes[name], self._by_listen[(listen_host, port)] = node, node
         self._region[listen_host] = region
@@ -174,6 +228,19 @@ class WanEmulator:
         self._servers.append(server)
         logger.debug("wan node %s: %s behind %s", name, node.listen, node.announce)
         return node
+
+    def add_remote(self, node: WanNode, *, region: str | None = None) -> None:
+        """Another process's node (its emulator took ``node``'s addresses): bytes from and to
+        it take its region's delays and its shared uplink, and this process can send datagrams
+        as its proxy."""
+        if self.shared is None:
+            raise ValueError("remote nodes need SharedUplinks")
+        self._by_listen[(node.listen.host, node.listen.port)] = node
+        self._region[node.host] = region
+        self._uplinks[node.host] = self.shared.of(node.host)
+        udp = _reuse_port_socket(socket.SOCK_DGRAM)
+        udp.bind((node.announce.host, node.announce.port))
+        self._udp[node.name] = _UdpSocket(udp, lambda d, a: self._on_datagram(node, d, a))
 
     def link(self, src: WanNode | str, dst: WanNode | str) -> Link:
         """The directed link ``src -> dst`` (nodes or hosts), created on first use."""
@@ -205,7 +272,10 @@ class WanEmulator:
     def set_uplink(self, node: WanNode, rate: float) -> None:
         """Give ``node`` one uplink of ``rate`` bytes per second that all its outgoing links
         share (a home connection), on top of each link's own rate and delay."""
-        uplink = self._uplinks.setdefault(node.host, Link())
+        if node.host not in self._uplinks:
+            shared = self.shared.of(node.host) if self.shared is not None else None
+            self._uplinks[node.host] = shared or Link()
+        uplink = self._uplinks[node.host]
         uplink.rate = rate
         for (src, _), link in self._links.items():
             if src == node.host:
@@ -349,11 +419,23 @@ def _host(x: WanNode | str) -> str:
     return x.host if isinstance(x, WanNode) else x
 
 
-def _bind_pair(announce_host: str, listen_host: str) -> tuple[socket.socket, socket.socket, int]:
-    """TCP + UDP sockets on ``announce_host:P`` for a port ``P`` also free on ``listen_host``."""
+def _reuse_port_socket(kind: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # (Linux, BSD: no Windows)
+    return sock
+
+
+def _bind_pair(
+    announce_host: str, listen_host: str, shared_udp: bool = False
+) -> tuple[socket.socket, socket.socket, int]:
+    """TCP + UDP sockets on ``announce_host:P`` for a port ``P`` also free on ``listen_host``;
+    ``shared_udp``: other processes may bind ``announce_host:P`` for UDP too."""
     for _ in range(50):
         tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        if shared_udp:
+            udp = _reuse_port_socket(socket.SOCK_DGRAM)
+        else:
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tcp.bind((announce_host, 0))
