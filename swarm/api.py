@@ -11,11 +11,10 @@ thread) and :class:`AsyncSwarm` (``await``; runs on the caller's loop)::
             optimizer.zero_grad()            # step() does NOT zero gradients, as optimizer.step()
 
 With ``diloco`` a due round runs in the background while the next inner steps go on (``overlap``,
-the default): ``step()`` returns at once, and the round's outer update lands at a later step; it
-waits only when the next round is due before the last one has finished. With ``overlap=False``
-(and in ``local_sgd``/``gradients``) ``step()`` blocks for the whole round, so compute
-utilization is ``1 - round time / (round time + inner_steps x step time)``; every report
-carries it.
+the default): ``step()`` returns at once and the round lands at a later step, waiting only when
+the next round is due before the last one finished. With ``overlap=False`` (and in
+``local_sgd``/``gradients``) ``step()`` blocks for the whole round; every report carries the
+compute utilization.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,6 +36,7 @@ from swarm.config_sources import facade_config
 from swarm.errors import SwarmError, TrainingError
 from swarm.monitor.tracker import RoundFigures
 from swarm.net.record import PeerRecord
+from swarm.training.cadence import RoundLookout
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import AwaitingRounds, BlockingRounds, Rounds, drive, run_inline
 from swarm.training.engine import TrainingEngine
@@ -85,6 +85,7 @@ class AsyncSwarm:
         self._provider = StateProvider(self.engine)
         self._rounds: set[asyncio.Task[RoundOutcome]] = set()  # rounds running in the background
         self._awaiting = AwaitingRounds(self.average_round, self.start_round)
+        self._lookout = RoundLookout()
         self.joined: Joined | None = None  # the state adopted on joining, and refused providers
 
     @classmethod
@@ -187,6 +188,8 @@ class AsyncSwarm:
             A :class:`StepReport` (``round_due``/``averaged``/``reason`` tell what happened).
         """
         report = await self._step(samples, loss, self._awaiting)
+        if (read := self._read_ahead()) is not None:
+            read()
         await asyncio.sleep(0)  # one turn of the loop per step: a round in flight moves on
         return report
 
@@ -194,6 +197,11 @@ class AsyncSwarm:
         """One step, its rounds run by ``rounds`` (``Swarm`` drives this in its own thread)."""
         self.peer.progress.note_loss(loss)
         return await drive(self.engine.step(samples, loss), rounds)
+
+    def _read_ahead(self) -> Callable[[], None] | None:
+        """The read of the peer list to start now, when a round falls due within seconds."""
+        soon = self._lookout.due_soon(self.engine.seconds_to_due())
+        return self.averager.planner.read_ahead if soon and self.averager is not None else None
 
     async def wait_round(self) -> StepReport | None:
         """Wait for the round in flight (overlap) and apply it; None when none runs.
@@ -267,10 +275,9 @@ class AsyncSwarm:
         for task in rounds:
             task.cancel()
         await asyncio.gather(*rounds, return_exceptions=True)
-        averager, self.averager = self.averager, None
+        averager, self.averager, peer, self.peer = self.averager, None, self.peer, None
         if averager is not None:
             await averager.close()
-        peer, self.peer = self.peer, None
         if peer is not None:
             await peer.close()
 
@@ -353,7 +360,10 @@ class Swarm:
                 is logged as a WARNING and flagged in the report (``diverging``).
         """
         # AsyncSwarm's step, driven in this thread: a round runs on the loop thread
-        return run_inline(self._async._step(samples, loss, self._blocking))
+        report = run_inline(self._async._step(samples, loss, self._blocking))
+        if (read := self._async._read_ahead()) is not None:
+            self._loop.call_soon_threadsafe(read)
+        return report
 
     def wait_round(self) -> StepReport | None:
         """Wait for the round in flight and apply it; see :meth:`AsyncSwarm.wait_round`."""

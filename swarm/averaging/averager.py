@@ -316,6 +316,7 @@ class Averager:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
         self.butterfly.close()
+        self.planner.close()
         if self.prober is not None and self._own_prober:
             await self.prober.close()
         await self.matchmaker.close()

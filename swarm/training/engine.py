@@ -181,6 +181,13 @@ class TrainingEngine(PersistentState):
             return None
         return (yield from self.land())
 
+    def seconds_to_due(self) -> float | None:
+        """About how long until the next round falls due (None: unknown, or every step is a
+        round); a round in flight that the next one waits for does not count."""
+        if self.mode.averages_gradients:
+            return None
+        return self.cadence.seconds_to_due(self.steps_in_round)
+
     def count(self, samples: float | None, loss: object = None) -> bool:
         """Count a local step (and the script's loss, if passed); True when it ends a round."""
         if samples is not None and not samples >= 0:

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # or named by a lying report) must not hold up every plan; a check still running lands in
 # the next plan.
 REPORT_WAIT_S = 0.5
+# a read of the peer list this young serves a plan: the read ahead of the round (see
+# swarm.training.cadence.RoundLookout), or a background read of the prober
+FRESH_READ_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,26 @@ class GroupPlanner:
         )
         self.order = 0  # the round order the next round plans with when the caller gives none
         self.rounds_started = 0  # rounds planned
+        self._ahead: asyncio.Task[object] | None = None  # the read ahead of the next round
+        self.reads_ahead = 0  # reads started ahead of a round
+
+    def read_ahead(self) -> None:
+        """A round falls due in a few seconds: read the peer records now, so that its plan
+        finds them fresh instead of waiting for the read."""
+        if self.prober is None or self.grouping == "fixed":
+            return
+        if self._ahead is None or self._ahead.done():
+            self._ahead = asyncio.ensure_future(self.prober.refresh())
+            self.reads_ahead += 1
+
+    async def wait_read_ahead(self) -> None:
+        """Wait for the read ahead under way, if any."""
+        if self._ahead is not None:
+            await asyncio.shield(self._ahead)
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.cancel()
 
     async def plan(self, round_: int | None, order: int | None = None) -> RoundKey:
         """This round's key from the prober's view of the peers (see the module docstring).
@@ -94,8 +117,8 @@ class GroupPlanner:
         if self.prober is None or self.grouping == "fixed":
             return RoundKey(base, order=number)
         budget = self.config.matchmaking_timeout_s / 4
-        try:  # one fresh read per round: peers that start a round together see the same peers
-            await asyncio.wait_for(self.prober.refresh(), budget)
+        try:  # a fresh read per round: peers that start a round together see the same peers
+            await asyncio.wait_for(self.prober.refresh(FRESH_READ_S), budget)
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
         await self._check_reports(min(budget, REPORT_WAIT_S))
