@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 # or named by a lying report) must not hold up every plan; a check still running lands in
 # the next plan.
 REPORT_WAIT_S = 0.5
-# a read of the peer list this young serves a plan: the read ahead of the round (see
-# swarm.training.cadence.RoundLookout), or a background read of the prober
+# a read ahead of the round (swarm.training.cadence.RoundLookout) started this recently serves
+# its plan; any other plan reads afresh
 FRESH_READ_S = 5.0
 
 
@@ -83,6 +83,7 @@ class GroupPlanner:
         self.order = 0  # the round order the next round plans with when the caller gives none
         self.rounds_started = 0  # rounds planned
         self._ahead: asyncio.Task[object] | None = None  # the read ahead of the next round
+        self._ahead_at: float | None = None  # loop time it started
         self.reads_ahead = 0  # reads started ahead of a round
 
     def read_ahead(self) -> None:
@@ -92,6 +93,7 @@ class GroupPlanner:
             return
         if self._ahead is None or self._ahead.done():
             self._ahead = asyncio.ensure_future(self.prober.refresh())
+            self._ahead_at = asyncio.get_running_loop().time()
             self.reads_ahead += 1
 
     async def wait_read_ahead(self) -> None:
@@ -117,8 +119,14 @@ class GroupPlanner:
         if self.prober is None or self.grouping == "fixed":
             return RoundKey(base, order=number)
         budget = self.config.matchmaking_timeout_s / 4
-        try:  # a fresh read per round: peers that start a round together see the same peers
-            await asyncio.wait_for(self.prober.refresh(FRESH_READ_S), budget)
+        # a fresh read per round (peers that start a round together see the same peers): the
+        # read ahead of it, under way or done since it started, or a new one
+        ahead, self._ahead_at = self._ahead_at, None
+        since = asyncio.get_running_loop().time() - ahead if ahead is not None else 0.0
+        try:
+            await asyncio.wait_for(
+                self.prober.refresh(since if since < FRESH_READ_S else 0), budget
+            )
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
         await self._check_reports(min(budget, REPORT_WAIT_S))
