@@ -313,6 +313,7 @@ def run_sim(args: argparse.Namespace) -> None:
         start_spread_s=args.start_spread_s,
         read_cap=read_cap,
         view_quantum_s=args.view_quantum_s,
+        read_ahead=not args.no_read_ahead,
     )
     started = time.perf_counter()
     world = World(sim)
@@ -396,6 +397,11 @@ def main() -> None:
         type=float,
         default=None,
         help="what-if: plan from the records as of the last multiple of this (all peers alike)",
+    )
+    parser.add_argument(
+        "--no-read-ahead",
+        action="store_true",
+        help="the planner reads when its round starts (the code before RoundLookout)",
     )
     real = parser.add_argument_group("--real")
     real.add_argument("--speeds", default="1,0.5,0.25", help="compute speeds, cycled over peers")

@@ -26,7 +26,9 @@ The DHT, as the code uses it:
   report gone, up to 8 per plan, as ``GroupPlanner`` does).
 
 Rounds are due every ``round_s`` (at a random phase of the clock); each started peer starts its
-round within ``start_spread_s`` of the due time (unequal compute). A peer that leaves before its
+round within ``start_spread_s`` of the due time (unequal compute); its plan's read of the peer
+list began ``READ_AHEAD_S`` before the due time (RoundLookout; ``read_ahead=False``: when the
+peer starts its round), and it declares once the read is done. A peer that leaves before its
 round could end is not due, and counts as dead from the round's start for the others. A joiner
 averages from its first round ``startup_s`` after it joined. The planner's CPU time is not added
 to the simulated times. ``view_quantum_s`` is a what-if, not the code's rule (see
@@ -54,6 +56,7 @@ from swarm.averaging.groups.join_desk import LAG_SAMPLES, PATIENCE_SLACK_S
 from swarm.averaging.groups.planner import REPORT_WAIT_S
 from swarm.averaging.groups.prober import MAX_GONE_LISTED, MAX_REPORT_CHECKS, REPORT_RECHECK_S
 from swarm.identity import PeerID
+from swarm.training.cadence import READ_AHEAD_S
 
 VIVALDI = VivaldiConfig()
 ORIGIN = Coordinate.origin(VIVALDI.dims)
@@ -86,6 +89,7 @@ class World:
         self._events: list[tuple[float, int, str, int]] = []
         self._seq = 0
         self._due: dict[int, list[Seeker]] = {}
+        self._due_at = 0.0  # the round being planned fell due then
         self._candidates: tuple[Any, ...] | None = None  # see _probe_candidates
         for _ in range(config.peers):
             self._add_peer(-self.rng.uniform(0.0, INITIAL_AGES_S), 0.0)
@@ -231,6 +235,7 @@ class World:
         cfg = self.cfg
         stats = RoundStats(r)
         self.rounds.append(stats)
+        self._due_at = due_at
         self._due[r] = []
         last = due_at + cfg.start_spread_s
         gone_for_good = due_at - 2 * self.ttl  # (their records expired long ago)
@@ -249,7 +254,10 @@ class World:
     def _plan(self, idx: int, start: float) -> None:
         """One due peer plans its round from its own view (GroupPlanner.plan)."""
         peer, stats = self.peers[idx], self.rounds[-1]
-        view, cells, wait = self._view_of(peer, start)
+        # the read: ahead of the round (its records as they stood then), or at the start
+        read_at = self._due_at - READ_AHEAD_S if self.cfg.read_ahead else start
+        read_done = read_at + get_delay(self.rng)
+        view, cells, wait = self._view_of(peer, read_at, max(start, read_done))
         gc.disable()  # (a collection of the simulation's own objects is not the planner's)
         try:
             started = time.perf_counter()
@@ -266,7 +274,7 @@ class World:
             return
         members = plan.groups[key]
         leader = self.by_pid[min(members, key=lambda p: p.digest)]
-        declare = start + get_delay(self.rng) + wait
+        declare = max(start, read_done) + wait
         planned = tuple(self.by_pid[p] for p in members)
         seeker = Seeker(
             idx, peer.pid.digest, start, declare, key, leader, planned, self._patience(peer)
@@ -274,10 +282,12 @@ class World:
         self._due[stats.round].append(seeker)
 
     def _view_of(
-        self, reader: SimPeer, t: float
+        self, reader: SimPeer, t: float, now: float | None = None
     ) -> tuple[dict[PeerID, Coordinate], dict[PeerID, grid.Cell], float]:
-        """The reader's view at ``t`` (one read, then checks of reported peers) with the cells
-        the records publish, and how long the checks held the plan up."""
+        """The reader's view from a read at ``t``, then checks of reported peers at ``now``
+        (default ``t``), with the cells the records publish, and how long the checks held the
+        plan up."""
+        now = t if now is None else now
         if self.cfg.view_quantum_s:
             return *self._anchored_view(reader, t, self.cfg.view_quantum_s), 0.0
         view: dict[PeerID, Coordinate] = {}
@@ -292,7 +302,7 @@ class World:
             reported.extend(v.gone)
         own = view.get(reader.pid, ORIGIN)
         view[reader.pid] = reader.vivaldi.coordinate if own == ORIGIN else own
-        recent = t - REPORT_RECHECK_S
+        recent = now - REPORT_RECHECK_S
         suspects: list[int] = []
         for i in dict.fromkeys(reported):
             if len(suspects) == MAX_REPORT_CHECKS:
@@ -305,11 +315,11 @@ class World:
                 suspects.append(i)
         wait = 0.0
         for i in suspects:
-            reader.checked[i] = t
+            reader.checked[i] = now
             rtt = true_rtt(reader.site, self.peers[i].site, (reader.idx, i))
             wait = max(wait, rtt)
-            if self.peers[i].leave <= t:
-                reader.gone[i] = t + rtt
+            if self.peers[i].leave <= now:
+                reader.gone[i] = now + rtt
                 del view[self.peers[i].pid]
         return view, cells, min(wait, REPORT_WAIT_S)
 

@@ -34,6 +34,9 @@ class SimConfig:
     # what-if, not the code's rule: plan from the records as they stood at the last multiple of
     # this many seconds (less a margin), the same for all peers of a round (None: own read)
     view_quantum_s: float | None = None
+    # the planner's read starts READ_AHEAD_S before the round is due (RoundLookout), not when
+    # the peer starts its round (False: the code before the read ahead)
+    read_ahead: bool = True
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
 
