@@ -21,6 +21,7 @@ import queue
 import random
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from many_peers import ManyPeers, RunConfig, run_options
@@ -45,7 +46,7 @@ def run_processes(config: RunConfig, processes: int) -> dict[str, Any]:
     workers = [
         context.Process(
             target=_worker,
-            args=(config, w, block, uplinks, inboxes[w], outbox, list(sys.path)),
+            args=(_Job(config, w, block, uplinks, inboxes[w], outbox), list(sys.path)),
             daemon=True,
         )
         for w, block in enumerate(blocks)
@@ -93,33 +94,31 @@ def _expect(outbox: Any, kind: str, workers: list[Any]) -> Any:
         return value
 
 
-def _worker(
-    config: RunConfig,
-    index: int,
-    block: list[int],
-    uplinks: SharedUplinks,
-    inbox: Any,
-    outbox: Any,
-    path: list[str],
-) -> None:
+@dataclass
+class _Job:
+    """One worker's share of the run, and its ends of the queues."""
+
+    config: RunConfig
+    index: int
+    block: list[int]  # its hosts (indices of config.specs)
+    uplinks: SharedUplinks
+    inbox: Any
+    outbox: Any
+
+
+def _worker(job: _Job, path: list[str]) -> None:
     sys.path[:] = path
     try:
-        asyncio.run(_work(config, index, block, uplinks, inbox, outbox))
+        asyncio.run(_work(job))
     except BaseException as e:
-        outbox.put(("error", f"worker {index}: {type(e).__name__}: {e}"))
+        job.outbox.put(("error", f"worker {job.index}: {type(e).__name__}: {e}"))
         raise
 
 
-async def _work(
-    config: RunConfig,
-    index: int,
-    block: list[int],
-    uplinks: SharedUplinks,
-    inbox: Any,
-    outbox: Any,
-) -> None:
-    peers = ManyPeers(config, uplinks)
-    peers.rng.seed(config.seed * 1000 + index)
+async def _work(job: _Job) -> None:
+    config, block, inbox, outbox = job.config, job.block, job.inbox, job.outbox
+    peers = ManyPeers(config, job.uplinks)
+    peers.rng.seed(config.seed * 1000 + job.index)
 
     async def receive(kind: str) -> Any:
         got, value = await asyncio.to_thread(inbox.get, True, STEP_TIMEOUT_S)
