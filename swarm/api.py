@@ -201,7 +201,7 @@ class AsyncSwarm:
     def _read_ahead(self) -> Callable[[], None] | None:
         """The read of the peer list to start now, when a round falls due within seconds."""
         soon = self._lookout.due_soon(self.engine.seconds_to_due())
-        return self.averager.planner.read_ahead if soon and self.averager is not None else None
+        return self.averager.read_ahead if soon and self.averager is not None else None
 
     async def wait_round(self) -> StepReport | None:
         """Wait for the round in flight (overlap) and apply it; None when none runs.

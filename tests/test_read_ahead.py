@@ -57,6 +57,11 @@ async def test_a_read_ahead_of_the_round_serves_its_plan() -> None:
         planned = await planner.plan(7)
         assert gets.get("get", 0) == before  # the plan read nothing itself
         assert planned.key is not None and planned.expected == 2
+        async with averagers[0]._lock:  # (as a round in flight holds it)
+            averagers[0].read_ahead()  # its outcome must reach the next plan: no read ahead
+        assert planner.reads_ahead == 1
+        averagers[0].read_ahead()
+        assert planner.reads_ahead == 2
     finally:
         await asyncio.gather(*(a.close() for a in averagers))
         await asyncio.gather(*(p.close() for p in peers))

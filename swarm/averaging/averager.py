@@ -312,6 +312,13 @@ class Averager:
             if kind.saved and kind.fragment in kept:
                 fb.load_state_dict(kept[kind.fragment])
 
+    def read_ahead(self) -> None:
+        """A round falls due within seconds: read the peer list for its plan now, unless a
+        round is under way (what it learns, peers gone or kept apart, must reach the next
+        plan, which then reads afresh)."""
+        if not self._lock.locked():
+            self.planner.read_ahead()
+
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
