@@ -31,7 +31,8 @@ import torch
 from many_peers_figures import Harvest, current_rss_mb, figures, flat, open_fds, rss_mb
 from poison_run import BATCH, CLASSES, DIM, TEST, data
 from torch import nn
-from wan import SharedUplinks, WanEmulator, WanNode
+from wan import WanEmulator, WanNode
+from wan_uplinks import SharedUplinks
 
 from swarm.api import AsyncSwarm
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from many_peers import ManyPeers, RunConfig, run_options
 from many_peers_figures import Harvest, figures
-from wan import SharedUplinks
+from wan_uplinks import SharedUplinks
 
 STEP_TIMEOUT_S = 300.0  # a worker that says nothing this long has failed
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from wan import SharedUplinks, WanEmulator, WanNode
+from wan import WanEmulator, WanNode
+from wan_uplinks import SharedUplinks
 
 from swarm.auth import Membership
 from swarm.identity import Identity
