@@ -19,7 +19,7 @@ import asyncio
 import multiprocessing
 import queue
 import random
-import sys
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,8 @@ def run_processes(config: RunConfig, processes: int) -> dict[str, Any]:
     n = len(config.specs)
     if not 1 <= processes <= n:
         raise ValueError(f"processes must be between 1 and the {n} peers")
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise OSError("peers over several processes need SO_REUSEPORT (Linux, macOS)")
     context = multiprocessing.get_context("spawn")
     uplinks = SharedUplinks(context)
     # regions, speeds and uplinks mixed in every worker (its load: the fast peers' compute)
@@ -46,7 +48,7 @@ def run_processes(config: RunConfig, processes: int) -> dict[str, Any]:
     workers = [
         context.Process(
             target=_worker,
-            args=(_Job(config, w, block, uplinks, inboxes[w], outbox), list(sys.path)),
+            args=(_Job(config, w, block, uplinks, inboxes[w], outbox),),  # (spawn: sys.path too)
             daemon=True,
         )
         for w, block in enumerate(blocks)
@@ -106,8 +108,7 @@ class _Job:
     outbox: Any
 
 
-def _worker(job: _Job, path: list[str]) -> None:
-    sys.path[:] = path
+def _worker(job: _Job) -> None:
     try:
         asyncio.run(_work(job))
     except BaseException as e:

@@ -40,6 +40,20 @@ def _count(peer: Peer, name: str, fail_first: bool = False) -> Callable[[], int]
     return lambda: calls
 
 
+def _count_announces(peer: Peer) -> Callable[[], int]:
+    """Count ``peer``'s announcements of its record from now on; returns the counter."""
+    calls = 0
+    real = peer.announce
+
+    async def counted() -> int:
+        nonlocal calls
+        calls += 1
+        return await real()
+
+    peer.announce = counted  # type: ignore[method-assign]
+    return lambda: calls
+
+
 async def _both_listed(peer: Peer, other: Peer) -> None:
     for _ in range(100):
         if other.peer_id in await peer.known_peers():
@@ -159,24 +173,16 @@ async def test_a_declaration_whose_round_is_over_is_not_stored() -> None:
 async def test_a_move_to_another_cell_is_announced_at_once() -> None:
     a, b = await start_peers([174, 175])
     prober = Prober(a, publish_move_s=10.0)  # no move of the coordinate alone is announced
-    announces = 0
-    real = a.announce
-
-    async def counted() -> int:
-        nonlocal announces
-        announces += 1
-        return await real()
-
-    a.announce = counted  # type: ignore[method-assign]
+    announces = _count_announces(a)
     try:
         await _both_listed(a, b)
         assert await prober.probe_once() == 1
-        assert announces == 1  # the first coordinate
+        assert announces() == 1  # the first coordinate
         assert await prober.probe_once() == 1
-        assert announces == 1  # the same cell, a small move: the heartbeat's
+        assert announces() == 1  # the same cell, a small move: the heartbeat's
         prober.cell = (99, 0, 0, 0)  # as if it had sat far away
         assert await prober.probe_once() == 1
-        assert announces == 2 and prober.cell != (99, 0, 0, 0)
+        assert announces() == 2 and prober.cell != (99, 0, 0, 0)
         assert a.transport.record().extra[CELL_FIELD] == list(prober.cell)
     finally:
         await prober.close()
@@ -189,20 +195,12 @@ async def test_a_coordinate_that_barely_moved_waits_for_the_heartbeat(
 ) -> None:
     a, b = await start_peers([170, 171])
     prober = Prober(a, publish_move_s=move_s)
-    announces = 0
-    real = a.announce
-
-    async def counted() -> int:
-        nonlocal announces
-        announces += 1
-        return await real()
-
-    a.announce = counted  # type: ignore[method-assign]
+    announces = _count_announces(a)
     try:
         await _both_listed(a, b)
         for _ in range(3):  # loopback RTTs move the coordinate well under 5 ms
             assert await prober.probe_once() == 1
-        assert announces == announced
+        assert announces() == announced
         # what is not announced yet is in the record the next heartbeat signs
         assert a.transport.record().extra["vc"] == prober.coordinate.to_wire()
     finally:

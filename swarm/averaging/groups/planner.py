@@ -96,11 +96,6 @@ class GroupPlanner:
             self._ahead_at = asyncio.get_running_loop().time()
             self.reads_ahead += 1
 
-    async def wait_read_ahead(self) -> None:
-        """Wait for the read ahead under way, if any."""
-        if self._ahead is not None:
-            await asyncio.shield(self._ahead)
-
     def close(self) -> None:
         if self._ahead is not None:
             self._ahead.cancel()
