@@ -12,7 +12,7 @@ from swarm.api import Swarm
 from swarm.config import SwarmConfig
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.engine import TrainingEngine
-from swarm.training.outer import NORM_BOUND, NORM_MIN_HISTORY, outer_rule
+from swarm.training.outer import NORM_BOUND, NORM_MIN_HISTORY, momentum_cosine, outer_rule
 from swarm.training.rounds import RoundOutcome
 
 DIM, CLASSES = 32, 8
@@ -71,6 +71,40 @@ def test_norm_jump_is_bounded_flagged_and_logged(caplog) -> None:
     assert report.diverging and "not finite" in report.divergence
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(torch.equal(p, a) for p, a in zip(model.parameters(), e.outer.anchor, strict=True))
+
+
+def test_momentum_restarts_when_the_update_turns_against_it() -> None:
+    """Rounds that agree build the momentum (Nesterov steps); a round whose averaged
+    pseudo-gradient points against it zeroes it, and that round's step is the plain lr·Δ."""
+    model = make_model()
+    e = TrainingEngine(model, torch.optim.Adam(model.parameters()), SwarmConfig.build(codec="none"))
+    lr, beta = 0.7, outer_rule(4, lr=0.7, beta=0.9).beta
+    for _ in range(3):
+        before = [a.clone() for a in e.outer.anchor]
+        m = e.outer.momentum[0].flatten()[0].item()
+        round_of(e, 1e-3, group=4)
+        step = before[0].flatten()[0].item() - e.outer.anchor[0].flatten()[0].item()
+        assert step == pytest.approx(lr * (1e-3 + beta * (beta * m + 1e-3)), rel=1e-4)
+    assert e.outer.restarts == 0
+    before = [a.clone() for a in e.outer.anchor]
+    round_of(e, -1e-3, group=4)  # past the target: momentum would carry the anchor further
+    assert e.outer.restarts == 1
+    for a, b, m in zip(e.outer.anchor, before, e.outer.momentum, strict=True):
+        torch.testing.assert_close(a - b, torch.full_like(a, lr * 1e-3), rtol=1e-4, atol=1e-9)
+        assert torch.equal(m, torch.full_like(m, -1e-3))
+    round_of(e, -1e-3, group=4)  # agrees with the restarted momentum
+    assert e.outer.restarts == 1
+
+
+def test_momentum_cosine_is_over_every_tensor_and_zero_when_undefined() -> None:
+    m = [torch.tensor([1.0, 0.0]), torch.tensor([0.0])]
+    assert momentum_cosine(m, [torch.tensor([0.0, 1.0]), torch.tensor([1.0])]) == 0.0
+    assert momentum_cosine(m, [torch.tensor([-2.0, 0.0]), torch.tensor([0.0])]) == -1.0
+    half = momentum_cosine(m, [torch.tensor([1.0, 0.0]), torch.tensor([1.0])])
+    assert half == pytest.approx(math.sqrt(0.5))
+    assert momentum_cosine([torch.zeros(2)], [torch.ones(2)]) == 0.0
+    assert momentum_cosine([torch.ones(2)], [torch.tensor([1.0, math.inf])]) == 0.0
+    assert momentum_cosine([], []) == 0.0
 
 
 def test_loss_rise_is_flagged_once_and_recovers(caplog) -> None:

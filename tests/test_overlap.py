@@ -127,6 +127,36 @@ def test_a_round_that_lands_before_any_inner_step_is_the_blocking_round() -> Non
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def test_a_round_that_restarts_the_momentum_lands_as_the_blocking_round() -> None:
+    """The landing decides the restart from the group's Δ̄ (the eager step, a guess from this
+    peer's own Δ, never restarts) and ends where a blocking round does."""
+    overlapped, blocking = make(True), make(False)
+    averages: list[list[torch.Tensor]] = []
+
+    for e in (overlapped, blocking):
+        rounds = 0
+
+        def run_round(plan: RoundPlan) -> RoundOutcome:
+            nonlocal rounds
+            rounds += 1
+            if len(averages) < rounds:  # the same "group averages" for both engines
+                sign = 1.0 if rounds < 3 else -4.0  # the third turns against the first two
+                averages.append([torch.full_like(t, sign * 0.01) for t in plan.tensors])
+            for t, value in zip(plan.tensors, averages[rounds - 1], strict=True):
+                t.copy_(value)
+            return RoundOutcome(True, 2, 0, 0)
+
+        for step in range(1, 3 * INNER + 1):
+            backward(e, step)
+            run_step(e.step(16), run_round)
+        assert e.outer.restarts == 1
+    a_state, b_state = overlapped.model.state_dict(), blocking.model.state_dict()
+    for p, q in zip(a_state.values(), b_state.values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    for a, b in zip(overlapped.outer.momentum, blocking.outer.momentum, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_round_in_flight_when_the_next_is_due_is_waited_for_and_reported() -> None:
     e, rounds = make(), Rounds()
     reports = []
@@ -314,7 +344,7 @@ def _send(flow, reply):
 
 def test_rounds_landing_late_reach_the_blocking_loss() -> None:
     """Rounds that land after 3 of 10 inner steps, or only when the next round is due, end
-    within 2% of blocking DiLoCo at the same steps (measured: 0.84x and 0.92x)."""
+    within 2% of blocking DiLoCo at the same steps (measured: 0.80x and 0.94x)."""
     blocking = _lockstep_loss(overlap=False, delay=0)
     assert blocking < 1e-3, blocking
     for delay in (3, 10):

@@ -20,12 +20,20 @@ one peer. :func:`outer_rule` adapts it (see the README's "Fidelity to the papers
   8: 0.875, 10 or more: the configured 0.9);
 - the averaged pseudo-gradient's norm is bounded by ``NORM_BOUND`` times the median of the
   last rounds' norms, so one bad round (a poisoned group, a peer that restarted far away) moves
-  the anchor no further than a normal round would.
+  the anchor no further than a normal round would;
+- the momentum **restarts** (O'Donoghue and Candès 2015, "Adaptive restart for accelerated
+  gradient schemes") when the round's averaged pseudo-gradient points against it: the anchor
+  went past where the group's data pulls it, and momentum would carry it further. That round's
+  step is the plain ``lr · Δ``. Late contributions make the group's pull a delayed one, which
+  momentum turns into a growing oscillation: 2 of 8 peers sending their updates of 10 rounds
+  ago drove the honest peers' loss up round after round (see :data:`RESTART_BELOW`). An
+  overlapped round decides it at its landing, from ``Δ̄``; its eager step never restarts.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import statistics
 from collections import deque
@@ -36,6 +44,8 @@ import torch
 
 from swarm.errors import CheckpointError
 from swarm.training.tensors import ModelTensors, piece
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -58,6 +68,37 @@ def outer_step(
         update = delta.add_(m, alpha=beta) if nesterov else m  # Nesterov look-ahead: Δ + βm
         theta.sub_(update, alpha=lr)  # θ ← θ - lr·update
 
+
+@torch.no_grad()
+def momentum_cosine(momentum: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> float:
+    """The cosine of the momentum with ``deltas`` over all tensors (0 where either is zero or
+    not finite; one CPU-GPU sync)."""
+    if not momentum:
+        return 0.0
+
+    def total(pairs) -> torch.Tensor:
+        return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in pairs]).sum()
+
+    dot, mm, dd = torch.stack(
+        [
+            total(zip(momentum, deltas, strict=True)),
+            total((m, m) for m in momentum),
+            total((d, d) for d in deltas),
+        ]
+    ).tolist()
+    denom = math.sqrt(mm * dd)
+    return dot / denom if denom > 0 and math.isfinite(denom) and math.isfinite(dot) else 0.0
+
+
+RESTART_BELOW = 0.0
+"""The momentum restarts when its cosine with the averaged pseudo-gradient falls below this.
+
+Measured on the slow-poison task (``tests/poison_run.py``, 40 rounds of 8 steps, groups of 4):
+honest peers' cosines lie at 0.06-0.10 (5th percentile) to 0.86 (95th), so 0 restarts about
+one honest round in 200, at no measurable cost to the loss. With 2 of 8 peers sending their
+updates of 10 rounds ago (``Fault.STALE``), the cosine fell to -0.4 as the anchors oscillated,
+and the honest peers' worst final loss was 0.20-2.59 (mean 0.70, seeds 0-5) without restarts
+and 0.18-0.29 (mean 0.20) with them."""
 
 NORM_BOUND = 3.0  # an averaged pseudo-gradient is scaled down to this x the recent median norm
 NORM_HISTORY = 8  # rounds whose norms make that median
@@ -127,6 +168,7 @@ class OuterState:
         )
         self.momentum = [self.new_like(a) for a in self.anchor] if keep_momentum else []
         self.norms: deque[float] = deque(maxlen=NORM_HISTORY)  # recent averaged ‖Δ‖
+        self.restarts = 0  # rounds whose momentum restarted (see RESTART_BELOW)
 
     def view(self, pieces: tuple[tuple[int, int, int], ...]) -> OuterState:
         """The state of pieces of the tensors (a fragment: ``(index into tensors.all, start,
@@ -273,18 +315,35 @@ class OuterState:
             for slot in self.slots[: self._n]:
                 slot.mul_(scale)
         self.norms.append(min(norm, bound))
+        restart = self._restart_if_opposed(self.slots[: self._n], step)
+        if restart is not None:
+            self.restarts += 1
+            logger.debug("outer momentum restarted: its cosine with Δ̄ was %.3f", restart)
         outer_step(
             self.anchor,
             self.slots[: self._n],
             self.momentum,
             lr=step.lr,
             beta=step.beta,
-            nesterov=nesterov,
+            nesterov=nesterov and restart is None,  # restarted: m = Δ, the step lr·Δ
         )
         for p, a in zip(self.tensors.params, self.anchor, strict=True):
             p.copy_(a)
         self._apply_buffer_changes()
         return scale
+
+    @torch.no_grad()
+    def _restart_if_opposed(self, deltas: Sequence[torch.Tensor], step: OuterStep) -> float | None:
+        """Zero the momentum if it points against ``deltas`` (see :data:`RESTART_BELOW`): the
+        cosine that made it restart, or None."""
+        if not self.momentum or step.solitary or step.beta == 0:
+            return None
+        cosine = momentum_cosine(self.momentum, deltas)
+        if cosine >= RESTART_BELOW:
+            return None
+        for m in self.momentum:
+            m.zero_()
+        return cosine
 
     @torch.no_grad()
     def apply_values(self) -> None:

@@ -27,11 +27,12 @@ by its own account. A scorer judges nobody before :data:`WARMUP_PARTS` of its ow
 how much they vary. With scoring the part layout turns with every group
 (``PartPlan.create(first=...)``), so that a scorer's part covers every layer over time.
 
-What such a rule cannot see is an attack that points where honest updates do (ALIE, a stale
-update, an update shrunk inside the radius): that is bounded by the clip instead, and measured in
-the README. No verdict is final: a record recovers by the same rule as it falls. A newcomer
-starts at the scorer's own mean (full weight): a lower start would tilt every part of a young
-swarm toward its owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
+What such a rule cannot see is an attack that points where honest updates do (ALIE, a stale update,
+an update shrunk inside the radius): that is bounded by the clip instead (and the oscillation that
+late updates start, by the outer momentum's restart in :mod:`swarm.training.outer`), and measured in
+the README. No verdict is final: a record recovers by the same rule as it falls. A newcomer starts
+at the scorer's own mean (full weight): a lower start would tilt every part of a young swarm toward
+its owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
 """
 
 from __future__ import annotations
