@@ -110,8 +110,10 @@ async def burst(joiners: int, faults: tuple[Fault, ...] = ()) -> None:
             else:  # undecided: its own weights, offered only once trained
                 assert j.round == 0 and same(got, own) and not j._provider.offering
             assert j.round < LIE_ROUNDS
-        if faults:  # the liars were heard and refused: not a vacuous pass
-            assert all(h._provider._cache for h in hostile)
+        if faults:  # liars were heard and refused: not a vacuous pass. Not every one of them
+            # each time: joiners ask the providers their DHT reads list (in one full suite, one
+            # of the three went unasked)
+            assert any(h._provider._cache for h in hostile)
             for h in hostile:
                 await h.close()
             hostile.clear()
