@@ -97,14 +97,20 @@ def test_momentum_restarts_when_the_update_turns_against_it() -> None:
 
 
 def test_momentum_cosine_is_over_every_tensor_and_zero_when_undefined() -> None:
+    def cosine(m: list[torch.Tensor], d: list[torch.Tensor]) -> float:
+        norm = math.sqrt(sum(float((t * t).sum()) for t in d))
+        return momentum_cosine(m, d, norm)
+
     m = [torch.tensor([1.0, 0.0]), torch.tensor([0.0])]
-    assert momentum_cosine(m, [torch.tensor([0.0, 1.0]), torch.tensor([1.0])]) == 0.0
-    assert momentum_cosine(m, [torch.tensor([-2.0, 0.0]), torch.tensor([0.0])]) == -1.0
-    half = momentum_cosine(m, [torch.tensor([1.0, 0.0]), torch.tensor([1.0])])
-    assert half == pytest.approx(math.sqrt(0.5))
-    assert momentum_cosine([torch.zeros(2)], [torch.ones(2)]) == 0.0
-    assert momentum_cosine([torch.ones(2)], [torch.tensor([1.0, math.inf])]) == 0.0
-    assert momentum_cosine([], []) == 0.0
+    assert cosine(m, [torch.tensor([0.0, 1.0]), torch.tensor([1.0])]) == 0.0
+    assert cosine(m, [torch.tensor([-2.0, 0.0]), torch.tensor([0.0])]) == -1.0
+    assert cosine(m, [torch.tensor([1.0, 0.0]), torch.tensor([1.0])]) == pytest.approx(
+        math.sqrt(0.5)
+    )
+    assert cosine([torch.zeros(2)], [torch.ones(2)]) == 0.0
+    assert momentum_cosine([torch.ones(2)], [torch.ones(2)], math.inf) == 0.0
+    assert momentum_cosine([torch.tensor([math.inf, 0.0])], [torch.ones(2)], 1.0) == 0.0
+    assert momentum_cosine([], [], 1.0) == 0.0
 
 
 def test_loss_rise_is_flagged_once_and_recovers(caplog) -> None:

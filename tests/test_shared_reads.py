@@ -21,11 +21,10 @@ from swarm.errors import DHTError, SwarmError
 from swarm.peer import Peer
 
 
-def _count(peer: Peer, name: str, fail_first: bool = False) -> Callable[[], int]:
-    """Count the calls of ``peer.dht.<name>`` from now on (the first raising, if asked)."""
-    dht = peer.dht
-    assert dht is not None
-    real = getattr(dht, name)
+def _count(target: object, name: str, fail_first: bool = False) -> Callable[[], int]:
+    """Count the calls of ``target.<name>`` (a peer's DHT method, or the peer's announce) from
+    now on (the first raising, if asked); returns the counter."""
+    real = getattr(target, name)
     calls = 0
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
@@ -36,21 +35,7 @@ def _count(peer: Peer, name: str, fail_first: bool = False) -> Callable[[], int]
             raise DHTError("injected: no node answered")
         return await real(*args, **kwargs)
 
-    setattr(dht, name, counted)
-    return lambda: calls
-
-
-def _count_announces(peer: Peer) -> Callable[[], int]:
-    """Count ``peer``'s announcements of its record from now on; returns the counter."""
-    calls = 0
-    real = peer.announce
-
-    async def counted() -> int:
-        nonlocal calls
-        calls += 1
-        return await real()
-
-    peer.announce = counted  # type: ignore[method-assign]
+    setattr(target, name, counted)
     return lambda: calls
 
 
@@ -77,7 +62,7 @@ async def test_concurrent_reads_of_the_run_records_share_one_dht_read(
     listed: tuple[Peer, Peer],
 ) -> None:
     a, b = listed
-    gets = _count(a, "get")
+    gets = _count(a.dht, "get")
     first, second, third = await asyncio.gather(*(a.known_peers() for _ in range(3)))
     assert gets() == 1
     assert first == second == third and set(first) == {a.peer_id, b.peer_id}
@@ -92,7 +77,7 @@ async def test_reads_that_keep_a_view_current_are_spaced_by_the_swarms_size(
     listed: tuple[Peer, Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, _ = listed
-    gets = _count(a, "get")
+    gets = _count(a.dht, "get")
     await a.known_peers()
     assert gets() == 1
     await asyncio.sleep(0.3)
@@ -111,7 +96,7 @@ async def test_a_caller_that_stops_waiting_does_not_cancel_the_others_read(
     listed: tuple[Peer, Peer],
 ) -> None:
     a, b = listed
-    gets = _count(a, "get")
+    gets = _count(a.dht, "get")
     impatient = asyncio.create_task(a.known_peers())
     patient = asyncio.create_task(a.known_peers())
     await asyncio.sleep(0)
@@ -124,7 +109,7 @@ async def test_a_failed_shared_read_fails_every_caller_and_is_not_kept(
     listed: tuple[Peer, Peer],
 ) -> None:
     a, b = listed
-    gets = _count(a, "get", fail_first=True)
+    gets = _count(a.dht, "get", fail_first=True)
     results = await asyncio.gather(a.known_peers(), a.known_peers(), return_exceptions=True)
     assert all(isinstance(r, SwarmError) for r in results), results
     assert set(await a.known_peers(max_age_s=60.0)) == {a.peer_id, b.peer_id}
@@ -138,7 +123,7 @@ async def test_a_burst_of_declaration_updates_stores_the_newest_once_the_first_i
     a, b = await start_peers([167, 168])
     board, reader = DeclarationBoard(a), DeclarationBoard(b)
     try:
-        stores = _count(a, "store")
+        stores = _count(a.dht, "store")
         key, deadline = "shared-reads/round", time.time() + 30.0
         board.declare(key, deadline, update=0, leading=True, size=1)
         await asyncio.sleep(0)  # its store is under way
@@ -161,7 +146,7 @@ async def test_a_declaration_whose_round_is_over_is_not_stored() -> None:
     (a,) = await start_peers([169])
     board = DeclarationBoard(a)
     try:
-        stores = _count(a, "store")
+        stores = _count(a.dht, "store")
         board.declare("shared-reads/over", time.time() - 1.0, update=0)
         await asyncio.sleep(0.1)
         assert stores() == 0
@@ -173,7 +158,7 @@ async def test_a_declaration_whose_round_is_over_is_not_stored() -> None:
 async def test_a_move_to_another_cell_is_announced_at_once() -> None:
     a, b = await start_peers([174, 175])
     prober = Prober(a, publish_move_s=10.0)  # no move of the coordinate alone is announced
-    announces = _count_announces(a)
+    announces = _count(a, "announce")
     try:
         await _both_listed(a, b)
         assert await prober.probe_once() == 1
@@ -195,7 +180,7 @@ async def test_a_coordinate_that_barely_moved_waits_for_the_heartbeat(
 ) -> None:
     a, b = await start_peers([170, 171])
     prober = Prober(a, publish_move_s=move_s)
-    announces = _count_announces(a)
+    announces = _count(a, "announce")
     try:
         await _both_listed(a, b)
         for _ in range(3):  # loopback RTTs move the coordinate well under 5 ms

@@ -70,23 +70,18 @@ def outer_step(
 
 
 @torch.no_grad()
-def momentum_cosine(momentum: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> float:
-    """The cosine of the momentum with ``deltas`` over all tensors (0 where either is zero or
-    not finite; one CPU-GPU sync)."""
+def momentum_cosine(
+    momentum: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor], delta_norm: float
+) -> float:
+    """The cosine of the momentum with ``deltas`` (of norm ``delta_norm``, which the round
+    computed already) over all tensors; 0 where either is zero or not finite. One pass over
+    each, one CPU-GPU sync."""
     if not momentum:
         return 0.0
-
-    def total(pairs) -> torch.Tensor:
-        return torch.stack([torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in pairs]).sum()
-
-    dot, mm, dd = torch.stack(
-        [
-            total(zip(momentum, deltas, strict=True)),
-            total((m, m) for m in momentum),
-            total((d, d) for d in deltas),
-        ]
-    ).tolist()
-    denom = math.sqrt(mm * dd)
+    pairs = [*zip(momentum, deltas, strict=True), *zip(momentum, momentum, strict=True)]
+    sums = torch.stack([torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in pairs])
+    dot, mm = sums.view(2, -1).sum(dim=1).tolist()  # m·Δ, m·m
+    denom = math.sqrt(mm) * delta_norm
     return dot / denom if denom > 0 and math.isfinite(denom) and math.isfinite(dot) else 0.0
 
 
@@ -315,7 +310,7 @@ class OuterState:
             for slot in self.slots[: self._n]:
                 slot.mul_(scale)
         self.norms.append(min(norm, bound))
-        restart = self._restart_if_opposed(self.slots[: self._n], step)
+        restart = self._restart_if_opposed(self.slots[: self._n], min(norm, bound), step)
         if restart is not None:
             self.restarts += 1
             logger.debug("outer momentum restarted: its cosine with Δ̄ was %.3f", restart)
@@ -333,12 +328,14 @@ class OuterState:
         return scale
 
     @torch.no_grad()
-    def _restart_if_opposed(self, deltas: Sequence[torch.Tensor], step: OuterStep) -> float | None:
-        """Zero the momentum if it points against ``deltas`` (see :data:`RESTART_BELOW`): the
-        cosine that made it restart, or None."""
+    def _restart_if_opposed(
+        self, deltas: Sequence[torch.Tensor], norm: float, step: OuterStep
+    ) -> float | None:
+        """Zero the momentum if it points against ``deltas`` (of norm ``norm``; see
+        :data:`RESTART_BELOW`): the cosine that made it restart, or None."""
         if not self.momentum or step.solitary or step.beta == 0:
             return None
-        cosine = momentum_cosine(self.momentum, deltas)
+        cosine = momentum_cosine(self.momentum, deltas, norm)
         if cosine >= RESTART_BELOW:
             return None
         for m in self.momentum:
