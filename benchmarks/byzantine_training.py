@@ -17,7 +17,9 @@ attack and configuration, the figures the mean over ``--seeds`` runs::
     honest_clip_rate         honest contributions scaled below 0.5, over all update rounds
     overhead                 wall time of the defended run without attackers against the same
                              run with the defences off (plain mean, no scoring)
-    scoring_overhead         the same against CenteredClip without scoring (calm row only)
+    overhead_cpu             the same for the CPU time of the run's process (every peer's):
+                             wall time here waits on matchmaking more than on the defences
+    scoring_overhead(_cpu)   the same against CenteredClip without scoring (calm row only)
 
 ``--non-iid`` gives each peer two of the ten classes; ``--attacks`` with no name runs only the
 calm row.
@@ -42,7 +44,7 @@ from swarm.averaging.faults import SLOW_POISON
 
 async def mean_run(seeds: int, **kw) -> dict:
     rows = [await run(seed=s, **kw) for s in range(seeds)]
-    out = {k: statistics.fmean(r[k] for r in rows) for k in ("final_loss", "wall_s")}
+    out = {k: statistics.fmean(r[k] for r in rows) for k in ("final_loss", "wall_s", "cpu_s")}
     out["per_seed"] = [round(r["final_loss"], 4) for r in rows]
     out["honest_clip_rate"] = statistics.fmean(r["honest_clip_rate"] for r in rows)
     downs = [r["rounds_to_downweight"] for r in rows]
@@ -85,7 +87,9 @@ async def main(args: argparse.Namespace) -> None:
                     "honest_excluded": calm["honest_excluded"],
                     "honest_clip_rate": calm["honest_clip_rate"],
                     "overhead": calm["wall_s"] / off["wall_s"],
+                    "overhead_cpu": calm["cpu_s"] / off["cpu_s"],
                     "scoring_overhead": calm["wall_s"] / clip["wall_s"],
+                    "scoring_overhead_cpu": calm["cpu_s"] / clip["cpu_s"],
                 }
             ),
             flush=True,
@@ -108,6 +112,7 @@ async def main(args: argparse.Namespace) -> None:
                 "honest_excluded": got["honest_excluded"],
                 "honest_clip_rate": got["honest_clip_rate"],
                 "overhead": calm["wall_s"] / off["wall_s"],
+                "overhead_cpu": calm["cpu_s"] / off["cpu_s"],
             }
             print(json.dumps(row), flush=True)
 

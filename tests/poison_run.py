@@ -193,7 +193,7 @@ async def run(
     }
     collusion = Collusion()
     logs: list[PeerLog] = []
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         for i in range(peers):
             m = model()
@@ -221,14 +221,14 @@ async def run(
         for log in logs:
             await log.swarm.wait_round()
         wall = time.perf_counter() - started
-        figures = _figures(logs, rounds, wall)
+        figures = _figures(logs, rounds, wall, time.process_time() - cpu_started)
         return {**figures, **_victim(logs)} if slander else figures
     finally:
         for log in logs:
             await log.swarm.close()
 
 
-def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
+def _figures(logs: list[PeerLog], rounds: int, wall: float, cpu: float) -> dict:
     honest = [x for x in logs if not x.attacker]
     honest_ids = {x.swarm.peer.peer_id.short for x in honest}
     attacker_ids = {x.swarm.peer.peer_id.short for x in logs if x.attacker}
@@ -253,6 +253,7 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float) -> dict:
         "honest_clip_rate": clipped / contributions if contributions else 0.0,
         "averaged_rounds_min": min(x.rounds for x in honest),
         "wall_s": wall,
+        "cpu_s": cpu,  # every peer of the run together (one process)
         "attack_fired": any(x.swarm.averager.faults.triggered.is_set() for x in logs if x.attacker),
     }
 

@@ -728,6 +728,26 @@ def test_centered_clip_leaves_blatant_outliers_out():
     assert float((centers[0] - mean).norm()) < 0.2 * spread
 
 
+@pytest.mark.parametrize(("big", "far"), [(1e35, 1e20), (1e20, 1e5), (1e30, 1e10)])
+def test_two_outliers_in_one_direction_cannot_become_the_medoid(big, far):
+    """Two colluders send the same direction at very different sizes. The smaller lies closer
+    to the larger than any honest row does, so on mean distance it wins; the median must
+    decide. Before, a tie-break added to the median swamped it (the larger's distance sets
+    the scale), the smaller became the medoid, and the result lay 4e4 to 4e19 honest spreads
+    off."""
+    from swarm.averaging.butterfly.robust import centered_clip
+
+    g = torch.Generator().manual_seed(0)
+    honest = 1.0 + 0.1 * torch.randn(6, 100, generator=g)
+    direction = torch.randn(1, 100, generator=g)
+    rows = torch.cat([honest, far * direction, big * direction])
+    mean = honest.double().mean(0)
+    spread = float((honest.double() - mean).norm(dim=1).max())
+    clip = centered_clip(rows, [1.0] * 8)
+    assert float((clip.center.double() - mean).norm()) < 0.1 * spread
+    assert max(clip.scales[-2:]) < 0.1
+
+
 def test_centered_clip_where_only_outliers_claim_a_weight_stays_finite():
     from swarm.averaging.butterfly.robust import centered_clip
 

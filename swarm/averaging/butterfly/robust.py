@@ -25,6 +25,7 @@ distances need anyway, tells which.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,9 +84,9 @@ def centered_clip(
     # changes) would bury every difference below float32's precision relative to the values
     # themselves. That row is the one of median norm, never a minority's huge one, which would
     # bury all the others.
-    norms = torch.linalg.vector_norm(rows.float(), dim=1)
-    pick = int(torch.argsort(norms)[(k - 1) // 2])
-    if bool(norms.max() < _SAFE_F32):
+    norms = torch.linalg.vector_norm(rows.float(), dim=1).tolist()
+    pick = sorted(range(k), key=norms.__getitem__)[(k - 1) // 2]
+    if max(norms) < _SAFE_F32:
         origin = rows[pick].float().clone()
         x = rows.sub_(origin) if overwrite and rows.dtype == torch.float32 else rows - origin
     else:  # huge norms: differences and their norms could overflow float32; exact in float64
@@ -94,63 +95,85 @@ def centered_clip(
     # The clip runs on the Gram matrix alone: the centre is always a combination v = x^T a of
     # the rows (the medoid, then steps v <- (1 - sum c) v + x^T c), so every distance
     # ||x_i - v||^2 = G_ii - 2 (G a)_i + a^T G a is a k x k product, and the rows are read
-    # twice in all (the Gram matrix, then the centre), whatever the iterations.
-    g = (x @ x.T).double().cpu()
-    w = torch.tensor([float(v) for v in weights], dtype=torch.float64)
-    if float(w.sum()) <= 0:
-        w = torch.ones(k, dtype=torch.float64)
+    # twice in all (the Gram matrix, then the centre), whatever the iterations. The k x k work
+    # is done in Python floats (float64): a few dozen tiny tensor ops would cost more than the
+    # arithmetic, and each hands the interpreter lock over and waits to get it back.
+    g = (x @ x.T).double().cpu().tolist()
+    w = [float(v) for v in weights]
+    if sum(w) <= 0:
+        w = [1.0] * k
     if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
-        return ClipResult(_combine(x, w / w.sum(), origin), (1.0, 1.0), 0.0)
-    sq = g.diagonal()
+        return ClipResult(_combine(x, [v / sum(w) for v in w], origin), (1.0, 1.0), 0.0)
+    a, scale, tau = _clip_steps(g, w, iterations)
+    center = _combine(x, a, origin)
+    sums = _alignment(x, g, a, origin.to(x.dtype)) if score else ((), (), 0.0)
+    return ClipResult(center, tuple(scale), tau, *sums)
+
+
+def _clip_steps(
+    g: list[list[float]], w: list[float], iterations: int
+) -> tuple[list[float], list[float], float]:
+    """The clip on the Gram matrix ``g`` of the rows: the centre's coefficients ``a`` (the
+    centre is ``x^T a``), each row's last scale, and the last radius."""
+    k = len(g)
     start, dist2 = _medoid(g)
-    a = torch.zeros(k, dtype=torch.float64)
+    a = [0.0] * k
     a[start] = 1.0
-    scale = torch.ones(k, dtype=torch.float64)
+    scale = [1.0] * k
     tau = 0.0
     for step in range(iterations):
         if step == 0:  # from the medoid: its distances are in the Gram matrix already
-            dist = torch.sqrt(dist2[start])
+            dist = [math.sqrt(d) for d in dist2[start]]
             # the medoid's own distance (0) would drag the median down and clip honest rows
-            others = torch.cat([dist[:start], dist[start + 1 :]])
+            others = dist[:start] + dist[start + 1 :]
         else:
-            ga = g @ a
-            dist = others = torch.sqrt(torch.clamp(sq - 2 * ga + a @ ga, min=0))
-        tau = float(others.median())  # the lower median: one of two far rows is clipped
-        scale = torch.where(dist > tau, tau / torch.clamp(dist, min=_TINY), 1.0)
-        wk = torch.where(scale < OUTLIER_SCALE, 0.0, w)
-        if not float(wk.sum()) > 0:  # only outliers claim a weight: stay at the medoid
+            ga = [sum(gi[j] * a[j] for j in range(k)) for gi in g]
+            aga = sum(a[i] * ga[i] for i in range(k))
+            dist = others = [math.sqrt(max(0.0, g[i][i] - 2 * ga[i] + aga)) for i in range(k)]
+        tau = _lower_median(others)  # the lower median: one of two far rows is clipped
+        scale = [tau / max(d, _TINY) if d > tau else 1.0 for d in dist]
+        wk = [0.0 if s < OUTLIER_SCALE else v for s, v in zip(scale, w, strict=True)]
+        total = sum(wk)
+        if not total > 0:  # only outliers claim a weight: stay at the medoid
             break
-        c = wk * scale / wk.sum()  # a <- (1 - sum c) a + c
-        a = a * float(1 - c.sum()) + c
-    center = _combine(x, a, origin)
-    sums = _alignment(x, g, a, origin.to(x.dtype)) if score else ((), (), 0.0)
-    return ClipResult(center, tuple(float(s) for s in scale), tau, *sums)
+        c = [v * s / total for v, s in zip(wk, scale, strict=True)]  # a <- (1 - sum c) a + c
+        keep = 1 - sum(c)
+        a = [ai * keep + ci for ai, ci in zip(a, c, strict=True)]
+    return a, scale, tau
 
 
-def _combine(x: torch.Tensor, a: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
+def _lower_median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def _combine(x: torch.Tensor, a: list[float], origin: torch.Tensor) -> torch.Tensor:
     """``x^T a + origin``: a combination of the rows, shifted back (one pass over ``x``)."""
-    return (a.to(device=x.device, dtype=x.dtype) @ x).add_(origin)
+    return (torch.tensor(a, dtype=x.dtype).to(x.device) @ x).add_(origin)
 
 
 def _alignment(
-    x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, origin: torch.Tensor
+    x: torch.Tensor, g: list[list[float]], a: list[float], origin: torch.Tensor
 ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """Rows ``r_i = x_i + o`` against the center ``c = x^T a + o``: ``r_i . c``, ``|r_i|^2`` and
     ``|c|^2``, from the Gram matrix ``g`` of ``x`` and one pass over ``x`` (``x . o``)."""
-    xo = (x @ origin).double().cpu()
-    xv = g @ a
+    k = len(g)
+    xo = (x @ origin).double().cpu().tolist()
+    xv = [sum(gi[j] * a[j] for j in range(k)) for gi in g]
     oo = float(origin @ origin)
-    ov, vv = float(a @ xo), float(a @ xv)
-    dots = (xv + xo + ov + oo).tolist()
-    norms2 = torch.clamp(g.diagonal() + 2 * xo + oo, min=0).tolist()
-    return tuple(dots), tuple(norms2), max(0.0, vv + 2 * ov + oo)
+    ov = sum(ai * v for ai, v in zip(a, xo, strict=True))
+    vv = sum(ai * v for ai, v in zip(a, xv, strict=True))
+    dots = tuple(xv[i] + xo[i] + ov + oo for i in range(k))
+    norms2 = tuple(max(0.0, g[i][i] + 2 * xo[i] + oo) for i in range(k))
+    return dots, norms2, max(0.0, vv + 2 * ov + oo)
 
 
-def _medoid(gram: torch.Tensor) -> tuple[int, torch.Tensor]:
+def _medoid(gram: list[list[float]]) -> tuple[int, list[list[float]]]:
     """The row with the smallest median distance to the rows, and the squared distances between
     rows, from their Gram matrix."""
-    sq = gram.diagonal()
-    dist2 = torch.clamp(sq[:, None] + sq[None, :] - 2 * gram, min=0)
-    scale = float(dist2.max()) or 1.0  # ties on the median go to the smallest mean distance
-    score = dist2.median(dim=1).values / scale + 1e-6 * dist2.mean(dim=1) / scale
-    return int(score.argmin()), dist2
+    k = len(gram)
+    dist2 = [
+        [max(0.0, gram[i][i] + gram[j][j] - 2 * gram[i][j]) for j in range(k)] for i in range(k)
+    ]
+    # ties on the median go to the smallest mean distance (compared only on a tie: added to
+    # the median, a far row's distance swamped every median, and the far row could win)
+    return min(range(k), key=lambda i: (_lower_median(dist2[i]), sum(dist2[i]))), dist2
