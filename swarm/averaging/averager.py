@@ -12,7 +12,7 @@ to end in one float32 storage (then they are read in place), reused across round
 waiting for their verdict, in host memory as the owners sent them (compressed; ``none`` decodes
 them into a reused float32 buffer the size of the tensors instead); this member's own part in a
 float32 buffer of the part's size, and the rows of the chunks an owner is reducing.
-Lossy codecs add their error-feedback residual (one float per element, kept across rounds).
+Lossy codecs add their error-feedback residual (one bfloat16 per element, kept across rounds).
 Only encoded bytes cross to the CPU.
 """
 
