@@ -58,7 +58,10 @@ with speeds ``--speeds`` and uplinks ``--uplinks`` cycled over the peers, and pr
 with a peer of the slowest uplink), ``consensus_spread``, ``anchor_spread``,
 ``dht_msgs_per_peer_per_min``, ``rss_mb_per_peer``, ``final_loss`` and ``equal_final_loss``:
 the same peers all at the mean speed, the same total compute), then one ``real-peer`` line per
-peer.
+peer. ``--finish-rounds N``: after training every peer calls ``average_parameters()`` N times,
+as a run that should end with one model does; ``consensus_spread`` is then measured after them,
+``consensus_spread_trained`` before, and ``finish_group_sizes`` counts their group sizes (1:
+averaged with nobody).
 """
 
 from __future__ import annotations
@@ -418,6 +421,13 @@ def main() -> None:
         help="another Swarm option for every peer (e.g. probe_period_s=15), repeatable",
     )
     real.add_argument("--no-equal", action="store_true", help="skip the equal-peers reference")
+    real.add_argument(
+        "--finish-rounds",
+        type=int,
+        default=0,
+        help="after training, every peer calls average_parameters() this many times "
+        "(consensus_spread then; consensus_spread_trained before)",
+    )
     real.add_argument(
         "--processes",
         type=int,

@@ -28,6 +28,7 @@ async def run_real(args: argparse.Namespace) -> None:
     config = RunConfig(
         specs, args.minutes * 60, step_s=args.step_s, churn_per_min=args.churn_per_min,
         seed=args.seed, warmup_s=30.0, options=options, hidden=args.hidden,
+        finish_rounds=args.finish_rounds,
     )  # fmt: skip
     figures = await _run(config, args.processes)
     per_peer = figures.pop("per_peer")

@@ -69,6 +69,9 @@ class RunConfig:
     churn_per_min: float = 0.0
     seed: int = 0
     sample_every_s: float = 0.0  # > 0: sample memory, descriptors and tasks (a soak)
+    # after training, every live peer calls average_parameters() this many times (how a run
+    # ends with one model): the spread is measured before and after
+    finish_rounds: int = 0
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,6 +92,9 @@ class PeerRun:
     rounds: list[tuple[str, float]] = field(default_factory=list)  # (group, round_s) averaged
     restarts: int = 0
     nan: bool = False
+    finished: list[int] = field(
+        default_factory=list
+    )  # group size of each finishing round (1: alone)
 
 
 def run_options(config: RunConfig) -> dict[str, Any]:
@@ -175,7 +181,11 @@ class ManyPeers:
             await asyncio.gather(*(self._host(i, run) for i, run in self.runs.items()))
             for task in (watch, sampler, clock):
                 task.cancel()
+            trained = self._models()  # and anchors, before any finishing round
+            live = [r for r in self.runs.values() if r.swarm is not None]
+            await asyncio.gather(*(self._finish(r) for r in live))
             return self._harvest(
+                trained,
                 datagrams[1] - datagrams[0],
                 (time.thread_time() - loop_cpu[0]) / max(1e-9, time.monotonic() - self.window[0]),
                 samples,
@@ -187,7 +197,26 @@ class ManyPeers:
         await asyncio.gather(*(r.swarm.close() for r in self.runs.values() if r.swarm is not None))
         await self.wan.close()
 
-    def _harvest(self, datagrams: int, loop_cpu_share: float, samples: list[Any]) -> Harvest:
+    def _models(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        live = [r.swarm for r in self.runs.values() if r.swarm is not None]
+        with torch.no_grad():
+            return [flat(s.model.parameters()) for s in live], [
+                flat(s.engine.outer.anchor) for s in live
+            ]
+
+    async def _finish(self, run: PeerRun) -> None:
+        assert run.swarm is not None
+        for _ in range(self.config.finish_rounds):
+            outcome = await run.swarm.average_parameters()
+            run.finished.append(outcome.group_size if outcome.averaged else 1)
+
+    def _harvest(
+        self,
+        trained: tuple[list[torch.Tensor], list[torch.Tensor]],
+        datagrams: int,
+        loop_cpu_share: float,
+        samples: list[Any],
+    ) -> Harvest:
         live = [r.swarm for r in self.runs.values() if r.swarm is not None]
         with torch.no_grad():
             models = [flat(s.model.parameters()) for s in live]
@@ -196,7 +225,7 @@ class ManyPeers:
         runs = [dataclasses.replace(r, swarm=None) for r in self.runs.values()]
         return Harvest(
             runs, models, anchors, [test_loss(s.model) for s in live], self.join_s, datagrams,
-            loop_cpu_share, rss_mb(), parameters, samples,
+            loop_cpu_share, rss_mb(), parameters, samples, *trained,
         )  # fmt: skip
 
     async def _loop_cpu(self, out: list[float]) -> None:

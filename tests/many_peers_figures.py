@@ -36,6 +36,9 @@ class Harvest:
     rss_mb: float
     parameters: int
     over_time: list[dict[str, float | None]] = field(default_factory=list)
+    # the models and anchors when training stopped, before any finishing round
+    trained: list[torch.Tensor] = field(default_factory=list)
+    trained_anchors: list[torch.Tensor] = field(default_factory=list)
 
 
 def figures(config: RunConfig, options: dict[str, Any], harvests: list[Harvest]) -> dict[str, Any]:
@@ -78,6 +81,11 @@ def figures(config: RunConfig, options: dict[str, Any], harvests: list[Harvest])
         "round_s_p50": _quantile(sorted(without), 0.5),
         "round_s_p50_slow_member": _quantile(sorted(with_slow), 0.5),
         "consensus_spread": _spread([m for h in harvests for m in h.models]),
+        # with finishing rounds: the spread when training stopped, and their group sizes
+        "consensus_spread_trained": _spread([m for h in harvests for m in h.trained]),
+        "anchor_spread_trained": _spread([a for h in harvests for a in h.trained_anchors]),
+        "finish_rounds": config.finish_rounds,
+        "finish_group_sizes": _count(str(x) for r in runs for x in r.finished),
         "anchor_spread": _spread([a for h in harvests for a in h.anchors]),
         "dht_msgs_per_peer_per_min": sum(h.datagrams for h in harvests) / len(runs) / minutes,
         "rss_mb_per_peer": sum(h.rss_mb for h in harvests) / len(runs),
