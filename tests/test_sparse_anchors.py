@@ -19,6 +19,7 @@ from loopback_peers import fixed_group_config, start_peers
 
 from swarm.api import AsyncSwarm
 from swarm.averaging import Averager
+from swarm.averaging.butterfly.runner import RoundKind
 from swarm.averaging.digest import state_digest
 from swarm.averaging.groups.group import GroupInfo
 from swarm.averaging.groups.matchmaking import Matchmaker
@@ -282,5 +283,8 @@ async def test_average_parameters_under_a_sparse_codec_travels_in_the_dense_sync
             bound = float(m.abs().max()) / 100  # int8 blocks: absmax / 254 at most, per block
             torch.testing.assert_close(a.detach(), m, rtol=0, atol=bound)
             torch.testing.assert_close(b.detach(), m, rtol=0, atol=bound)
+        # a round of values keeps no residual (see butterfly/residuals.py)
+        for s in swarms:
+            assert not s.averager.butterfly.feedbacks[RoundKind("values", "")].enabled
     finally:
         await asyncio.gather(*(s.close() for s in swarms))

@@ -339,7 +339,8 @@ class ButterflyRunner:
         fb = self.feedbacks.get(kind)
         if fb is None or fb.numel != numel or fb.device != device or fb.codec.spec != codec.spec:
             turning = self.config.score_updates
-            fb = self.feedbacks[kind] = FlatFeedback(codec, numel, device, turning)
+            # only training rounds add up what was rounded off: see residuals.py
+            fb = self.feedbacks[kind] = FlatFeedback(codec, numel, device, turning, kind.saved)
             if kind.saved and kind.fragment in self.saved_feedback:
                 fb.load_state_dict(self.saved_feedback[kind.fragment])
         return fb
