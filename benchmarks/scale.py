@@ -422,11 +422,7 @@ def main() -> None:
     )
     real.add_argument("--no-equal", action="store_true", help="skip the equal-peers reference")
     real.add_argument(
-        "--finish-rounds",
-        type=int,
-        default=0,
-        help="after training, every peer calls average_parameters() this many times "
-        "(consensus_spread then; consensus_spread_trained before)",
+        "--finish-rounds", type=int, default=0, help="average_parameters() calls after training"
     )
     real.add_argument(
         "--processes",
