@@ -435,6 +435,8 @@ def main() -> None:
         args.peers = 1024 if args.sim else 16 if args.soak else 64
     if not 1 <= args.processes <= args.peers:
         parser.error(f"--processes must be between 1 and --peers ({args.peers})")
+    if args.finish_rounds < 0:
+        parser.error("--finish-rounds must be 0 or more")
     if args.sim:
         run_sim(args)
     elif args.soak:

@@ -92,9 +92,8 @@ class PeerRun:
     rounds: list[tuple[str, float]] = field(default_factory=list)  # (group, round_s) averaged
     restarts: int = 0
     nan: bool = False
-    finished: list[int] = field(
-        default_factory=list
-    )  # group size of each finishing round (1: alone)
+    # the group size of each finishing round (1: averaged with nobody)
+    finished: list[int] = field(default_factory=list)
 
 
 def run_options(config: RunConfig) -> dict[str, Any]:
@@ -198,6 +197,7 @@ class ManyPeers:
         await self.wan.close()
 
     def _models(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The live peers' flat models and anchors."""
         live = [r.swarm for r in self.runs.values() if r.swarm is not None]
         with torch.no_grad():
             return [flat(s.model.parameters()) for s in live], [
@@ -218,9 +218,7 @@ class ManyPeers:
         samples: list[Any],
     ) -> Harvest:
         live = [r.swarm for r in self.runs.values() if r.swarm is not None]
-        with torch.no_grad():
-            models = [flat(s.model.parameters()) for s in live]
-            anchors = [flat(s.engine.outer.anchor) for s in live]
+        models, anchors = self._models()
         parameters = sum(p.numel() for p in live[0].model.parameters()) if live else 0
         runs = [dataclasses.replace(r, swarm=None) for r in self.runs.values()]
         return Harvest(

@@ -16,14 +16,14 @@ sends (``D(C(avg + r))``), so every member ends the round with the same values.
 
 Rounds of values (``keep=False``: anchor syncs, ``average_parameters``; always in a dense codec)
 keep no residual: their averages replace the values instead of adding up, so what one round
-rounded off is not owed to the next. Carried over, it moved parts by a rounding's size where
-the residual's chunks and this round's differed (members whose values agreed closely saw such
-parts 0.3-1.5% off their own values and the others 0.04-0.16%, and accused honest owners).
+rounded off is not owed to the next. Carried over, it moved some parts by a rounding's size
+and not others (members whose values agreed closely saw such parts 0.3-1.5% off their own
+values and the others 0.04-0.16%, and accused honest owners).
 
 Residuals are stored in bfloat16 (:data:`RESIDUAL_DTYPE`): they are state kept across rounds,
 one vector for the sender and up to one more for a turning owner, and a 1B-parameter model's
 float32 residual alone is 4 GB. Each chunk is summed and encoded in float32 (a chunk-sized
-buffer), and only what the payload failed to carry is rounded to bfloat16: 8 bits of mantissa,
+buffer), and only what the payload failed to carry is rounded to bfloat16 (8 significant bits),
 so the error of the error is under 0.4% of a residual that is itself what a codec left out.
 """
 

@@ -103,7 +103,8 @@ def centered_clip(
     if sum(w) <= 0:
         w = [1.0] * k
     if k == 2:  # no majority can say which of two is wrong: their (capped) weighted mean
-        return ClipResult(_combine(x, [v / sum(w) for v in w], origin), (1.0, 1.0), 0.0)
+        total = sum(w)
+        return ClipResult(_combine(x, [v / total for v in w], origin), (1.0, 1.0), 0.0)
     a, scale, tau = _clip_steps(g, w, iterations)
     center = _combine(x, a, origin)
     sums = _alignment(x, g, a, origin.to(x.dtype)) if score else ((), (), 0.0)
