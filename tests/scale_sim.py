@@ -5,8 +5,9 @@ Real library code: :func:`~swarm.averaging.groups.regions.plan_groups` computes 
 group key from that peer's own view, and its CPU time is measured (``time.perf_counter``); every
 peer's coordinate is a real :class:`~swarm.averaging.groups.coordinates.Vivaldi` fed with
 simulated pings by the prober's rule (every ``probe_period_s``, half of the ``probes`` to the
-peers predicted nearest, the rest at random, then the record is published with the grid cell
-:func:`~swarm.averaging.groups.grid.place` keeps); the settings and
+peers predicted nearest, the rest at random, then the record is published with the placement
+:class:`~swarm.averaging.groups.placement.Placer` gives, and plans read placements as
+:meth:`~swarm.averaging.groups.prober.Prober.placed` does); the settings and
 limits are the library's (AveragingConfig, PeerConfig, the prober's gone reports, the join desk's
 patience, the DHT's slots per key).
 
@@ -53,13 +54,15 @@ from scale_sim_state import RoundStats, SimConfig, SimPeer, Version
 from swarm.averaging.groups import grid, regions
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.averaging.groups.join_desk import LAG_SAMPLES, PATIENCE_SLACK_S
+from swarm.averaging.groups.placement import Placement, placement_at
 from swarm.averaging.groups.planner import REPORT_WAIT_S
 from swarm.averaging.groups.prober import MAX_GONE_LISTED, MAX_REPORT_CHECKS, REPORT_RECHECK_S
 from swarm.identity import PeerID
 from swarm.training.cadence import READ_AHEAD_S
 
 VIVALDI = VivaldiConfig()
-ORIGIN = Coordinate.origin(VIVALDI.dims)
+DIMS = VIVALDI.dims
+ORIGIN = Coordinate.origin(DIMS)
 INITIAL_AGES_S = 600.0  # the first peers joined up to this long before the simulation starts
 REPLACE_MEAN_S = 10.0  # a departure is followed by a newcomer this long after, on average
 ANCHOR_MARGIN_S = 5.0  # SimConfig.view_quantum_s: stores land well within this
@@ -153,9 +156,10 @@ class World:
             self.stored.append(peer.idx)
         gone = tuple(sorted(peer.gone, key=lambda i: (peer.gone[i], i))[-MAX_GONE_LISTED:])
         coordinate = peer.vivaldi.coordinate if peer.samples else None
-        if coordinate is not None:
-            peer.cell = grid.place(coordinate, self.grouping.region_rtt, peer.cell)
-        version = Version(t, t + store_delay(self.rng), coordinate, gone, left, peer.cell)
+        if coordinate is not None:  # (a joiner plans from the swarm's next round)
+            peer.placer.update(coordinate, len(self.rounds))
+        placed = peer.placer.extra()
+        version = Version(t, t + store_delay(self.rng), coordinate, gone, left, placed)
         at = len(peer.versions)
         while at and peer.versions[at - 1].publish > t:  # (gone reports come in out of order)
             at -= 1
@@ -257,7 +261,7 @@ class World:
         # the read: ahead of the round (its records as they stood then), or at the start
         read_at = self._due_at - READ_AHEAD_S if self.cfg.read_ahead else start
         read_done = read_at + get_delay(self.rng)
-        view, cells, wait = self._view_of(peer, read_at, max(start, read_done))
+        view, cells, wait = self._view_of(peer, stats.round, read_at, max(start, read_done))
         gc.disable()  # (a collection of the simulation's own objects is not the planner's)
         try:
             started = time.perf_counter()
@@ -282,26 +286,23 @@ class World:
         self._due[stats.round].append(seeker)
 
     def _view_of(
-        self, reader: SimPeer, t: float, now: float | None = None
+        self, reader: SimPeer, round_: int, t: float, now: float | None = None
     ) -> tuple[dict[PeerID, Coordinate], dict[PeerID, grid.Cell], float]:
-        """The reader's view from a read at ``t``, then checks of reported peers at ``now``
-        (default ``t``), with the cells the records publish, and how long the checks held the
-        plan up."""
+        """The reader's view of ``round_`` from a read at ``t``, then checks of reported peers
+        at ``now`` (default ``t``): the placements the records give for the round, and how long
+        the checks held the plan up."""
         now = t if now is None else now
         if self.cfg.view_quantum_s:
-            return *self._anchored_view(reader, t, self.cfg.view_quantum_s), 0.0
+            return *self._anchored_view(reader, round_, t, self.cfg.view_quantum_s), 0.0
         view: dict[PeerID, Coordinate] = {}
         cells: dict[PeerID, grid.Cell] = {}
         reported: list[int] = []
         for i, v in self._listing(t):
             if v.left or i in reader.gone:
                 continue
-            view[self.peers[i].pid] = v.coordinate or ORIGIN
-            if v.cell is not None:
-                cells[self.peers[i].pid] = v.cell
+            self._place(view, cells, self.peers[i].pid, placement_at(v.placed, DIMS, round_))
             reported.extend(v.gone)
-        own = view.get(reader.pid, ORIGIN)
-        view[reader.pid] = reader.vivaldi.coordinate if own == ORIGIN else own
+        self._place(view, cells, reader.pid, reader.placer.at(round_))
         recent = now - REPORT_RECHECK_S
         suspects: list[int] = []
         for i in dict.fromkeys(reported):
@@ -324,7 +325,7 @@ class World:
         return view, cells, min(wait, REPORT_WAIT_S)
 
     def _anchored_view(
-        self, reader: SimPeer, t: float, quantum: float
+        self, reader: SimPeer, round_: int, t: float, quantum: float
     ) -> tuple[dict[PeerID, Coordinate], dict[PeerID, grid.Cell]]:
         """What-if: the records of one read as they stood at the last multiple of ``quantum``
         less a margin for stores to land, which every peer starting a round between the same
@@ -336,11 +337,23 @@ class World:
         for i, _ in self._listing(t):
             v = self.peers[i].latest(t, published=anchor)
             if v is not None and not v.left and v.publish + self.ttl > anchor:
-                view[self.peers[i].pid] = v.coordinate or ORIGIN
-                if v.cell is not None:
-                    cells[self.peers[i].pid] = v.cell
-        view.setdefault(reader.pid, reader.vivaldi.coordinate)
+                self._place(view, cells, self.peers[i].pid, placement_at(v.placed, DIMS, round_))
+        self._place(view, cells, reader.pid, reader.placer.at(round_))
         return view, cells
+
+    @staticmethod
+    def _place(
+        view: dict[PeerID, Coordinate],
+        cells: dict[PeerID, grid.Cell],
+        pid: PeerID,
+        placement: Placement | None,
+    ) -> None:
+        """Put ``pid`` where ``placement`` says (None: the origin, no cell), as
+        Prober.placed does."""
+        view[pid] = placement.coordinate() if placement is not None else ORIGIN
+        cells.pop(pid, None)
+        if placement is not None:
+            cells[pid] = placement.cell
 
     def _patience(self, peer: SimPeer) -> float:
         most = self.cfg.averaging.matchmaking_timeout_s / 2  # Averager.patience

@@ -5,15 +5,20 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from scale_sim_net import Site
 
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi
 from swarm.averaging.groups.join_desk import LAG_HISTORY
+from swarm.averaging.groups.placement import Placer
+from swarm.averaging.groups.prober import PUBLISH_MOVE_S
 from swarm.config import AveragingConfig
 from swarm.dht.records import MAX_SUBKEYS_PER_KEY
 from swarm.identity import PeerID
 from swarm.peer_config import PeerConfig
+
+REGION_RTT_S = AveragingConfig().region_rtt_s  # (the sim runs the default settings)
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class Version:
     coordinate: Coordinate | None  # None before its first RTT sample
     gone: tuple[int, ...] = ()  # peers it lists as gone
     left: bool = False  # a leave marker
-    cell: tuple[int, ...] | None = None  # its grid cell (grid.place), with its coordinate
+    placed: dict[str, Any] = field(default_factory=dict)  # its placements (Placer.extra)
 
 
 @dataclass
@@ -72,7 +77,7 @@ class SimPeer:
     checked: dict[int, float] = field(default_factory=dict)  # reported peers checked, and when
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_HISTORY))
     samples: int = 0
-    cell: tuple[int, ...] | None = None  # the cell it published last
+    placer: Placer = field(default_factory=lambda: Placer(REGION_RTT_S, PUBLISH_MOVE_S))
 
     def latest(self, t: float, published: float = math.inf) -> Version | None:
         """The newest version readable at ``t`` (and published by ``published``)."""

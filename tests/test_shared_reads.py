@@ -6,6 +6,7 @@ wrappers only count (and, once, inject a DHT failure) around the real calls."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -14,10 +15,17 @@ import pytest
 from loopback_peers import start_peers
 
 from swarm import peer as peer_module
+from swarm.averaging.groups.coordinates import Coordinate
 from swarm.averaging.groups.declarations import DeclarationBoard
-from swarm.averaging.groups.grid import CELL_FIELD
+from swarm.averaging.groups.placement import (
+    LEAD_ROUNDS,
+    PLACEMENT_FIELD,
+    PREVIOUS_FIELD,
+    Placement,
+)
 from swarm.averaging.groups.prober import Prober
-from swarm.errors import DHTError, SwarmError
+from swarm.errors import ConfigError, DHTError, SwarmError
+from swarm.net.progress import MAX_REASON_CHARS, PROGRESS_FIELD
 from swarm.peer import Peer
 
 
@@ -165,10 +173,17 @@ async def test_a_move_to_another_cell_is_announced_at_once() -> None:
         assert announces() == 1  # the first coordinate
         assert await prober.probe_once() == 1
         assert announces() == 1  # the same cell, a small move: the heartbeat's
-        prober.cell = (99, 0, 0, 0)  # as if it had sat far away
+        far = Placement(0, (99, 0, 0, 0), (0, 0, 0, 0), 0)  # as if it had sat far away
+        prober.placer.current = far
         assert await prober.probe_once() == 1
-        assert announces() == 2 and prober.cell != (99, 0, 0, 0)
-        assert a.transport.record().extra[CELL_FIELD] == list(prober.cell)
+        assert announces() == 2
+        placed = prober.placer.current
+        assert placed is not None and placed.cell != far.cell
+        # the far one counted (from round 0): it counts until the new one does
+        assert placed.start == LEAD_ROUNDS and prober.placer.previous == far
+        extra = a.transport.record().extra
+        assert extra[PLACEMENT_FIELD] == placed.to_wire()
+        assert extra[PREVIOUS_FIELD] == far.to_wire()[1:]
     finally:
         await prober.close()
         await asyncio.gather(a.close(), b.close())
@@ -193,24 +208,67 @@ async def test_a_coordinate_that_barely_moved_waits_for_the_heartbeat(
         await asyncio.gather(a.close(), b.close())
 
 
-async def test_the_record_publishes_the_grid_cell_and_readers_check_it() -> None:
+async def test_the_record_publishes_placements_and_readers_check_them() -> None:
     a, b = await start_peers([172, 173])
     prober, reader = Prober(a), Prober(b)
     try:
         await _both_listed(a, b)
         assert await prober.probe_once() == 1
-        assert prober.cell is not None
-        assert a.transport.record().extra[CELL_FIELD] == list(prober.cell)
+        placed = prober.placer.current
+        assert placed is not None and placed.start == LEAD_ROUNDS  # no round planned yet
+        assert a.transport.record().extra[PLACEMENT_FIELD] == placed.to_wire()
         await a.announce()
         await reader.refresh()
-        assert reader.cells()[a.peer_id] == prober.cell
-        for junk in ("near", [1, 2], [True] * 4, [1.5, 0, 0, 0], [10**9, 0, 0, 0]):
+        origin = Coordinate.origin(reader.vivaldi.config.dims)
+        for round_ in (0, LEAD_ROUNDS - 1):  # before it counts: at the origin, in no cell
+            view, cells = reader.placed(round_)
+            assert view[a.peer_id] == origin and a.peer_id not in cells
+        view, cells = reader.placed(LEAD_ROUNDS)
+        assert cells[a.peer_id] == placed.cell
+        assert view[a.peer_id] == placed.coordinate()
+        for junk in (
+            "near",
+            [2, [1, 2], [0, 0, 0, 0], 0],
+            [2, [True] * 4, [0, 0, 0, 0], 0],
+            [2, [1.5, 0, 0, 0], [0, 0, 0, 0], 0],
+            [2, [10**9, 0, 0, 0], [0, 0, 0, 0], 0],
+            [2, [0, 0, 0, 0], [0.5, 0, 0, 0], 0],
+            [2, [0, 0, 0, 0], [10**9, 0, 0, 0], 0],
+            [2, [0, 0, 0, 0], [0, 0, 0, 0], -1],
+            [-1, [0, 0, 0, 0], [0, 0, 0, 0], 0],
+            [2, [0, 0, 0, 0], [0, 0, 0, 0]],
+        ):
             record = a.transport.record()
-            a.transport.update_record(extra={**record.extra, CELL_FIELD: junk})
+            a.transport.update_record(extra={**record.extra, PLACEMENT_FIELD: junk})
             await a.announce()
             await reader.refresh()
-            assert a.peer_id in reader.records  # the record is kept, its cell is not
-            assert a.peer_id not in reader.cells()
+            assert a.peer_id in reader.records  # the record is kept, its placement is not
+            view, cells = reader.placed(LEAD_ROUNDS)
+            assert a.peer_id not in cells and view[a.peer_id] == origin, junk
     finally:
         await asyncio.gather(prober.close(), reader.close())
+        await asyncio.gather(a.close(), b.close())
+
+
+async def test_a_progress_that_fills_the_record_leaves_room_for_the_placement() -> None:
+    a, b = await start_peers([176, 177])
+    prober = Prober(a)
+    try:
+        await _both_listed(a, b)
+        # a progress as long as the extra fields hold (a scorer's list of lowered peers): the
+        # next announce fits it again, halving its list (Peer._with_progress)
+        progress = a.progress.snapshot(reachability="public")
+        for why in range(MAX_REASON_CHARS, 0, -1):  # the longest that fits alone
+            lowered = tuple((f"peer{i:06d}", 0.01, "y" * why) for i in range(8))
+            wire = dataclasses.replace(progress, lowered=lowered).to_wire()
+            try:
+                a.transport.update_record(extra={PROGRESS_FIELD: wire})
+                break
+            except ConfigError:
+                continue
+        assert await prober.probe_once() == 1
+        # the placement went out (the announce put a progress that fits back beside it)
+        assert PLACEMENT_FIELD in a.transport.record().extra
+    finally:
+        await prober.close()
         await asyncio.gather(a.close(), b.close())

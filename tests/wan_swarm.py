@@ -178,8 +178,11 @@ async def average_until(
     numel: int = 4096,
     seed: int = 0,
     stop_at_consensus: bool = False,
+    first: int = 0,
 ) -> Progress:
-    """Fresh random tensors on every peer, then ``rounds`` rounds numbered 0.. on all at once."""
+    """Fresh random tensors on every peer, then ``rounds`` rounds numbered ``first``.. on all
+    at once (peers are placed by coordinate in rounds from ``LEAD_ROUNDS`` after the next one
+    they plan: :mod:`swarm.averaging.groups.placement`)."""
     g = torch.Generator().manual_seed(seed)
     for m in swarm.members:
         m.tensor = torch.randn(numel, generator=g) + 1.0
@@ -198,7 +201,7 @@ async def average_until(
         reached.set()
 
     async def run(i: int, m: Member) -> None:
-        for r in range(rounds):
+        for r in range(first, first + rounds):
             if stop_at_consensus and reached.is_set():
                 return
             result = await m.averagers[name].average([m.tensor], round_=r)

@@ -14,8 +14,9 @@ Cells are cubes of side ``region_rtt / sqrt(dims)`` (the cube's diagonal: two pe
 are at most ``region_rtt`` apart before their heights), centred on the grid's points so that the
 origin, where a peer without RTT samples sits, lies inside one. A coordinate moves a little with
 every probe; a peer near a face would hop between two cells and be seen in either by readers of
-different versions of its record. So each peer publishes its cell (``extra["rc"]``) and keeps it
-(:func:`place`) until its coordinate lies more than ``SLACK`` of a side outside it.
+different versions of its record. So each peer publishes its cell (in its placement, see
+:mod:`.placement`) and keeps it (:func:`place`) until its coordinate lies more than ``SLACK`` of
+a side outside it.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class GroupPlanner:
             order: the caller's idea of the round order (the training round), or None.
         """
         number = round_ if round_ is not None else max(self.order, order or 0)
-        self.order = max(self.order, number + 1)
+        self._go_on(max(self.order, number + 1))
         self.rounds_started += 1
         base = self.config.group_key
         if self.prober is None or self.grouping == "fixed":
@@ -125,13 +125,12 @@ class GroupPlanner:
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
         await self._check_reports(min(budget, REPORT_WAIT_S))
-        view, me = self.prober.view(), self.peer.peer_id
-        if me not in view:  # cannot happen: the view always holds this peer
-            return RoundKey(base, order=number)
+        view, cells = self.prober.placed(number)
+        me = self.peer.peer_id
         if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
             return RoundKey(None, order=number, idle="no other peer announced in this run")
         plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
-        plan = plan_of(view, number, self.grouping_config, self.prober.cells())
+        plan = plan_of(view, number, self.grouping_config, cells)
         mine = self.apart.listed() if self.apart is not None else ()
         self.prober.tell_apart()
         plan = separate(plan, apart_pairs(self.prober.records, me, mine))
@@ -162,11 +161,17 @@ class GroupPlanner:
     def adopt(self, order: int, base: int) -> None:
         """Go on from ``order``, the round order the peers a joiner downloaded its state from
         plan with, unless it is implausibly far ahead of ``base`` (the downloaded round)."""
-        self.order = next_order(max(self.order, base), [order])
+        self._go_on(next_order(max(self.order, base), [order]))
 
     def joined(self, group: GroupInfo) -> None:
         """Go on from the group's round order (unless it is implausibly far ahead)."""
-        self.order = next_order(self.order, [group.order + 1])
+        self._go_on(next_order(self.order, [group.order + 1]))
+
+    def _go_on(self, order: int) -> None:
+        """The next round to plan is ``order``: the prober places this peer from it on."""
+        self.order = order
+        if self.prober is not None:
+            self.prober.round_order = max(self.prober.round_order, order)
 
     def forget(self, gone: set[PeerID]) -> None:
         """Plan no group with peers whose address refused us (until they sign a new record);

@@ -24,9 +24,10 @@ others read that list with the records before they plan a round and check those 
 (a report is a hint, never proof), so every view drops a killed peer within about a round instead
 of each peer finding out on its own.
 
-:meth:`Prober.view` is the input of :func:`swarm.averaging.groups.regions.group_key`: the coordinate
-of every live peer as its own record says (this peer's local one when its record is not out yet); a
-peer that publishes none (not probing yet, or an invalid one) sits at the origin.
+:meth:`Prober.placed` is the input of :func:`swarm.averaging.groups.regions.plan_groups`: where
+every live peer's record places it for a round (:mod:`.placement`: a cell and a rounded
+coordinate, published rounds before they count); a peer it does not place yet sits at the
+origin. :meth:`Prober.view` is every peer's newest coordinate.
 """
 
 from __future__ import annotations
@@ -39,11 +40,19 @@ import time
 
 from swarm.averaging.groups.apart import APART_FIELD, KeptApart
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
-from swarm.averaging.groups.grid import CELL_FIELD, Cell, parse_cell, place
+from swarm.averaging.groups.grid import Cell
 from swarm.averaging.groups.loop_lag import LagWatch
 from swarm.averaging.groups.peer_tags import by_tag, tag_of, tags_in
+from swarm.averaging.groups.placement import (
+    PLACEMENT_FIELD,
+    PREVIOUS_FIELD,
+    Placer,
+    moved,
+    placement_at,
+)
 from swarm.errors import ConfigError, SwarmError, TransportError
 from swarm.identity import PeerID
+from swarm.net.progress import PROGRESS_FIELD
 from swarm.net.record import PeerRecord
 from swarm.protocols import Peer
 
@@ -59,6 +68,7 @@ MAX_GONE_LISTED = 8
 # always busy still gets coordinates). Below Windows' ~16 ms timer granularity, and well below
 # the 50 ms region diameter that an inflated sample would break.
 HELD_UP_S = 0.02
+PUBLISH_MOVE_S = 0.005  # a coordinate that moved this far is announced at once
 MAX_REPORT_CHECKS = 8  # reported peers checked per plan (a lying list costs a few pings)
 REPORT_RECHECK_S = 5.0  # a reported peer that answered is not checked again for this long
 
@@ -87,14 +97,18 @@ class Prober:
         ping_timeout: a probe not answered by then is dropped (no sample).
         rng: peer choice and Vivaldi's random directions (seed it for reproducible tests).
         publish_move_s: a probe round publishes the coordinate at once only when it moved this
-            far (seconds of RTT) since it was last published, or to another grid cell; a smaller
-            move rides on the next heartbeat, which announces the record anyway.
+            far (seconds of RTT) since it was last published, or the placement changed (it
+            moves by as much, or to another grid cell); a smaller move rides on the next
+            heartbeat, which announces the record anyway.
         region_rtt: the run's region diameter (seconds), which sizes the grid cell published
-            beside the coordinate (:mod:`.grid`).
+            in the placement (:mod:`.grid`).
 
     Attributes:
         vivaldi: the coordinate state (``vivaldi.coordinate`` is this peer's current one).
         records: the peer records read last (every live peer of the run, this one included).
+        placer: this peer's placements (:mod:`.placement`), published in its record.
+        round_order: the next round this peer's planner plans (it keeps it up to date): a new
+            placement counts from ``LEAD_ROUNDS`` rounds after it.
         samples: RTT samples taken so far.
         held_up: RTT samples dropped because this peer's event loop was held up during them.
     """
@@ -108,7 +122,7 @@ class Prober:
         vivaldi: VivaldiConfig | None = None,
         ping_timeout: float = 2.0,
         rng: random.Random | None = None,
-        publish_move_s: float = 0.005,
+        publish_move_s: float = PUBLISH_MOVE_S,
         region_rtt: float = 0.05,
     ):
         if not period > 0 or not ping_timeout > 0:
@@ -123,7 +137,8 @@ class Prober:
         self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
         self.publish_move_s = publish_move_s
         self.region_rtt = region_rtt
-        self.cell: Cell | None = None  # the grid cell published (None before the first sample)
+        self.placer = Placer(region_rtt, publish_move_s)  # where this peer's record places it
+        self.round_order = 0  # the next round the planner plans (it keeps this up to date)
         self._published: Coordinate | None = None  # the coordinate last announced
         self.records: dict[PeerID, PeerRecord] = {}
         self.gone: dict[PeerID, float] = {}  # peer -> time.time() its address refused us
@@ -246,15 +261,27 @@ class Prober:
             view[me] = self.coordinate
         return view
 
-    def cells(self) -> dict[PeerID, Cell]:
-        """The grid cell each peer of :attr:`records` published (well-formed ones only), and
-        this peer's own."""
+    def placed(self, round_: int) -> tuple[dict[PeerID, Coordinate], dict[PeerID, Cell]]:
+        """The coordinate and cell every peer of :attr:`records` and this one has in the plan
+        of ``round_`` (:mod:`.placement`): what its record places it at for that round, the
+        origin and no cell for a peer it does not place yet."""
         dims = self.vivaldi.config.dims
-        found = {pid: parse_cell(r.extra.get(CELL_FIELD), dims) for pid, r in self.records.items()}
-        cells = {pid: cell for pid, cell in found.items() if cell is not None}
-        if self.cell is not None:
-            cells[self.peer.peer_id] = self.cell
-        return cells
+        origin = Coordinate.origin(dims)
+        view: dict[PeerID, Coordinate] = {}
+        cells: dict[PeerID, Cell] = {}
+        me = self.peer.peer_id
+        for pid, record in self.records.items():
+            if pid == me:
+                continue
+            placement = placement_at(record.extra, dims, round_)
+            view[pid] = placement.coordinate() if placement is not None else origin
+            if placement is not None:
+                cells[pid] = placement.cell
+        own = self.placer.at(round_)  # (what its newest record says)
+        view[me] = own.coordinate() if own is not None else origin
+        if own is not None:
+            cells[me] = own.cell
+        return view, cells
 
     async def probe_once(self) -> int:
         """One period's work: read records, ping, update and publish; returns samples taken."""
@@ -289,11 +316,11 @@ class Prober:
             taken += 1
         self.samples += taken
         if taken:
-            moved = self._published is None or _moved(self._published, self.coordinate) >= (
+            far = self._published is None or moved(self._published, self.coordinate) >= (
                 self.publish_move_s
             )
-            # a new cell goes out at once: until readers see it, their plans and ours differ
-            if moved or place(self.coordinate, self.region_rtt, self.cell) != self.cell:
+            # a new placement goes out at once: readers must hold it before it counts
+            if self.placer.update(self.coordinate, self.round_order) or far:
                 await self._publish()
             else:
                 self._put_in_record()
@@ -348,14 +375,13 @@ class Prober:
         next store)."""
         transport = self.peer.transport
         latest = sorted(self.gone, key=self.gone.__getitem__)[-MAX_GONE_LISTED:]
-        ours = (GONE_FIELD, APART_FIELD, CELL_FIELD)
+        ours = (GONE_FIELD, APART_FIELD, PLACEMENT_FIELD, PREVIOUS_FIELD)
         extra = {k: v for k, v in transport.record().extra.items() if k not in ours}
         if latest:
             extra[GONE_FIELD] = [tag_of(pid) for pid in latest]
         if self.samples:  # no coordinate before the first RTT sample
             extra[COORDINATE_FIELD] = self.coordinate.to_wire()
-            self.cell = place(self.coordinate, self.region_rtt, self.cell)
-            extra[CELL_FIELD] = list(self.cell)
+            extra.update(self.placer.extra())
         apart = self._apart_told = self.apart.tags() if self.apart is not None else []
         if apart:
             try:
@@ -363,7 +389,12 @@ class Prober:
                 return
             except ConfigError:  # no room beside a long progress: the coordinate comes first
                 logger.debug("no room in the record for the peers kept apart")
-        transport.update_record(extra=extra)
+        try:
+            transport.update_record(extra=extra)
+        except ConfigError:  # a progress that filled the room: the next announce fits it again
+            logger.debug("no room in the record beside the progress: announced without it")
+            extra.pop(PROGRESS_FIELD, None)
+            transport.update_record(extra=extra)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -377,10 +408,3 @@ class Prober:
                 logger.exception("probe round failed")
             due = max(due + self.period, loop.time())
             await asyncio.sleep(due - loop.time())
-
-
-def _moved(before: Coordinate, after: Coordinate) -> float:
-    """How far (seconds of RTT) a coordinate moved: its vector's distance plus its height's."""
-    if before.dims != after.dims:
-        return math.inf
-    return math.dist(before.vector, after.vector) + abs(before.height - after.height)

@@ -48,12 +48,12 @@ decided:
    hashed permutation of all peers: the baseline for benchmarks.
 
 Views differ between peers (DHT records arrive at different times, coordinates move). Only
-stable inputs are used: the set of PeerIDs, the round number and the published cells (the
-coordinates decide only where a peer alone in its cell goes). Two peers with different views
-may compute different keys; the matchmaking only ever groups peers that declared the *same*
-key, so the cost is a smaller group or no group for some peers in that round, never a wrong
-or split group. To keep views close,
-build the view from one DHT read per round and leave out peers whose record is very fresh.
+stable inputs are used: the set of PeerIDs, the round number and the placements the records
+publish for the round (:mod:`.placement`: a cell and a rounded coordinate, published rounds
+before they count, so readers of two versions of a record agree). Two peers with different
+views may compute different keys; the matchmaking only ever groups peers that declared the
+*same* key, so the cost is a smaller group or no group for some peers in that round, never a
+wrong or split group.
 """
 
 from __future__ import annotations
