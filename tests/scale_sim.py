@@ -54,7 +54,7 @@ from scale_sim_state import RoundStats, SimConfig, SimPeer, Version
 from swarm.averaging.groups import grid, regions
 from swarm.averaging.groups.coordinates import Coordinate, Vivaldi, VivaldiConfig, predict_rtt
 from swarm.averaging.groups.join_desk import LAG_SAMPLES, PATIENCE_SLACK_S
-from swarm.averaging.groups.placement import Placement, placement_at
+from swarm.averaging.groups.placement import placement_at, put
 from swarm.averaging.groups.planner import REPORT_WAIT_S
 from swarm.averaging.groups.prober import MAX_GONE_LISTED, MAX_REPORT_CHECKS, REPORT_RECHECK_S
 from swarm.identity import PeerID
@@ -300,9 +300,9 @@ class World:
         for i, v in self._listing(t):
             if v.left or i in reader.gone:
                 continue
-            self._place(view, cells, self.peers[i].pid, placement_at(v.placed, DIMS, round_))
+            put(view, cells, self.peers[i].pid, placement_at(v.placed, DIMS, round_), DIMS)
             reported.extend(v.gone)
-        self._place(view, cells, reader.pid, reader.placer.at(round_))
+        put(view, cells, reader.pid, reader.placer.at(round_), DIMS)
         recent = now - REPORT_RECHECK_S
         suspects: list[int] = []
         for i in dict.fromkeys(reported):
@@ -337,23 +337,9 @@ class World:
         for i, _ in self._listing(t):
             v = self.peers[i].latest(t, published=anchor)
             if v is not None and not v.left and v.publish + self.ttl > anchor:
-                self._place(view, cells, self.peers[i].pid, placement_at(v.placed, DIMS, round_))
-        self._place(view, cells, reader.pid, reader.placer.at(round_))
+                put(view, cells, self.peers[i].pid, placement_at(v.placed, DIMS, round_), DIMS)
+        put(view, cells, reader.pid, reader.placer.at(round_), DIMS)
         return view, cells
-
-    @staticmethod
-    def _place(
-        view: dict[PeerID, Coordinate],
-        cells: dict[PeerID, grid.Cell],
-        pid: PeerID,
-        placement: Placement | None,
-    ) -> None:
-        """Put ``pid`` where ``placement`` says (None: the origin, no cell), as
-        Prober.placed does."""
-        view[pid] = placement.coordinate() if placement is not None else ORIGIN
-        cells.pop(pid, None)
-        if placement is not None:
-            cells[pid] = placement.cell
 
     def _patience(self, peer: SimPeer) -> float:
         most = self.cfg.averaging.matchmaking_timeout_s / 2  # Averager.patience

@@ -98,9 +98,9 @@ class FlatFeedback:
 
         ``offset`` is relative to the range given to :meth:`prepare_owner`.
         """
-        if not self.enabled:
-            if self.codec.name in LOSSLESS:
-                return self.codec.encode(values)
+        if self.codec.name in LOSSLESS:
+            return self.codec.encode(values)
+        if not self.enabled:  # a round of values keeps nothing, and applies what it sends
             return encode_keeping_error(self.codec, values.clone(), decoded=values)
         r = self._owner_residual()[offset : offset + values.numel()]
         return _encode_with(self.codec, values, r, decoded=values)

@@ -31,6 +31,7 @@ from typing import Any
 
 from swarm.averaging.groups.coordinates import MAX_COMPONENT, Coordinate
 from swarm.averaging.groups.grid import Cell, parse_cell, place
+from swarm.identity import PeerID
 
 PLACEMENT_FIELD = "pl"  # key of the placement in PeerRecord.extra: [start, cell, vector, height]
 PREVIOUS_FIELD = "pp"  # key of the placement before it: [cell, vector, height]
@@ -85,6 +86,21 @@ class Placement:
         ):
             return None
         return cls(start, cell, tuple(vector), height)
+
+
+def put(
+    view: dict[PeerID, Coordinate],
+    cells: dict[PeerID, Cell],
+    peer: PeerID,
+    placement: Placement | None,
+    dims: int,
+) -> None:
+    """Put ``peer`` in a plan's ``view`` and ``cells`` where ``placement`` says: its rounded
+    coordinate and its cell, or the origin and no cell when it has none for the round."""
+    view[peer] = placement.coordinate() if placement is not None else Coordinate.origin(dims)
+    cells.pop(peer, None)
+    if placement is not None:
+        cells[peer] = placement.cell
 
 
 def placement_at(extra: Mapping[str, Any], dims: int, round_: int) -> Placement | None:

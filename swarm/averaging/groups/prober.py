@@ -49,6 +49,7 @@ from swarm.averaging.groups.placement import (
     Placer,
     moved,
     placement_at,
+    put,
 )
 from swarm.errors import ConfigError, SwarmError, TransportError
 from swarm.identity import PeerID
@@ -136,7 +137,6 @@ class Prober:
         self.rng = rng or random.Random()
         self.vivaldi = Vivaldi(vivaldi, rng=self.rng)
         self.publish_move_s = publish_move_s
-        self.region_rtt = region_rtt
         self.placer = Placer(region_rtt, publish_move_s)  # where this peer's record places it
         self.round_order = 0  # the next round the planner plans (it keeps this up to date)
         self._published: Coordinate | None = None  # the coordinate last announced
@@ -266,21 +266,13 @@ class Prober:
         of ``round_`` (:mod:`.placement`): what its record places it at for that round, the
         origin and no cell for a peer it does not place yet."""
         dims = self.vivaldi.config.dims
-        origin = Coordinate.origin(dims)
         view: dict[PeerID, Coordinate] = {}
         cells: dict[PeerID, Cell] = {}
         me = self.peer.peer_id
         for pid, record in self.records.items():
-            if pid == me:
-                continue
-            placement = placement_at(record.extra, dims, round_)
-            view[pid] = placement.coordinate() if placement is not None else origin
-            if placement is not None:
-                cells[pid] = placement.cell
-        own = self.placer.at(round_)  # (what its newest record says)
-        view[me] = own.coordinate() if own is not None else origin
-        if own is not None:
-            cells[me] = own.cell
+            if pid != me:
+                put(view, cells, pid, placement_at(record.extra, dims, round_), dims)
+        put(view, cells, me, self.placer.at(round_), dims)  # (what its newest record says)
         return view, cells
 
     async def probe_once(self) -> int:
