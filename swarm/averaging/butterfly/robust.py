@@ -99,6 +99,10 @@ def centered_clip(
     # is done in Python floats (float64): a few dozen tiny tensor ops would cost more than the
     # arithmetic, and each hands the interpreter lock over and waits to get it back.
     g = (x @ x.T).double().cpu().tolist()
+    # symmetric to the last bit: two mutual nearest rows share one median distance, and the
+    # medoid between them goes by the tie-break, not by which order the matmul rounded them
+    # in (it flipped with the rows' order, and groups of the same rows gave results 0.4% apart)
+    g = [[(g[i][j] + g[j][i]) / 2 for j in range(k)] for i in range(k)]
     w = [float(v) for v in weights]
     if sum(w) <= 0:
         w = [1.0] * k
