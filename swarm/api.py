@@ -140,18 +140,7 @@ class AsyncSwarm:
         started = time.perf_counter()
         try:
             result = await asyncio.wait_for(
-                self.averager.average(
-                    plan.tensors,
-                    weight=plan.weight,
-                    sync=plan.sync,
-                    sync_every=plan.sync_every,
-                    sync_codec=plan.sync_codec,
-                    codec=plan.codec,
-                    order=plan.order,
-                    purpose=plan.purpose,
-                    fragment=plan.fragment,
-                    updates=plan.updates,
-                ),
+                self.averager.average(plan.tensors, **plan.averaging_options()),
                 self.config.averaging.round_timeout_s,
             )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
@@ -219,6 +208,8 @@ class AsyncSwarm:
 
         After a successful round with codec ``none`` every member holds the same model. Under
         top-K, 1-bit or ``sparse`` it averages the parameters only, in ``anchor_sync_codec``.
+        Its groups cross regions along a grid: ``ceil(log(peers) / log(target_group_size))``
+        calls in a row bring the swarm to one model (:mod:`swarm.averaging.groups.converge`).
         """
         await self.wait_round()  # the slots are the round in flight's until it lands
         plan = self.engine.begin_values_round()

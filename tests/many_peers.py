@@ -94,6 +94,7 @@ class PeerRun:
     nan: bool = False
     # the group size of each finishing round (1: averaged with nobody)
     finished: list[int] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)  # why finishing rounds failed
 
 
 def run_options(config: RunConfig) -> dict[str, Any]:
@@ -209,6 +210,8 @@ class ManyPeers:
         for _ in range(self.config.finish_rounds):
             outcome = await run.swarm.average_parameters()
             run.finished.append(outcome.group_size if outcome.averaged else 1)
+            if not outcome.averaged:
+                run.finish_reasons.append(outcome.reason)
 
     def _harvest(
         self,

@@ -86,6 +86,12 @@ def figures(config: RunConfig, options: dict[str, Any], harvests: list[Harvest])
         "anchor_spread_trained": _spread([a for h in harvests for a in h.trained_anchors]),
         "finish_rounds": config.finish_rounds,
         "finish_group_sizes": _count(str(x) for r in runs for x in r.finished),
+        "finish_reasons": _count(x for r in runs for x in r.finish_reasons),
+        # per finishing round, the peers that averaged with someone
+        "finish_averaged_by_round": [
+            sum(len(r.finished) > k and r.finished[k] > 1 for r in runs)
+            for k in range(config.finish_rounds)
+        ],
         "anchor_spread": _spread([a for h in harvests for a in h.anchors]),
         "dht_msgs_per_peer_per_min": sum(h.datagrams for h in harvests) / len(runs) / minutes,
         "rss_mb_per_peer": sum(h.rss_mb for h in harvests) / len(runs),

@@ -49,6 +49,10 @@ from swarm.protocols import Peer
 
 logger = logging.getLogger(__name__)
 
+# of the matchmaking timeout, that a converging round's leader waits for its planned members:
+# with half of it, 32 peers' grid rounds lost 5 of 128 to members whose last round ended later
+CONVERGE_PATIENCE = 0.9
+
 
 class Averager:
     """Averages tensors with a group of peers of the swarm.
@@ -127,6 +131,14 @@ class Averager:
 
     # ---- public API
 
+    def _patience(self, purpose: str, converge: bool) -> float:
+        """How long a planned leader waits for its planned members."""
+        if converge:  # a grid's rounds follow each other: members come as their last one ends
+            return CONVERGE_PATIENCE * self.config.matchmaking_timeout_s
+        if purpose:  # a one-off round arrives when training rounds end, not as rounds suggest
+            return self.patience
+        return self.matchmaker.patience(self.patience)
+
     async def average(
         self,
         tensors: Sequence[torch.Tensor],
@@ -142,6 +154,7 @@ class Averager:
         purpose: str = "",
         fragment: str = "",
         updates: bool = False,
+        converge: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -182,6 +195,9 @@ class Averager:
                 parts this peer owns score each sender's alignment with the group's robust mean
                 and weigh it by this peer's record of it (see
                 :mod:`swarm.averaging.butterfly.scoring`); the robust aggregator only.
+            converge: plan groups that bring the whole swarm to one model in the fewest
+                rounds (a grid across regions, :mod:`.groups.converge`) instead of near
+                groups: for rounds meant to end with one model (e.g. at the end of training).
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -207,7 +223,9 @@ class Averager:
             digest = loop.run_in_executor(self._pool, state_digest, syncing) if syncing else None
             try:
                 planned = (
-                    RoundKey(group_key) if group_key else await self.planner.plan(round_, order)
+                    RoundKey(group_key)
+                    if group_key
+                    else await self.planner.plan(round_, order, converge)
                 )
             finally:
                 state = await digest if digest is not None else b""
@@ -228,9 +246,7 @@ class Averager:
                 key,
                 self.config.matchmaking_timeout_s,
                 expected=planned.expected,
-                # a one-off round (another purpose) waits the whole patience: its members arrive
-                # when their training rounds end, not as the regular rounds' arrivals suggest
-                patience=self.patience if purpose else self.matchmaker.patience(self.patience),
+                patience=self._patience(purpose, converge),
                 leader=planned.leader,
                 planned=planned.members,
                 order=planned.order,

@@ -94,6 +94,7 @@ class TrainingEngine(PersistentState):
         }[self.mode]
         self.step_count = 0  # local optimizer steps
         self.round = 0  # completed averaging rounds (attempted ones count; see finish_round)
+        self.values_rounds = 0  # values rounds begun (the k-th of every peer plans alike)
         self.steps_in_round = 0
         self.samples_in_round = 0.0
         self.samples_seen = 0.0  # all samples trained on, for the published samples/s
@@ -269,7 +270,9 @@ class TrainingEngine(PersistentState):
     def begin_values_round(self) -> RoundPlan:
         """The plan of a one-off round that averages the model's values themselves (equal
         weights: whole models, not samples; a peer still in a training round averages other
-        values, so the two never group).
+        values, so the two never group). The k-th such round of every peer plans the same
+        groups: a grid across regions, whose axes come round in turn (see
+        :mod:`swarm.averaging.groups.converge`).
 
         Under a codec that would ruin raw values (top-K, 1-bit, ``sparse``) it travels in the
         dense ``anchor_sync_codec``, as anchor syncs do.
@@ -282,7 +285,10 @@ class TrainingEngine(PersistentState):
         self._no_flight("average the parameters")
         with self.lock:
             self.outer.load_values()
-        return RoundPlan(self.outer.slots, 1.0, 0.0, purpose="values", codec=dense.text)
+        number, self.values_rounds = self.values_rounds, self.values_rounds + 1
+        return RoundPlan(
+            self.outer.slots, 1.0, 0.0, purpose="values", codec=dense.text, number=number
+        )
 
     def finish_values_round(self, outcome: RoundOutcome) -> None:
         """Apply an averaged values round (the model and anchors take the average)."""

@@ -75,6 +75,16 @@ class RoundPlan:
     purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
     fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
     updates: bool = False  # ``tensors`` are updates (pseudo-gradients, gradients), not values
+    # a round number every peer shares (part of the keys), e.g. its k-th values round: then
+    # the groups bring the swarm to one model fastest (a grid across regions), not near ones
+    number: int | None = None
+
+    def averaging_options(self) -> dict[str, Any]:
+        """The keyword arguments of :meth:`swarm.averaging.Averager.average` for this round."""
+        names = ("weight", "sync", "sync_every", "sync_codec", "codec", "order", "purpose")
+        names += ("fragment", "updates")
+        numbered = {"round_": self.number, "converge": self.number is not None}
+        return {name: getattr(self, name) for name in names} | numbered
 
 
 StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]

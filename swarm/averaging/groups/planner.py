@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from swarm.averaging.groups import regions
 from swarm.averaging.groups.apart import KeptApart, apart_pairs, separate
+from swarm.averaging.groups.converge import converging_plan
 from swarm.averaging.groups.group import GroupInfo, next_order
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.prober import Prober
@@ -100,12 +101,16 @@ class GroupPlanner:
         if self._ahead is not None:
             self._ahead.cancel()
 
-    async def plan(self, round_: int | None, order: int | None = None) -> RoundKey:
+    async def plan(
+        self, round_: int | None, order: int | None = None, converge: bool = False
+    ) -> RoundKey:
         """This round's key from the prober's view of the peers (see the module docstring).
 
         Args:
             round_: a round number shared by every peer (part of the keys), or None.
             order: the caller's idea of the round order (the training round), or None.
+            converge: plan the groups that bring the swarm to one model fastest
+                (:mod:`.converge`), across regions, instead of near groups.
         """
         number = round_ if round_ is not None else max(self.order, order or 0)
         self._go_on(max(self.order, number + 1))
@@ -129,8 +134,12 @@ class GroupPlanner:
         me = self.peer.peer_id
         if len(view) == 1:  # nobody to wait for: do not sit through the matchmaking timeout
             return RoundKey(None, order=number, idle="no other peer announced in this run")
-        plan_of = regions.random_plan if self.grouping == "random" else regions.plan_groups
-        plan = plan_of(view, number, self.grouping_config, cells)
+        if converge:
+            plan = converging_plan(view, number, self.grouping_config)
+        elif self.grouping == "random":
+            plan = regions.random_plan(view, number, self.grouping_config, cells)
+        else:
+            plan = regions.plan_groups(view, number, self.grouping_config, cells)
         mine = self.apart.listed() if self.apart is not None else ()
         self.prober.tell_apart()
         plan = separate(plan, apart_pairs(self.prober.records, me, mine))

@@ -74,8 +74,8 @@ from swarm.identity import PeerID
 
 logger = logging.getLogger(__name__)
 
-NEAR, CROSS, RANDOM = "near", "cross", "random"
-_KIND_TAG = {NEAR: "n", CROSS: "x", RANDOM: "z"}
+NEAR, CROSS, RANDOM, GRID = "near", "cross", "random", "grid"  # GRID: .converge
+_KIND_TAG = {NEAR: "n", CROSS: "x", RANDOM: "z", GRID: "g"}
 _KEY_CHARS = 16  # of the first member's digest, in hex: unique among a round's groups
 CELL_GROUPS = 2  # a cell of a large region holds at least this many groups' worth of peers
 
@@ -249,8 +249,8 @@ def plan_groups(
     groups = {}
     near, alone = _attach_small([view[p] for p in peers], clusters, config)
     for region in near:
-        for cell in _cells(_hashed([peers[k] for k in region], round_, NEAR), config):
-            groups.update({group_key_of(round_, NEAR, g): g for g in _cut(cell, config)})
+        for cell in _cells(hashed([peers[k] for k in region], round_, NEAR), config):
+            groups.update({group_key_of(round_, NEAR, g): g for g in cut(cell, config)})
     return GroupPlan(round_, NEAR, regions, groups, tuple(peers[k] for k in sorted(alone)))
 
 
@@ -263,7 +263,7 @@ def random_plan(
     """The sizes of :func:`plan_groups`' groups, filled with peers in a hashed random order."""
     plan = plan_groups(view, round_, config, cells)
     sizes = [len(g) for g in plan.groups.values()]
-    order = [p for _, p in _hashed(sorted(view, key=lambda p: p.digest), round_, RANDOM)]
+    order = [p for _, p in hashed(sorted(view, key=lambda p: p.digest), round_, RANDOM)]
     groups, start = {}, 0
     for size in sorted(sizes, reverse=True):
         group = tuple(order[start : start + size])
@@ -302,7 +302,7 @@ def without_round(key: str) -> str:
     return key.split(".", 1)[1]
 
 
-def _hashed(peers: Sequence[PeerID], round_: int, kind: str) -> list[tuple[int, PeerID]]:
+def hashed(peers: Sequence[PeerID], round_: int, kind: str) -> list[tuple[int, PeerID]]:
     """``peers`` in an order that every peer computes alike and that changes every round, each
     with its place in that order: a 64-bit hash of (kind, round, PeerID)."""
     salt = f"swarm/groups/{kind}/{round_}/".encode()
@@ -334,10 +334,10 @@ def _mixed(
     """Cross-round groups: cells of every peer by a hash of the round, each dealt round-robin
     in the order of its members' regions (see the module docstring)."""
     region_of = {p: k for k, region in enumerate(regions) for p in region}
-    hashed = _hashed([p for region in regions for p in region], round_, CROSS)
-    rank = {p: k for k, (_, p) in enumerate(hashed)}
+    order = hashed([p for region in regions for p in region], round_, CROSS)
+    rank = {p: k for k, (_, p) in enumerate(order)}
     groups = []
-    for cell in _cells(hashed, config):
+    for cell in _cells(order, config):
         groups += _deal(sorted(cell, key=lambda p: (region_of[p], rank[p])), config)
     return groups
 
@@ -348,7 +348,7 @@ def _deal(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID,
     return [tuple(order[i::count]) for i in range(count) if order[i::count]]
 
 
-def _cut(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID, ...]]:
+def cut(order: Sequence[PeerID], config: GroupingConfig) -> list[tuple[PeerID, ...]]:
     """Consecutive runs of ``order`` as ``ceil(n / target)`` groups of balanced sizes (the
     first ``n % count`` one larger), none above the target."""
     count = max(1, math.ceil(len(order) / config.target_group_size))
