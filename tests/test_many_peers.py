@@ -23,6 +23,7 @@ from many_peers import RunConfig, mixed_specs, run
 # task in 4 runs (0.15-0.17 in 3 earlier ones; 0.33 with rounds every 50 steps); anchors of
 # groups that never meet reach about 1
 SPREAD_BOUND = 0.4
+CONSENSUS_BOUND = 0.01  # after the finishing rounds (issue 32's goal)
 # all 16 peers share one event loop: when it cannot keep the fast peers at half their emulated
 # speed (seen once on a loaded CI machine: a quarter), the run measures the machine, not the swarm
 MIN_SPEED_KEPT = 0.5
@@ -30,9 +31,10 @@ MIN_SPEED_KEPT = 0.5
 
 async def test_sixteen_unequal_peers_average_without_waiting_for_each_other() -> None:
     specs = mixed_specs(16, (1.0, 0.25), (100.0, 10.0))
+    # two minutes of training, the first 20 s not measured, then 3 average_parameters() calls
     config = RunConfig(
-        specs, duration_s=100.0, warmup_s=20.0, options={"inner_steps": "5s"}
-    )  # two minutes of training, the first 20 s not measured
+        specs, duration_s=100.0, warmup_s=20.0, options={"inner_steps": "5s"}, finish_rounds=3
+    )
     figures = await run(config)
     per_peer = figures.pop("per_peer")
     seen = json.dumps(figures) + "".join(f"\n{p}" for p in per_peer)
@@ -46,8 +48,8 @@ async def test_sixteen_unequal_peers_average_without_waiting_for_each_other() ->
     assert all(p["due"] >= 10 for p in per_peer), seen
     assert all(p["averaged"] >= 0.8 * p["due"] for p in per_peer), seen
     assert all(p["utilization"] > 0.9 for p in per_peer if p["speed"] == 1.0), seen
-    # (finishing rounds of average_parameters(), benchmarks/scale.py --finish-rounds, are not
-    # checked here: in two full suites 36 of the peers' 64 finishing rounds averaged in groups
-    # under 4, 10 of them alone in one, and the spread after 4 rounds was 0.019 and 0.058,
-    # against 0.007 in a run alone; see the README)
-    assert figures["anchor_spread"] < SPREAD_BOUND, seen
+    assert figures["anchor_spread_trained"] < SPREAD_BOUND, seen
+    # the finishing rounds follow a 4 x 4 grid: two full ones leave one model (measured 1.1e-7
+    # and 1.2e-7 in two runs side by side, all 48 rounds in groups of 4; near groups, before,
+    # left 0.019 and 0.058 after 4 rounds in loaded suites)
+    assert figures["consensus_spread"] < CONSENSUS_BOUND, seen
