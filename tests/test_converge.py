@@ -152,6 +152,8 @@ async def test_sixteen_real_peers_end_with_one_model_after_two_values_rounds() -
             if all(len(v) == 16 for v in views):
                 break
             await asyncio.sleep(0.2)
+        else:
+            pytest.fail(f"the peers did not all see each other: {sorted(map(len, views))}")
         for _ in range(2):
             outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
             assert all(o.averaged for o in outcomes), outcomes

@@ -137,11 +137,9 @@ class Averager:
         """How long to look for a group: a grid's round waits for members late from their last
         one (up to half the round's timeout: the all-reduce keeps the other half)."""
         cfg = self.config
-        return (
-            max(cfg.matchmaking_timeout_s, cfg.round_timeout_s / 2)
-            if converge
-            else (cfg.matchmaking_timeout_s)
-        )
+        if converge:
+            return max(cfg.matchmaking_timeout_s, cfg.round_timeout_s / 2)
+        return cfg.matchmaking_timeout_s
 
     def _patience(self, purpose: str, converge: bool) -> float:
         """How long a planned leader waits for its planned members."""

@@ -67,7 +67,7 @@ def converging_plan(peers: Iterable[PeerID], round_: int, config: GroupingConfig
 
     Every peer with the same ``peers`` and ``round_`` computes the same plan.
     """
-    everyone = sorted(set(peers), key=lambda p: p.digest)
+    everyone = list(set(peers))  # (hashed() orders them)
     sides = grid_sides(len(everyone), config)
     axis = round_ % len(sides)
     full = math.prod(sides) == len(everyone)  # its ranking holds: any dims rounds in a row do
