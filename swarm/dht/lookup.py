@@ -354,6 +354,17 @@ async def refresh_bands(protocol: SwarmProtocol, node_id: bytes, alpha: int) -> 
                 return
 
 
+async def announce(protocol: SwarmProtocol) -> None:
+    """Ping every contact once more, now with its cookie, so that it takes us in.
+
+    A node adds a sender to its routing table only once the sender proved its address (echoed
+    a cookie, see :mod:`swarm.dht.cookies`); a joining node asks most nodes once, so without
+    this the nodes that were there first may never learn of it (64 nodes: in 1 of 30 joins an
+    early node knew nobody in a band where only later ones sat).
+    """
+    await asyncio.gather(*(protocol.call(c, "ping") for c in protocol.router.contacts()))
+
+
 def shared_bits(a: int, b: int) -> int:
     """How many leading bits two 160-bit ids share."""
     return KEY_DIGEST_BYTES * 8 - (a ^ b).bit_length()

@@ -25,7 +25,7 @@ from typing import Any
 from swarm.address import PeerAddress
 from swarm.auth import Membership
 from swarm.dht.envelope import DatagramAuth
-from swarm.dht.lookup import lookup, more_pages, refresh_bands
+from swarm.dht.lookup import announce, lookup, more_pages, refresh_bands
 from swarm.dht.protocol import SwarmProtocol
 from swarm.dht.provenance import Origin
 from swarm.dht.reads import add_reports, merge_reads
@@ -230,6 +230,7 @@ class DHTNode:
         await lookup(self._protocol, self.node_id, ksize=self.ksize, alpha=self.alpha)
         if not self.client:
             await self.refresh_buckets()
+            await announce(self._protocol)
         return len(self.contacts())
 
     async def rejoin(self) -> int:
