@@ -38,6 +38,8 @@ async def run_real(args: argparse.Namespace) -> None:
         reference = await _run(dataclasses.replace(config, specs=equal), args.processes)
         figures["equal_final_loss"] = reference["final_loss"]
         figures["equal_samples"] = reference["samples"]
+        for name in ("consensus_spread_trained", "trained_loss", "trained_mean_model_loss"):
+            figures[f"equal_{name}"] = reference[name]
     print(json.dumps({"setting": "real", **figures}), flush=True)
     for peer in per_peer:
         print(json.dumps({"setting": "real-peer", **peer}), flush=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from poison_run import BATCH
+from poison_run import BATCH, CLASSES, DIM, TEST
+from torch import nn
 
 if TYPE_CHECKING:
     from many_peers import PeerRun, RunConfig
@@ -98,6 +99,11 @@ def figures(config: RunConfig, options: dict[str, Any], harvests: list[Harvest])
         "join_s_p50": _quantile(join_s, 0.5),
         "join_s_max": max(join_s),
         "final_loss": statistics.fmean(x for h in harvests for x in h.losses),
+        # when training stopped: the peers' own models, and the plain mean of them
+        "trained_loss": _mean_loss([m for h in harvests for m in h.trained], config.hidden),
+        "trained_mean_model_loss": _loss_of_mean(
+            [m for h in harvests for m in h.trained], config.hidden
+        ),
         "samples": sum(r.samples for r in runs),
         "nan": any(r.nan for r in runs),
         "restarts": sum(r.restarts for r in runs),
@@ -146,6 +152,22 @@ def _utilization(runs: list[PeerRun]) -> float | None:
 
 def _share(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
+
+
+def _flat_loss(flat: torch.Tensor, hidden: int) -> float:
+    """The test loss of many_peers' MLP holding the parameters ``flat``."""
+    model = nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+    nn.utils.vector_to_parameters(flat, model.parameters())
+    with torch.no_grad():
+        return nn.functional.cross_entropy(model(TEST[0]), TEST[1]).item()
+
+
+def _mean_loss(flats: list[torch.Tensor], hidden: int) -> float | None:
+    return statistics.fmean(_flat_loss(f, hidden) for f in flats) if flats else None
+
+
+def _loss_of_mean(flats: list[torch.Tensor], hidden: int) -> float | None:
+    return _flat_loss(torch.stack(flats).mean(0), hidden) if flats else None
 
 
 def _quantile(values: list[float], q: float) -> float | None:
