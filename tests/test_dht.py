@@ -477,3 +477,17 @@ async def test_every_node_knows_the_far_half_of_the_key_space_after_joining():
             exist = {shared_bits(other, own) for other in ids if other != own}
             shallow = {d for d in exist if d < 4}  # bands of 4+ nodes on average
             assert shallow <= known, (sorted(shallow), sorted(known))
+
+
+async def test_the_nodes_a_newcomer_knows_know_it_after_its_join():
+    """A node takes in only senders that echoed its cookie, and a join asks most nodes once:
+    the newcomer pings its contacts again, with their cookies, so that they learn of it."""
+    async with swarm_of(12) as nodes:
+        newcomer = await DHTNode.create(Identity.generate(), Membership.open(), host=HOST, port=0)
+        try:
+            assert await newcomer.bootstrap([f"{HOST}:{nodes[0].port}"]) > 0
+            mine = {c.id for c in newcomer.contacts()}
+            knowing = [n for n in nodes if newcomer.node_id in {c.id for c in n.contacts()}]
+            assert {n.node_id for n in knowing} == mine
+        finally:
+            await newcomer.close()
