@@ -61,7 +61,9 @@ the same peers all at the mean speed, the same total compute), then one ``real-p
 peer. ``--finish-rounds N``: after training every peer calls ``average_parameters()`` N times,
 as a run that should end with one model does; ``consensus_spread`` is then measured after them,
 ``consensus_spread_trained`` before, and ``finish_group_sizes`` counts their group sizes (1:
-averaged with nobody).
+averaged with nobody). ``trained_loss`` and ``trained_mean_model_loss`` are the test loss of the
+peers' models when training stopped and of their plain mean (``equal_...``: the reference's),
+which split a loss ratio into training and the finishing rounds.
 """
 
 from __future__ import annotations
