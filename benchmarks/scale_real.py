@@ -91,10 +91,14 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _options(pairs: list[str]) -> dict[str, object]:
-    """``NAME=VALUE`` pairs, numbers as numbers."""
+    """``NAME=VALUE`` pairs: numbers as numbers, true/false as booleans, none as None."""
+    words = {"true": True, "false": False, "none": None}
     out: dict[str, object] = {}
     for pair in pairs:
         name, _, text = pair.partition("=")
+        if text.lower() in words:
+            out[name] = words[text.lower()]
+            continue
         try:
             out[name] = int(text)
         except ValueError:
