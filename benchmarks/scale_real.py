@@ -91,8 +91,9 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _options(pairs: list[str]) -> dict[str, object]:
-    """``NAME=VALUE`` pairs: numbers as numbers, true/false as booleans, none as None."""
-    words = {"true": True, "false": False, "none": None}
+    """``NAME=VALUE`` pairs: numbers as numbers, true/false as booleans (not none: it names a
+    codec)."""
+    words = {"true": True, "false": False}
     out: dict[str, object] = {}
     for pair in pairs:
         name, _, text = pair.partition("=")

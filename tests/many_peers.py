@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from many_peers_figures import Harvest, current_rss_mb, figures, flat, open_fds, rss_mb
-from poison_run import BATCH, CLASSES, DIM, TEST, data
+from many_peers_figures import Harvest, current_rss_mb, figures, flat, mlp, open_fds, rss_mb
+from poison_run import BATCH, data, test_loss
 from torch import nn
 from wan import WanEmulator, WanNode
 from wan_uplinks import SharedUplinks
@@ -104,12 +104,7 @@ def run_options(config: RunConfig) -> dict[str, Any]:
 
 def make_model(hidden: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
-
-
-def test_loss(m: nn.Module) -> float:
-    with torch.no_grad():
-        return nn.functional.cross_entropy(m(TEST[0]), TEST[1]).item()
+    return mlp(hidden)
 
 
 class ManyPeers:

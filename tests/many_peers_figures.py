@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from poison_run import BATCH, CLASSES, DIM, TEST
+from poison_run import BATCH, CLASSES, DIM, test_loss
 from torch import nn
 
 if TYPE_CHECKING:
@@ -154,12 +154,16 @@ def _share(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
+def mlp(hidden: int) -> nn.Module:
+    """The many-peer runs' model (initialized from the global torch seed)."""
+    return nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+
+
 def _flat_loss(flat: torch.Tensor, hidden: int) -> float:
-    """The test loss of many_peers' MLP holding the parameters ``flat``."""
-    model = nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+    """The test loss of :func:`mlp` holding the parameters ``flat``."""
+    model = mlp(hidden)
     nn.utils.vector_to_parameters(flat, model.parameters())
-    with torch.no_grad():
-        return nn.functional.cross_entropy(model(TEST[0]), TEST[1]).item()
+    return test_loss(model)
 
 
 def _mean_loss(flats: list[torch.Tensor], hidden: int) -> float | None:

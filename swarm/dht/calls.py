@@ -152,6 +152,10 @@ class Caller:
             return answer
         return None
 
+    def holds_cookie(self, address: Address) -> bool:
+        """Whether a request to ``address`` would echo its cookie (prove our address)."""
+        return address in self.cookies_held
+
     def _hold_cookie(self, address: Address, cookie: bytes) -> None:
         self.cookies_held[address] = cookie
         self.cookies_held.move_to_end(address)

@@ -360,9 +360,11 @@ async def announce(protocol: SwarmProtocol) -> None:
     A node adds a sender to its routing table only once the sender proved its address (echoed
     a cookie, see :mod:`swarm.dht.cookies`); a joining node asks most nodes once, so without
     this the nodes that were there first may never learn of it (64 nodes: in 1 of 30 joins an
-    early node knew nobody in a band where only later ones sat).
+    early node knew nobody in a band where only later ones sat). A contact whose cookie we do
+    not hold is left out: a ping without it would not be taken in either.
     """
-    await asyncio.gather(*(protocol.call(c, "ping") for c in protocol.router.contacts()))
+    held = [c for c in protocol.router.contacts() if protocol.caller.holds_cookie(c.address)]
+    await asyncio.gather(*(protocol.call(c, "ping") for c in held))
 
 
 def shared_bits(a: int, b: int) -> int:
