@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 import torch
-from test_overlap import Rounds, _lockstep_loss, backward, no_blocking_round
+from lockstep import Lockstep, lockstep_loss
+from test_overlap import Rounds, backward, no_blocking_round
 
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError, TrainingError
@@ -162,16 +163,19 @@ def test_overlapped_rounds_of_fragments_land_on_the_fragment_they_started_with()
 
 def test_streaming_rounds_reach_whole_model_diloco_loss() -> None:
     """4 peers, 2 fragments taking turns every 5 of 10 inner steps, overlapped (landing 3 steps
-    late, or when the next round is due): within 2% of whole-model blocking DiLoCo at the same
-    steps (measured 0.96x and 0.91x); blocking, within 2x (measured 1.62x). Before the outer
+    late, or when the next round is due): within 10% of whole-model blocking DiLoCo at the same
+    steps (measured 1.08x and 0.91x); blocking, within 2x (measured 1.62x). Before the outer
     momentum restarted (swarm.training.outer), whole-model blocking ended 2.8x higher (4.0e-4)
     and the fragments at 0.91x-0.94x of it: each fragment restarts its own momentum, and
-    blocking fragments gained less from that (3.6e-4 -> 2.3e-4) than the whole model."""
-    blocking = _lockstep_loss(overlap=False, delay=0)
-    assert _lockstep_loss(overlap=False, delay=0, fragments=2) <= 2 * blocking
+    blocking fragments gained less from that (3.6e-4 -> 2.3e-4) than the whole model. With the
+    landing's fixed half share (before ``landing_share``) the overlapped fragments ended at
+    0.96x: in one group of the whole swarm the error each peer keeps helped here, and in
+    groups of 4 among 16 peers it cost 1.2-5x (see test_overlap)."""
+    blocking = lockstep_loss(overlap=False, delay=0)
+    assert lockstep_loss(overlap=False, delay=0, swarm=Lockstep(fragments=2)) <= 2 * blocking
     for delay in (3, 5):
-        loss = _lockstep_loss(overlap=True, delay=delay, fragments=2)
-        assert loss <= 1.02 * blocking, (delay, loss, blocking)
+        loss = lockstep_loss(overlap=True, delay=delay, swarm=Lockstep(fragments=2))
+        assert loss <= 1.10 * blocking, (delay, loss, blocking)
 
 
 def test_a_checkpoint_of_a_fragmented_peer_resumes_at_the_same_fragment(tmp_path) -> None:

@@ -9,13 +9,14 @@ import time
 
 import pytest
 import torch
+from lockstep import Lockstep, lockstep_loss
 
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError, TrainingError
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import run_step
 from swarm.training.engine import TrainingEngine
-from swarm.training.overlap import RoundWait
+from swarm.training.overlap import CORRECTION, landing_share
 from swarm.training.rounds import RoundOutcome, RoundPlan
 from swarm.training.snapshot import unpack_snapshot
 
@@ -256,100 +257,38 @@ def test_a_landed_round_moves_every_peer_to_the_same_anchor() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def _lockstep_loss(overlap: bool, delay: int, fragments: int = 1) -> float:
-    """4 engines on disjoint shards of a regression task, 24 rounds of 10 SGD steps, averaging
-    exactly in memory; an overlapped round lands ``delay`` steps after its launch (a round due
-    while the last one runs waits for it). Returns the loss of the mean of the final models."""
-    peers, inner, size = 4, 10, 16
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 16, generator=g)
-    y = torch.tanh(2 * x @ (torch.randn(16, 1, generator=g) / 4))
-    engines = []
-    for _ in range(peers):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
-        )
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        config = SwarmConfig.build(
-            inner_steps=inner,
-            codec="none",
-            overlap=overlap,
-            anchor_sync_every=0,
-            fragments=fragments,
-        )
-        engines.append(TrainingEngine(model, opt, config))
-    samplers = [torch.Generator().manual_seed(100 + r) for r in range(peers)]
-    in_flight: list[tuple[int, list[RoundPlan], list[concurrent.futures.Future]]] = []
-
-    def average(plans: list[RoundPlan]) -> RoundOutcome:
-        total = sum(p.weight for p in plans)
-        for parts in zip(*(p.tensors for p in plans), strict=True):
-            mean = sum(p.weight * t for p, t in zip(plans, parts, strict=True)) / total
-            for t in parts:
-                t.copy_(mean)
-        return RoundOutcome(True, peers, 0, 0)
-
-    def land(due: int) -> None:
-        while in_flight and in_flight[0][0] <= due:
-            _, plans, futures = in_flight.pop(0)
-            outcome = average(plans)
-            for f in futures:
-                f.set_result(outcome)
-
-    for step in range(1, 24 * inner + 1):
-        land(step - delay)
-        flows = []
-        for r, e in enumerate(engines):
-            idx = torch.arange(r, len(x), peers)[
-                torch.randint(1024, (size,), generator=samplers[r])
-            ]
-            e.optimizer.zero_grad()
-            torch.nn.functional.mse_loss(e.model(x[idx]), y[idx]).backward()
-            flows.append(e.step(size))
-        requests = [next(f, None) for f in flows]
-        while any(r is not None for r in requests):
-            if any(isinstance(r, RoundWait) for r in requests):
-                land(step)
-                replies = [r.handle.result() if r is not None else None for r in requests]
-            elif requests[0].background:
-                replies = [concurrent.futures.Future() for _ in requests]
-                in_flight.append((step, requests, replies))
-            else:
-                outcome = average(requests)
-                replies = [outcome] * peers
-            requests = [_send(f, reply) for f, reply in zip(flows, replies, strict=True)]
-    land(24 * inner)
-    for e in engines:
-        flow = e.wait_round()
-        request = next(flow, None)
-        assert request is None or request.handle.done()
-        if request is not None:
-            _send(flow, request.handle.result())
-    with torch.no_grad():
-        mean = [
-            sum(ps) / peers for ps in zip(*(e.model.parameters() for e in engines), strict=True)
-        ]
-        for p, m in zip(engines[0].model.parameters(), mean, strict=True):
-            p.copy_(m)
-        return torch.nn.functional.mse_loss(engines[0].model(x), y).item()
-
-
-def _send(flow, reply):
-    try:
-        return flow.send(reply)
-    except StopIteration:
-        return None
-
-
 def test_rounds_landing_late_reach_the_blocking_loss() -> None:
     """Rounds that land after 3 of 10 inner steps, or only when the next round is due, end
-    within 2% of blocking DiLoCo at the same steps (measured: 0.80x and 0.94x)."""
-    blocking = _lockstep_loss(overlap=False, delay=0)
+    within 2% of blocking DiLoCo at the same steps (measured: 0.92x and 0.94x; 0.80x and 0.94x
+    with the landing's fixed half share, which helps where the group is the whole swarm)."""
+    blocking = lockstep_loss(overlap=False, delay=0)
     assert blocking < 1e-3, blocking
     for delay in (3, 10):
-        loss = _lockstep_loss(overlap=True, delay=delay)
+        loss = lockstep_loss(overlap=True, delay=delay)
         assert loss <= 1.02 * blocking, (delay, loss, blocking)
+
+
+def test_the_landing_share_falls_from_all_of_the_correction_to_half_over_a_loop() -> None:
+    assert landing_share(0, 300) == 1.0  # nothing in flight: the blocking round
+    assert landing_share(30, 300) == pytest.approx(0.95)
+    assert landing_share(300, 300) == CORRECTION == landing_share(900, 300)
+    assert landing_share(1, 0) == CORRECTION  # a round of no steps: as late as can be
+
+
+@pytest.mark.parametrize("optimizer,seed", [("adam", 0), ("sgd", 1)])
+def test_rounds_landing_early_in_small_groups_of_a_larger_swarm_reach_the_blocking_loss(
+    optimizer: str, seed: int
+) -> None:
+    """16 peers of speeds 4x and 1x, averaging in groups of 4 redrawn every round: rounds that
+    land 1 or 3 ticks late (4-12 of a fast peer's 40 steps) end within 25% of blocking DiLoCo.
+    Measured 1.08x and 1.12x (adam), 0.95x and 1.04x (sgd). The landing's fixed half share
+    ended at 5.2x and 2.1x, and 2.1x and 2.2x: each peer kept half of its eager guess's error
+    (its own pseudo-gradient minus its group's) and the models drifted apart."""
+    swarm = Lockstep(speeds=(4, 1) * 8, group=4, optimizer=optimizer, seed=seed)
+    blocking = lockstep_loss(overlap=False, delay=0, swarm=swarm)
+    for delay in (1, 3):
+        loss = lockstep_loss(overlap=True, delay=delay, swarm=swarm)
+        assert loss <= 1.25 * blocking, (delay, loss, blocking)
 
 
 def test_a_round_that_syncs_anchors_lands_peers_of_different_anchors_on_one() -> None:

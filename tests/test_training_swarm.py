@@ -128,7 +128,7 @@ def test_four_peers_reach_single_process_loss_blocking_or_overlapped(workers, tm
         swarm_samples = reached * batch * peers
         assert swarm_samples <= 1.1 * baseline, (overlap, swarm_samples, baseline, rounds)
     # Same steps, same rounds: overlapped ends within 2% of blocking (measured 3.6e-4 against
-    # 3.8e-4; the landing's CORRECTION share keeps the progress made in flight).
+    # 3.8e-4 with the fixed half share; landing_share keeps the progress made in flight).
     assert final["off"] < target / 2 and final["on"] < target / 2, final
     assert final["on"] <= 1.02 * final["off"], final
 

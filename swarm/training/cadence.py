@@ -84,6 +84,11 @@ class Cadence:
         """Local steps between two rounds (on the wall clock: no number of steps)."""
         return sys.maxsize if self.period_s is not None else self.inner_steps // self.fragments
 
+    @property
+    def round_steps(self) -> int:
+        """Local steps per round: the interval, or on the wall clock those the last round took."""
+        return self.inner_steps // self.fragments
+
     def due(self, steps_in_round: int, now: float | None = None) -> bool:
         """Whether the step just taken (the ``steps_in_round``-th of this round) ends a round."""
         if self.period_s is None:

@@ -340,6 +340,7 @@ class TrainingEngine(PersistentState):
                 self._outer_rule(outcome),
                 nesterov=self.config.nesterov,
                 steps_in_flight=self.steps_in_round,
+                steps_per_round=self.cadence.round_steps,
             )
             self.round += 1
             self._flight = None

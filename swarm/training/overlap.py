@@ -18,8 +18,9 @@ later step, or at the next due round at the latest, which then waits for it):
 
 Either way the eager anchor ``θ_eager`` was a guess, off by ``e = θ_eager - θ_anchor``, and the
 model trained from it. The model keeps all its progress and follows a share of the anchor's
-correction: ``θ ← θ - CORRECTION · e`` (see :data:`CORRECTION`). A round that lands before any
-inner step ran follows all of it, which gives blocking DiLoCo bit for bit.
+correction, ``θ ← θ - s · e``: all of it for a round that lands before any inner step ran
+(blocking DiLoCo bit for bit), falling to :data:`CORRECTION` for one that took the whole inner
+loop (see :func:`landing_share`).
 
 Floating buffers (BatchNorm's running statistics) keep their progress in flight and follow none
 of the correction: the forward passes in flight re-estimated them for the weights being
@@ -70,7 +71,8 @@ class Flight:
 
 
 CORRECTION = 0.5
-"""Share of the anchor's correction ``e`` that the model follows at a landing after inner steps.
+"""Share of the anchor's correction ``e`` that the model follows at a landing a whole inner loop
+late (see :func:`landing_share` for earlier landings).
 
 Inner steps from ``θ_eager`` already undid part of ``e``: in a direction the inner loop shrinks
 by a factor ``c`` (0: a stiff direction, forgotten at once; 1: a flat one, untouched), the model
@@ -81,10 +83,29 @@ comes back at the next one multiplied by ``|c - s| · lr (1 + β)`` (``lr (1 + �
 lr 0.7, β 0.9). Following all of it (``s = 1``, moving the progress made in flight onto the
 true anchor) diverges when the round takes the whole inner loop (stiff directions, ``c ≈ 0``);
 following none leaves the factor at 1.33 in flat ones (``c ≈ 1``). 1/2 bounds it by 0.67 for
-every ``c`` (0.3 ended lower still on the test task, 0.7 higher: tuning it to one task is not
-the point). On the 4-peer test tasks (2-3 seeds, rounds landing 1 to ``inner_steps`` steps
-late) the averaged model ends at 0.77-1.01 times blocking DiLoCo's loss at the same steps;
-``s = 1`` ended at 1.01-1.15 when a round lands early and diverged when it took the whole loop."""
+every ``c``."""
+
+
+def landing_share(steps_in_flight: int, steps_per_round: int) -> float:
+    """Share of the anchor's correction the model follows at a landing ``steps_in_flight`` inner
+    steps after the launch, of ``steps_per_round`` in a round.
+
+    It falls linearly from 1 (no step in flight: blocking DiLoCo bit for bit) to
+    :data:`CORRECTION` when the round took the whole loop. A few steps shrink ``e`` only in the
+    stiffest directions (``c ≈ 1`` nearly everywhere), where a fixed 1/2 leaves about half of
+    ``e`` in the model: this peer's own pseudo-gradient minus its group's, times
+    ``lr (1 + β) / 2``, a different push in every model. Measured against blocking DiLoCo at
+    the same steps (in-memory engines, ``tests/lockstep.py``, rounds landing 1-3 ticks late),
+    the falling share stays near it: 0.88-1.15x with 16 peers in groups of 4 redrawn every
+    round (speeds 4x/1x or equal, SGD or Adam), where the fixed 1/2 gave anything from 0.65x
+    to 5.2x; 0.91-0.94x with 4 peers in one group (1/2: 0.80-0.94x). 64 real peers of speeds
+    1x/0.25x (``benchmarks/scale.py --real``, rounds landing about 1 s into 30 s) ended at
+    0.96-0.99x the equal peers' loss over 5 seeds, against 0.97-1.18x with the fixed 1/2.
+    """
+    if steps_in_flight <= 0:
+        return 1.0
+    late = min(1.0, steps_in_flight / max(1, steps_per_round))
+    return 1.0 - (1.0 - CORRECTION) * late
 
 
 class Overlap:
@@ -155,7 +176,7 @@ class Overlap:
 
     @torch.no_grad()
     def land(
-        self, step: OuterStep, *, nesterov: bool, steps_in_flight: int
+        self, step: OuterStep, *, nesterov: bool, steps_in_flight: int, steps_per_round: int
     ) -> tuple[float | None, float]:
         """Apply the round's outcome (see the module docstring).
 
@@ -163,13 +184,14 @@ class Overlap:
             step: the outer rule of the group the round averaged with (solitary: none).
             nesterov: Nesterov look-ahead (else heavy-ball).
             steps_in_flight: inner steps taken since the round's launch.
+            steps_per_round: inner steps between two launches (see :func:`landing_share`).
 
         Returns:
             ``(norm, scale)`` of the averaged pseudo-gradient, as
             :meth:`OuterState.apply_outer` reports them; ``(None, 1.0)`` for a lone round.
         """
         outer, n, local = self.outer, len(self.outer.anchor), self._local
-        share = CORRECTION if steps_in_flight else 1.0
+        share = landing_share(steps_in_flight, steps_per_round)
         for m, m0 in zip(outer.momentum, self._momentum0, strict=True):
             m.copy_(m0)
         params = zip(outer.anchor, self._anchor0[:n], local[:n], outer.tensors.params, strict=True)
