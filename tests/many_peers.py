@@ -252,10 +252,12 @@ class ManyPeers:
             await asyncio.sleep(every)
 
     async def _start(self, run: PeerRun) -> AsyncSwarm:
+        # several of each, as a user would list: under churn any one may have just left (a
+        # join through one local and one remote peer, both gone, ended a 64-peer run)
         alive = [r for r in self.runs.values() if r.swarm is not None and r is not run]
-        initial = [str(self.rng.choice(alive).node.announce)] if alive else []
-        if self.others:  # (another process's peer: started, or back within seconds)
-            initial.append(self.rng.choice(self.others))
+        initial = [str(r.node.announce) for r in self.rng.sample(alive, min(3, len(alive)))]
+        # (other processes' peers: started, or back within seconds)
+        initial += self.rng.sample(self.others, min(2, len(self.others)))
         model = make_model(self.config.hidden)
         opt = torch.optim.Adam(model.parameters(), lr=self.config.lr)
         began = time.monotonic()
