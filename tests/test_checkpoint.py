@@ -47,7 +47,8 @@ def snapshot_of(e: TrainingEngine) -> dict[str, torch.Tensor]:
     for pid, entry in e.optimizer.state_dict()["state"].items():
         for k, v in entry.items():
             state[f"opt.{pid}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
-    state["counters"] = (e.round, e.step_count, e.steps_in_round)  # type: ignore[assignment]
+    counters = (e.round, e.step_count, e.steps_in_round, e.values_rounds)
+    state["counters"] = counters  # type: ignore[assignment]
     return state
 
 
@@ -182,6 +183,31 @@ def test_non_finite_values_are_refused_before_anything_is_written(tmp_path, part
     with pytest.raises(CheckpointError):
         target.load_state_dict(read_checkpoint(tmp_path / "c"))
     assert_unchanged(before, target)
+
+
+def test_the_finishing_rounds_count_survives_a_restart(tmp_path) -> None:
+    """``average_parameters()`` numbers its rounds, and every peer's k-th round takes the same
+    axis of the grid: a peer restarted from a checkpoint goes on from its count, not from 0."""
+    e = trained()
+    e.begin_values_round()
+    e.begin_values_round()
+    write_checkpoint(tmp_path / "c", e.state_dict(None))
+    other = engine(seed=3)
+    other.load_state_dict(read_checkpoint(tmp_path / "c"))
+    assert other.values_rounds == 2 and other.begin_values_round().number == 2
+    older = e.state_dict(None)
+    del older["values_rounds"]  # a checkpoint written before the count was kept
+    write_checkpoint(tmp_path / "old", older)
+    other.load_state_dict(read_checkpoint(tmp_path / "old"))
+    assert other.values_rounds == 0
+    for bad in (-1, 2.5, "2", True, 2**41):
+        state = e.state_dict(None)
+        state["values_rounds"] = bad
+        write_checkpoint(tmp_path / "bad", state)
+        before = snapshot_of(other)
+        with pytest.raises(CheckpointError, match="values_rounds"):
+            other.load_state_dict(read_checkpoint(tmp_path / "bad"))
+        assert_unchanged(before, other)
 
 
 def test_checkpoint_of_another_model_or_mode_is_refused(tmp_path) -> None:

@@ -242,8 +242,8 @@ def check_checkpoint(
         CheckpointError: naming the first entry that is missing, misshaped or non-finite, or a
             round or step count past :data:`~swarm.training.snapshot.MAX_ROUND`.
     """
-    for key in ("round", "step", "steps_in_round"):
-        value = state.get(key)
+    for key in ("round", "step", "steps_in_round", "values_rounds"):
+        value = state.get(key, 0 if key == "values_rounds" else None)  # (older checkpoints)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CheckpointError(f"checkpoint {key} {value!r} is not a non-negative integer")
         if value > MAX_ROUND:

@@ -45,6 +45,7 @@ class PersistentState:
     step_count: int
     steps_in_round: int
     samples_in_round: float
+    values_rounds: int
     offer_from_round: int | None
     cadence: Cadence
 
@@ -113,6 +114,7 @@ class PersistentState:
                 "step": self.step_count,
                 "steps_in_round": self.steps_in_round,
                 "samples_in_round": self.samples_in_round,
+                "values_rounds": self.values_rounds,
                 "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(),
                 "outer": self.outer.state_dict(),
@@ -146,6 +148,8 @@ class PersistentState:
                 self.step_count = int(state["step"])
                 self.steps_in_round = int(state["steps_in_round"])
                 self.samples_in_round = float(state["samples_in_round"])
+                # the finishing rounds' grid axis follows it; older checkpoints lack it
+                self.values_rounds = int(state.get("values_rounds", 0))
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"the checkpoint does not match this model: {e}") from e
         averager = state.get("averager", {})
