@@ -49,9 +49,8 @@ def lockstep_loss(overlap: bool, delay: int, swarm: Lockstep = Lockstep()) -> fl
     def average(plans: list[RoundPlan]) -> RoundOutcome:
         members = swarm.group or peers
         order = torch.randperm(peers, generator=draw).tolist() if swarm.group else range(peers)
-        groups = [
-            [plans[i] for i in list(order)[k : k + members]] for k in range(0, peers, members)
-        ]
+        ranked = [plans[i] for i in order]
+        groups = [ranked[k : k + members] for k in range(0, peers, members)]
         for group in groups:
             total = sum(p.weight for p in group)
             for parts in zip(*(p.tensors for p in group), strict=True):

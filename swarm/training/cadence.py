@@ -82,7 +82,7 @@ class Cadence:
     @property
     def interval(self) -> int:
         """Local steps between two rounds (on the wall clock: no number of steps)."""
-        return sys.maxsize if self.period_s is not None else self.inner_steps // self.fragments
+        return sys.maxsize if self.period_s is not None else self.round_steps
 
     @property
     def round_steps(self) -> int:

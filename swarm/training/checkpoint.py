@@ -222,6 +222,10 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], depth: int) -> Any:
 
 
 # -- validation before a restore --------------------------------------------------------------
+OPTIONAL_COUNTS = {"values_rounds": 0}
+"""Counts that checkpoints of earlier versions lack, and what they then load as."""
+
+
 def check_checkpoint(
     state: Mapping[str, Any],
     *,
@@ -243,7 +247,7 @@ def check_checkpoint(
             round or step count past :data:`~swarm.training.snapshot.MAX_ROUND`.
     """
     for key in ("round", "step", "steps_in_round", "values_rounds"):
-        value = state.get(key, 0 if key == "values_rounds" else None)  # (older checkpoints)
+        value = state.get(key, OPTIONAL_COUNTS.get(key))
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CheckpointError(f"checkpoint {key} {value!r} is not a non-negative integer")
         if value > MAX_ROUND:

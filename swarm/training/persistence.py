@@ -17,7 +17,7 @@ import torch
 from swarm.config import Mode, SwarmConfig
 from swarm.errors import CheckpointError, TrainingError
 from swarm.training.cadence import Cadence
-from swarm.training.checkpoint import check_checkpoint
+from swarm.training.checkpoint import OPTIONAL_COUNTS, check_checkpoint
 from swarm.training.outer import OuterState
 from swarm.training.overlap import Flight
 from swarm.training.snapshot import Snapshot, pack_snapshot
@@ -149,7 +149,9 @@ class PersistentState:
                 self.steps_in_round = int(state["steps_in_round"])
                 self.samples_in_round = float(state["samples_in_round"])
                 # the finishing rounds' grid axis follows it; older checkpoints lack it
-                self.values_rounds = int(state.get("values_rounds", 0))
+                self.values_rounds = int(
+                    state.get("values_rounds", OPTIONAL_COUNTS["values_rounds"])
+                )
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"the checkpoint does not match this model: {e}") from e
         averager = state.get("averager", {})
