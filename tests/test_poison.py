@@ -23,6 +23,7 @@ from swarm.averaging.butterfly.scoring import (
     TRUST_FLOOR,
     WARMUP_PARTS,
     PartScores,
+    Progress,
     Reputation,
     part_scores,
     trust_of,
@@ -160,6 +161,70 @@ def test_records_are_bounded_least_recently_scored_first() -> None:
     assert set(rep.snapshot()) == {peers[1], peers[2], peers[3]}
 
 
+def test_progress_is_the_projection_on_the_center_also_per_unit_of_weight() -> None:
+    rows = updates(4, noise=0.3)
+    rows[3] *= 0.3  # an update shrunk inside the radius
+    clip = centered_clip(rows.clone(), [1.0] * 4, score=True)
+    progress = {i: d / clip.center_norm2 for i, d in enumerate(clip.dots)}
+    center = clip.center.double()
+    expected = (rows.double() @ center / (center @ center)).tolist()
+    assert list(progress.values()) == pytest.approx(expected, rel=1e-4)
+    cosines = {
+        i: d / (n * clip.center_norm2) ** 0.5
+        for i, (d, n) in enumerate(zip(clip.dots, clip.norms2, strict=True))
+    }
+    scores = part_scores(cosines, 0, progress, {i: 1.0 for i in range(4)})
+    assert scores.own_progress == Progress(progress[0], pytest.approx(progress[0]))
+    assert scores.progress[3].total < 0.4 < 0.8 < scores.progress[1].total
+    # weights 2, 1, 1, 1: each member that delivers in proportion reads 1 per unit of weight
+    scores = part_scores(
+        {i: 0.9 for i in range(4)},
+        1,
+        {0: 10 / 7, 1: 5 / 7, 2: 5 / 7, 3: 5 / 7},
+        {0: 2.0, 1: 1.0, 2: 1.0, 3: 1.0},
+    )
+    per_weight = [scores.own_progress.per_weight] + [
+        scores.progress[i].per_weight for i in (0, 2, 3)
+    ]
+    assert per_weight == pytest.approx([1.0] * 4)
+    # a claim past twice the lower median counts as capped; missing measures: alignments only
+    capped = part_scores(
+        {i: 0.9 for i in range(3)}, 1, {0: 1.2, 1: 0.9, 2: 0.9}, {0: 100.0, 1: 1.0, 2: 1.0}
+    )
+    assert capped.progress[0].per_weight == pytest.approx(1.2 * 1.5 / 2.0)
+    assert part_scores({i: 0.9 for i in range(3)}, 1, {0: 1.0}, {0: 1.0}).progress == {}
+
+
+def progress_scores(own: float, other: float, other_per_weight: float) -> PartScores:
+    return PartScores(0.8, {0: 0.8}, Progress(own, own), {0: Progress(other, other_per_weight)})
+
+
+@pytest.mark.parametrize(
+    ("total", "per_weight", "lowered"),
+    [
+        (0.3, 0.3, True),  # aligned, but a third of what its weight claims: shrunk
+        (0.3, 1.0, False),  # a slow peer: little progress, and a weight to match
+        (1.0, 0.4, False),  # a peer of large batches: a large claim for the same steps
+        (0.9, 0.9, False),
+    ],
+)
+def test_an_aligned_update_that_delivers_little_for_its_weight_loses_trust(
+    total: float, per_weight: float, lowered: bool
+) -> None:
+    rep, peer = Reputation(), Identity.generate().peer_id
+    for _ in range(WARMUP_PARTS):
+        rep.observe(progress_scores(1.0, 1.0, 1.0), {0: BYSTANDER})
+    for _ in range(12):
+        standing = rep.observe(progress_scores(1.0, total, per_weight), {0: peer})[0]
+    assert (standing.trust < LOWERED_BELOW) is lowered, standing
+    assert standing.alignment == pytest.approx(0.8)
+    if lowered:
+        (short, _, why), *_ = rep.lowered(8)
+        assert short == peer.short and "delivered 0.40" in why and "own 1.00 +- 0.10" in why
+    else:
+        assert rep.lowered(8) == ()
+
+
 def test_slow_poison_acts_in_update_rounds_only() -> None:
     x = updates(1)[0]
     for fault in (Fault.IPM, Fault.FREE_RIDE, Fault.ALIE, Fault.STALE, Fault.INSIDE_RADIUS):
@@ -203,7 +268,7 @@ def test_update_scoring_is_off_by_default() -> None:
     assert AveragingConfig().score_updates is False
 
 
-@pytest.mark.parametrize("fault", [Fault.IPM, Fault.FREE_RIDE])
+@pytest.mark.parametrize("fault", [Fault.IPM, Fault.FREE_RIDE, Fault.INSIDE_RADIUS])
 def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault) -> None:
     """1 of 6 through real sockets: in the median view of the honest peers that scored it, the
     attacker's record falls below half within the run, and every honest peer's stays above."""

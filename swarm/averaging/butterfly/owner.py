@@ -163,10 +163,13 @@ class PartOwner:
         alignment = self.reducer.alignment
         if alignment is None:
             return None
-        cosines = alignment.cosines({-1, *contributors})
-        if -1 in cosines:
-            cosines[self.me] = cosines.pop(-1)
-        return part_scores(cosines, self.me)
+        members = {-1, *contributors}
+        cosines, progress = alignment.cosines(members), alignment.progress(members)
+        weights = self.reducer.claimed_weights()
+        for measure in (cosines, progress, weights):
+            if -1 in measure:
+                measure[self.me] = measure.pop(-1)
+        return part_scores(cosines, self.me, progress, weights)
 
     def _report(self) -> tuple[Refusal, ...]:
         """Every sender this part refused, dropped, clipped or capped, logged once each."""

@@ -135,6 +135,10 @@ class PartReducer:
         if not self.robust:
             torch.mul(own, self.own_weight, out=self.acc)
 
+    def claimed_weights(self) -> dict[int, float]:
+        """The weight each contributor claimed (the owner's own under the key ``-1``)."""
+        return {-1: self.own_weight, **{s: x.weight for s, x in self._senders.items()}}
+
     def add_chunk(self, sender: int, index: int, payload: bytes | memoryview) -> None:
         """Add ``weight * D(payload)`` into chunk ``index`` (call :meth:`accept` first).
 

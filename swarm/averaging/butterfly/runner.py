@@ -255,7 +255,12 @@ class ButterflyRunner:
             if standing.trust < LOWERED_BELOW:
                 text = f"weight x{standing.trust:.2f} after {standing.rounds} scored rounds"
                 lowered.append(
-                    Refusal(peers[i], RefusalAction.DOWNWEIGHTED, i, f"{text} ({standing.why})")
+                    Refusal(
+                        peers[i],
+                        RefusalAction.DOWNWEIGHTED,
+                        i,
+                        f"{text} ({standing.low or standing.why})",
+                    )
                 )
         return lowered
 

@@ -9,12 +9,17 @@ attacks above do not. So, in rounds that average *updates* (pseudo-gradients, no
 - the owner of a part measures, over its whole part, each member's **alignment**: the cosine of
   its contribution with the part's robust mean (:class:`AlignmentSums`, from the same pass as the
   clip), its own included;
-- each peer keeps a **record** of the others (:class:`Reputation`): a running mean of their
-  alignments as *it* measured them (nobody else's word counts, so colluders cannot talk an
-  honest peer's record down), and the running mean and spread of its *own* alignments;
+- and each member's **progress**: its contribution's projection on that mean, in units of the
+  mean (``r . c / |c|^2``: 1 for a contribution that delivers as much as the mean, 0 for none),
+  both as it is and per unit of the member's claimed weight (capped as the reducer caps it);
+- each peer keeps a **record** of the others (:class:`Reputation`): running means of their
+  alignments and progress as *it* measured them (nobody else's word counts, so colluders cannot
+  talk an honest peer's record down), and the running means and spreads of its *own*;
 - the weight an owner gives a sender is its claimed weight times its **trust**
   (:func:`trust_of`): full while its record lies within 2 spreads below the owner's own mean,
-  falling linearly to :data:`TRUST_FLOOR` at 4 spreads below.
+  falling linearly to :data:`TRUST_FLOOR` at 4 spreads below; the lower of the alignment's
+  trust and the progress's, where progress counts the better of its two forms (a slow peer
+  delivers less but claims less; a peer with large batches claims more for the same steps).
 
 Why a record: honest peers holding different data (non-IID shards) point away from the group's
 mean in some parts (with 8 peers holding 2 of 10 classes each, a quarter of their parts), by
@@ -27,12 +32,18 @@ by its own account. A scorer judges nobody before :data:`WARMUP_PARTS` of its ow
 how much they vary. With scoring the part layout turns with every group
 (``PartPlan.create(first=...)``), so that a scorer's part covers every layer over time.
 
-What such a rule cannot see is an attack that points where honest updates do (ALIE, a stale update,
-an update shrunk inside the radius): that is bounded by the clip instead (and the oscillation that
-late updates start, by the outer momentum's restart in :mod:`swarm.training.outer`), and measured in
-the README. No verdict is final: a record recovers by the same rule as it falls. A newcomer starts
-at the scorer's own mean (full weight): a lower start would tilt every part of a young swarm toward
-its owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
+Why progress: an update shrunk to sit inside the clip radius points where honest updates do
+(its alignment is theirs) but delivers a fraction of what its weight claims: 0.04-0.72 of the
+mean (6 peers, one attacker) where honest members deliver 0.83-1.38 (deciles), and with its full
+weight claimed it is also low per unit of weight. Honest peers holding unlike data vary more (-0.1
+to 2.1), and so do their scorers' own parts. What such rules cannot see is an attack that points
+where honest updates do and delivers as much (ALIE, a stale update): that is bounded by the clip
+instead (and the oscillation that late updates start, by the outer momentum's restart in
+:mod:`swarm.training.outer`), and measured in the README.
+
+No verdict is final: a record recovers by the same rule as it falls. A newcomer starts at the
+scorer's own means (full weight): a lower start would tilt every part of a young swarm toward its
+owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
 """
 
 from __future__ import annotations
@@ -41,8 +52,9 @@ import math
 import statistics
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from swarm.averaging.butterfly.robust import cap_weights
 from swarm.identity import PeerID
 
 NEW_TRUST = 1.0  # the record of a peer not scored yet
@@ -72,6 +84,10 @@ class AlignmentSums:
         """Its cosine with the center (0 when either is zero)."""
         denom = math.sqrt(self.norm2 * center_norm2)
         return self.dot / denom if denom > 0 and math.isfinite(denom) else 0.0
+
+    def progress(self, center_norm2: float) -> float:
+        """Its projection on the center, in units of the center (0 when the center is zero)."""
+        return self.dot / center_norm2 if center_norm2 > 0 and math.isfinite(center_norm2) else 0.0
 
 
 class PartAlignment:
@@ -105,23 +121,65 @@ class PartAlignment:
         with self._lock:
             return {m: s.cosine(self._center_norm2) for m, s in self._sums.items() if m in members}
 
+    def progress(self, members: set[int]) -> dict[int, float]:
+        """The progress of each of ``members`` (see :meth:`AlignmentSums.progress`)."""
+        with self._lock:
+            c2 = self._center_norm2
+            return {m: s.progress(c2) for m, s in self._sums.items() if m in members}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What one contribution delivered along the part's robust mean, in units of the mean."""
+
+    total: float  # its projection on the mean
+    per_weight: float  # the same per unit of its claimed weight (1 where it delivers its share)
+
 
 @dataclass(frozen=True)
 class PartScores:
-    """The alignments an owner measured in its part in one update round."""
+    """The alignments (and progress) an owner measured in its part in one update round."""
 
     own: float  # the owner's own alignment
     alignments: dict[int, float]  # sender index -> its alignment (the owner left out)
+    own_progress: Progress | None = None
+    progress: dict[int, Progress] = field(default_factory=dict)  # sender index -> its progress
 
 
-def part_scores(alignments: Mapping[int, float], owner: int) -> PartScores | None:
+def part_scores(
+    alignments: Mapping[int, float],
+    owner: int,
+    progress: Mapping[int, float] | None = None,
+    weights: Mapping[int, float] | None = None,
+) -> PartScores | None:
     """The senders' alignments in a part with the group's ``alignments`` (the owner's own
-    included); None when fewer than 3 aligned or the group shares no direction."""
+    included), and their progress where ``progress`` and the claimed ``weights`` of the same
+    members are given; None when fewer than 3 aligned or the group shares no direction."""
     if len(alignments) < 3 or owner not in alignments:
         return None
     if not statistics.median(alignments.values()) > MIN_MEDIAN_ALIGNMENT:
         return None
-    return PartScores(alignments[owner], {m: a for m, a in alignments.items() if m != owner})
+    others = {m: a for m, a in alignments.items() if m != owner}
+    if progress is None or weights is None or not set(alignments) <= set(progress) & set(weights):
+        return PartScores(alignments[owner], others)
+    delivered = _progress(progress, weights, list(alignments))
+    own = delivered.pop(owner)
+    return PartScores(alignments[owner], others, own, delivered)
+
+
+def _progress(
+    progress: Mapping[int, float], weights: Mapping[int, float], members: list[int]
+) -> dict[int, Progress]:
+    """Each member's progress, also per unit of its claimed weight (capped as the reducer caps
+    it), scaled so that members that deliver in proportion to their weights all read 1: the
+    weighted mean of ``progress`` is 1, so a member's share is ``w_i / sum(w^2) * sum(w)``."""
+    capped = dict(zip(members, cap_weights([weights[m] for m in members]), strict=True))
+    total, squares = sum(capped.values()), sum(w * w for w in capped.values())
+    unit = squares / total if total > 0 else 0.0
+    return {
+        m: Progress(progress[m], progress[m] * unit / capped[m] if capped[m] > 0 else progress[m])
+        for m in members
+    }
 
 
 @dataclass(frozen=True)
@@ -132,17 +190,48 @@ class Standing:
     alignment: float  # the running mean of its alignments
     rounds: int  # rounds it was scored in
     why: str  # the last score's reason
+    progress: Progress | None = None  # the running means of its progress (once measured)
+    low: str = ""  # while its trust is lowered: on what, against what
+
+
+class _Moments:
+    """A running mean and spread of one measure of this peer's own parts (corrected for their
+    zero start)."""
+
+    def __init__(self) -> None:
+        self.parts, self._sum, self._sum2 = 0, 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        r = REFERENCE_RATE
+        self.parts += 1
+        self._sum = (1 - r) * self._sum + r * x
+        self._sum2 = (1 - r) * self._sum2 + r * x * x
+
+    def mean(self) -> float:
+        return self._sum / (1 - (1 - REFERENCE_RATE) ** self.parts) if self.parts else 0.0
+
+    def reference(self) -> tuple[float, float] | None:
+        """Mean and spread (at least ``MIN_SPREAD``); None before ``WARMUP_PARTS``."""
+        if self.parts < WARMUP_PARTS:
+            return None
+        done = 1 - (1 - REFERENCE_RATE) ** self.parts
+        mean = self._sum / done
+        return mean, max(MIN_SPREAD, math.sqrt(max(0.0, self._sum2 / done - mean * mean)))
+
+
+def _follow(old: float, new: float) -> float:
+    return (1 - TRUST_RATE) * old + TRUST_RATE * new
 
 
 class Reputation:
     """This peer's record of every peer whose updates it scored (in memory, per run), and of
-    its own alignments: the reference the others are judged against."""
+    its own alignments and progress: the reference the others are judged against."""
 
     def __init__(self, limit: int = 4096):
         self._limit = limit
         self._records: dict[PeerID, Standing] = {}
-        # its own alignments: how many, and running means of them and of their squares
-        self._own_parts, self._own_sum, self._own_sum2 = 0, 0.0, 0.0
+        self._own = _Moments()  # its own alignments
+        self._own_total, self._own_per_weight = _Moments(), _Moments()  # its own progress
 
     def trust(self, peer: PeerID) -> float:
         s = self._records.get(peer)
@@ -155,42 +244,63 @@ class Reputation:
     def reference(self) -> tuple[float, float] | None:
         """This peer's own alignment on average and how far one part's lies from it (at least
         ``MIN_SPREAD``); None before ``WARMUP_PARTS`` of its own parts were scored."""
-        if self._own_parts < WARMUP_PARTS:
-            return None
-        mean, var = self._own_moments()
-        return mean, max(MIN_SPREAD, math.sqrt(var))
-
-    def _own_moments(self) -> tuple[float, float]:
-        """Running mean and variance of its own alignments, corrected for their zero start."""
-        done = 1 - (1 - REFERENCE_RATE) ** self._own_parts
-        mean = self._own_sum / done
-        return mean, max(0.0, self._own_sum2 / done - mean * mean)
+        return self._own.reference()
 
     def observe(self, scores: PartScores, peers: Mapping[int, PeerID]) -> dict[int, Standing]:
-        """File one part's alignments (sender index -> its peer in ``peers``); their new
-        records."""
-        r = REFERENCE_RATE
-        self._own_parts += 1
-        self._own_sum = (1 - r) * self._own_sum + r * scores.own
-        self._own_sum2 = (1 - r) * self._own_sum2 + r * scores.own * scores.own
+        """File one part's alignments and progress (sender index -> its peer in ``peers``);
+        their new records."""
+        self._own.add(scores.own)
+        if scores.own_progress is not None:
+            self._own_total.add(scores.own_progress.total)
+            self._own_per_weight.add(scores.own_progress.per_weight)
         reference = self.reference
-        ref = reference[0] if reference else self._own_moments()[0]
+        ref = reference[0] if reference else self._own.mean()
         filed = {}
         for i, a in sorted(scores.alignments.items()):
             peer = peers[i]
             old = self._records.pop(peer, None)
-            mean = ref if old is None else old.alignment  # a newcomer starts as an ordinary peer
-            mean = (1 - TRUST_RATE) * mean + TRUST_RATE * a
+            mean = _follow(ref if old is None else old.alignment, a)  # a newcomer: ordinary
+            progress = self._progress(old, scores.progress.get(i))
             why = f"alignment {a:.2f}, {mean:.2f} on average; " + (
                 f"own {ref:.2f} +- {reference[1]:.2f}" if reference else "scorer warming up"
             )
-            trust = trust_of(mean, *reference) if reference else NEW_TRUST
-            new = Standing(trust, mean, (old.rounds if old else 0) + 1, why)
+            trust, low = NEW_TRUST, ""
+            if reference:
+                trust = trust_of(mean, *reference)
+                low = f"aligned {mean:.2f} on average, own {ref:.2f} +- {reference[1]:.2f}"
+                delivered, low_progress = self._trust_in_progress(progress)
+                if delivered < trust:
+                    trust, low = delivered, low_progress
+            new = Standing(trust, mean, (old.rounds if old else 0) + 1, why, progress, low)
             self._records[peer] = new  # re-inserted: the dict's order is least recently scored
             filed[i] = new
         while len(self._records) > self._limit:
             self._records.pop(next(iter(self._records)))
         return filed
+
+    def _progress(self, old: Standing | None, measured: Progress | None) -> Progress | None:
+        """A record's running means of progress with one more part (a newcomer's start at the
+        scorer's own means)."""
+        before = old.progress if old else None
+        if measured is None:
+            return before
+        if before is None:
+            before = Progress(self._own_total.mean(), self._own_per_weight.mean())
+        return Progress(
+            _follow(before.total, measured.total), _follow(before.per_weight, measured.per_weight)
+        )
+
+    def _trust_in_progress(self, progress: Progress | None) -> tuple[float, str]:
+        """The trust a record's progress earns: the better of its two forms (1.0 unmeasured)."""
+        total, per_weight = self._own_total.reference(), self._own_per_weight.reference()
+        if progress is None or total is None or per_weight is None:
+            return NEW_TRUST, ""
+        trust = max(trust_of(progress.total, *total), trust_of(progress.per_weight, *per_weight))
+        return trust, (
+            f"delivered {progress.total:.2f} of the mean ({progress.per_weight:.2f} per unit of"
+            f" weight) on average, own {total[0]:.2f} +- {total[1]:.2f}"
+            f" ({per_weight[0]:.2f} +- {per_weight[1]:.2f})"
+        )
 
     def snapshot(self) -> dict[PeerID, Standing]:
         return dict(self._records)
@@ -198,18 +308,9 @@ class Reputation:
     def lowered(self, limit: int) -> tuple[tuple[str, float, str], ...]:
         """Up to ``limit`` peers held below :data:`LOWERED_BELOW`, lowest first: (short id,
         trust, why), for the peer's published progress."""
-        if self.reference is None:
-            return ()
-        ref, spread = self.reference
-        low = sorted((s.trust, p.short, s.alignment) for p, s in self._records.items())
+        low = sorted((s.trust, p.short, s.low) for p, s in self._records.items())
         return tuple(
-            (
-                short,
-                round(trust, 4),
-                f"aligned {a:.2f} on average, own {ref:.2f} +- {spread:.2f}",
-            )
-            for trust, short, a in low[:limit]
-            if trust < LOWERED_BELOW
+            (short, round(t, 4), why) for t, short, why in low[:limit] if t < LOWERED_BELOW
         )
 
 
