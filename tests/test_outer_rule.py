@@ -73,6 +73,20 @@ def test_norm_jump_is_bounded_flagged_and_logged(caplog) -> None:
     assert all(torch.equal(p, a) for p, a in zip(model.parameters(), e.outer.anchor, strict=True))
 
 
+def test_rounds_that_moved_nothing_set_no_bound() -> None:
+    """Rounds whose averaged pseudo-gradient was zero (frozen weights, a group of free riders)
+    leave no scale to judge a jump by: the next real round is applied whole and reported
+    plainly (a bound of 0 cut it to nothing, and its report divided by the 0 scale)."""
+    model = make_model()
+    e = TrainingEngine(model, torch.optim.Adam(model.parameters()), SwarmConfig.build(codec="none"))
+    for _ in range(NORM_MIN_HISTORY + 1):
+        assert round_of(e, 0.0).pseudo_grad_norm == 0.0
+    before = [a.clone() for a in e.outer.anchor]
+    report = round_of(e, 1e-3)
+    assert not report.diverging and report.pseudo_grad_norm > 0
+    assert not any(torch.equal(a, b) for a, b in zip(e.outer.anchor, before, strict=True))
+
+
 def test_momentum_restarts_when_the_update_turns_against_it() -> None:
     """Rounds that agree build the momentum (Nesterov steps); a round whose averaged
     pseudo-gradient points against it zeroes it, and that round's step is the plain lr·Δ."""

@@ -269,10 +269,11 @@ class OuterState:
         return float(torch.linalg.vector_norm(torch.stack([s.norm() for s in slots])).item())
 
     def norm_bound(self) -> float:
-        """Largest ‖Δ‖ applied as it is (inf until enough rounds were seen)."""
+        """Largest ‖Δ‖ applied as it is (inf until enough rounds were seen, and while most
+        recent rounds moved nothing: a bound of 0 would cut every later round to nothing)."""
         if len(self.norms) < NORM_MIN_HISTORY:
             return math.inf
-        return NORM_BOUND * statistics.median(self.norms)
+        return NORM_BOUND * statistics.median(self.norms) or math.inf
 
     @torch.no_grad()
     def apply_outer(self, step: OuterStep, *, nesterov: bool, norm: float | None = None) -> float:
