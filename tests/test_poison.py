@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from swarm.averaging.butterfly.scoring import (
     NEW_TRUST,
     TRUST_FLOOR,
     WARMUP_PARTS,
+    AlignmentSums,
     PartScores,
     Progress,
     Reputation,
@@ -193,6 +195,9 @@ def test_progress_is_the_projection_on_the_center_also_per_unit_of_weight() -> N
     )
     assert capped.progress[0].per_weight == pytest.approx(1.2 * 1.5 / 2.0)
     assert part_scores({i: 0.9 for i in range(3)}, 1, {0: 1.0}, {0: 1.0}).progress == {}
+    # a row past float32's range delivers nothing a record can hold
+    assert AlignmentSums(math.inf, math.inf).progress(1.0) == 0.0
+    assert AlignmentSums(-math.inf, 1.0).progress(1.0) == AlignmentSums(1.0, 1.0).progress(0.0) == 0
 
 
 def progress_scores(own: float, other: float, other_per_weight: float) -> PartScores:

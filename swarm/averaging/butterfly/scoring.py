@@ -86,8 +86,12 @@ class AlignmentSums:
         return self.dot / denom if denom > 0 and math.isfinite(denom) else 0.0
 
     def progress(self, center_norm2: float) -> float:
-        """Its projection on the center, in units of the center (0 when the center is zero)."""
-        return self.dot / center_norm2 if center_norm2 > 0 and math.isfinite(center_norm2) else 0.0
+        """Its projection on the center, in units of the center (0 when the center is zero or
+        the projection not finite: a row past float32's range delivers nothing usable)."""
+        if not (center_norm2 > 0 and math.isfinite(center_norm2)):
+            return 0.0
+        progress = self.dot / center_norm2
+        return progress if math.isfinite(progress) else 0.0
 
 
 class PartAlignment:
