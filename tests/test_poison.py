@@ -189,11 +189,11 @@ def test_progress_is_the_projection_on_the_center_also_per_unit_of_weight() -> N
         scores.progress[i].per_weight for i in (0, 2, 3)
     ]
     assert per_weight == pytest.approx([1.0] * 4)
-    # a claim past twice the lower median counts as capped; missing measures: alignments only
+    # a claim past 8x the lower median counts as 8x; missing measures: alignments only
     capped = part_scores(
         {i: 0.9 for i in range(3)}, 1, {0: 1.2, 1: 0.9, 2: 0.9}, {0: 100.0, 1: 1.0, 2: 1.0}
     )
-    assert capped.progress[0].per_weight == pytest.approx(1.2 * 1.5 / 2.0)
+    assert capped.progress[0].per_weight == pytest.approx(1.2 * 6.6 / 8.0)
     assert part_scores({i: 0.9 for i in range(3)}, 1, {0: 1.0}, {0: 1.0}).progress == {}
     # a row past float32's range delivers nothing a record can hold
     assert AlignmentSums(math.inf, math.inf).progress(1.0) == 0.0

@@ -11,7 +11,7 @@ attacks above do not. So, in rounds that average *updates* (pseudo-gradients, no
   clip), its own included;
 - and each member's **progress**: its contribution's projection on that mean, in units of the
   mean (``r . c / |c|^2``: 1 for a contribution that delivers as much as the mean, 0 for none),
-  both as it is and per unit of the member's claimed weight (capped as the reducer caps it);
+  both as it is and per unit of the member's claimed weight (absurd claims capped);
 - each peer keeps a **record** of the others (:class:`Reputation`): running means of their
   alignments and progress as *it* measured them (nobody else's word counts, so colluders cannot
   talk an honest peer's record down), and the running means and spreads of its *own*;
@@ -66,6 +66,9 @@ FLOOR_SPREADS = 4.0  # a record this many spreads below falls to TRUST_FLOOR
 MIN_SPREAD = 0.1  # never taken smaller: peers that agree closely are not judged on noise
 WARMUP_PARTS = 4  # a scorer judges nobody before it has seen this many of its own parts vary
 MIN_MEDIAN_ALIGNMENT = 0.05  # below this the group's updates share no direction: no scores
+# claims past this many times the group's lower median count as that much in progress per unit
+# of weight: the clip's cap of 2 would make a peer with a quarter of the steps read 0.4
+PROGRESS_WEIGHT_CAP = 8.0
 LOWERED_BELOW = 0.5  # a record below this is reported with its reason each round
 
 
@@ -174,10 +177,12 @@ def part_scores(
 def _progress(
     progress: Mapping[int, float], weights: Mapping[int, float], members: list[int]
 ) -> dict[int, Progress]:
-    """Each member's progress, also per unit of its claimed weight (capped as the reducer caps
-    it), scaled so that members that deliver in proportion to their weights all read 1: the
-    weighted mean of ``progress`` is 1, so a member's share is ``w_i / sum(w^2) * sum(w)``."""
-    capped = dict(zip(members, cap_weights([weights[m] for m in members]), strict=True))
+    """Each member's progress, also per unit of its claimed weight (capped at
+    :data:`PROGRESS_WEIGHT_CAP` times the lower median), scaled so that members that deliver in
+    proportion to their weights all read 1: the weighted mean of ``progress`` is about 1, so a
+    member's share is ``w_i / sum(w^2) * sum(w)``."""
+    claims = [weights[m] for m in members]
+    capped = dict(zip(members, cap_weights(claims, PROGRESS_WEIGHT_CAP), strict=True))
     total, squares = sum(capped.values()), sum(w * w for w in capped.values())
     unit = squares / total if total > 0 else 0.0
     return {
