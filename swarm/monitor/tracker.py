@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from swarm.monitor.resources import machine_resources
-from swarm.net.progress import MAX_LOSS, MAX_LOWERED, MAX_RATE, Progress
+from swarm.net.progress import MAX_LOSS, MAX_LOWERED, MAX_RATE, MAX_REASON_CHARS, Progress
 
 
 class Records(Protocol):
@@ -129,7 +129,15 @@ class ProgressTracker:
             uptime_s=min(now - self.started, MAX_RATE),
             resources=machine_resources(),
             inner_steps=int(e.cadence.inner_steps) if e is not None else 0,
-            lowered=self.records.lowered(MAX_LOWERED) if self.records is not None else (),
+            lowered=self._lowered(),
+        )
+
+    def _lowered(self) -> tuple[tuple[str, float, str], ...]:
+        """The lowest records, each reason cut to what the record holds."""
+        if self.records is None:
+            return ()
+        return tuple(
+            (p, t, why[:MAX_REASON_CHARS]) for p, t, why in self.records.lowered(MAX_LOWERED)
         )
 
 

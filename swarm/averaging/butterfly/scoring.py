@@ -305,10 +305,10 @@ class Reputation:
         if progress is None or total is None or per_weight is None:
             return NEW_TRUST, ""
         trust = max(trust_of(progress.total, *total), trust_of(progress.per_weight, *per_weight))
+        # short: published in the peer's record, whose reasons hold 64 characters
         return trust, (
-            f"delivered {progress.total:.2f} of the mean ({progress.per_weight:.2f} per unit of"
-            f" weight) on average, own {total[0]:.2f} +- {total[1]:.2f}"
-            f" ({per_weight[0]:.2f} +- {per_weight[1]:.2f})"
+            f"delivered {progress.total:.3g} ({progress.per_weight:.3g}/weight),"
+            f" own {total[0]:.3g}+-{total[1]:.2g}"
         )
 
     def snapshot(self) -> dict[PeerID, Standing]:
