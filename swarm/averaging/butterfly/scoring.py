@@ -200,7 +200,7 @@ class Standing:
     rounds: int  # rounds it was scored in
     why: str  # the last score's reason
     progress: Progress | None = None  # the running means of its progress (once measured)
-    low: str = ""  # while its trust is lowered: on what, against what
+    low: str = ""  # what its trust was judged on (the lower measure), against the scorer's
 
 
 class _Moments:
@@ -223,9 +223,8 @@ class _Moments:
         """Mean and spread (at least ``MIN_SPREAD``); None before ``WARMUP_PARTS``."""
         if self.parts < WARMUP_PARTS:
             return None
-        done = 1 - (1 - REFERENCE_RATE) ** self.parts
-        mean = self._sum / done
-        return mean, max(MIN_SPREAD, math.sqrt(max(0.0, self._sum2 / done - mean * mean)))
+        mean, mean2 = self.mean(), self._sum2 / (1 - (1 - REFERENCE_RATE) ** self.parts)
+        return mean, max(MIN_SPREAD, math.sqrt(max(0.0, mean2 - mean * mean)))
 
 
 def _follow(old: float, new: float) -> float:
