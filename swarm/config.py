@@ -36,6 +36,10 @@ __all__ = [
 
 
 DENSE_ANCHOR_SYNC_EVERY = 4  # anchor_sync_every's default with a dense codec (+25% bytes)
+# ... and with update scoring on (+50% bytes): peers sending their updates of 10 rounds ago,
+# which scoring cannot name, part the honest peers' anchors unless groups sync this often (the
+# README's "Slow poison" has the measured runs)
+SCORED_ANCHOR_SYNC_EVERY = 2
 SPARSE_ANCHOR_SYNC_EVERY = 8  # ... and with a sparse one (see the README's fidelity notes)
 SPARSE_ANCHOR_SYNC_CODEC = "int8"  # anchor_sync_codec's default with a sparse codec
 # The outer step's defaults: DiLoCo's Nesterov step, or SparseLoCo's plain step with the sparse
@@ -103,11 +107,15 @@ class AveragingConfig:
             excludes it from its next rounds (:mod:`swarm.averaging.butterfly.exclusions`).
         score_updates: in rounds that average updates (DiLoCo pseudo-gradients, gradients), the
             owner of a part weighs each sender by how far its running alignment with the part's
-            robust mean lies below the owner's own (:mod:`swarm.averaging.butterfly.scoring`):
-            updates that keep pointing away (IPM, a free rider's zero) lose their weight within
-            a few rounds. ``centered_clip`` only. It turns the part layout with every group, so
-            peers with and without it never group. Off by default: measured on equal peers,
-            with like and unlike data (README, "Slow poison"), not yet on peers of unequal speed.
+            robust mean, its progress along it and the balance of its values around it lie from
+            the owner's own (:mod:`swarm.averaging.butterfly.scoring`): updates that keep
+            pointing away (IPM, a free rider's zero), shrink inside the clip radius or sit below
+            the mean everywhere (ALIE) lose their weight within a few dozen rounds.
+            ``centered_clip`` only. It turns the part layout with every group, so peers with
+            and without it never group. Off by default: peers that train fewer steps than the
+            others lose weight for honest reasons (README, "Slow poison"). With a dense codec
+            it also makes groups sync their anchors twice as often (see
+            ``SwarmConfig.anchor_sync_every``).
     """
 
     codec: str = "int8"
@@ -230,7 +238,9 @@ class SwarmConfig:
             whole swarm, all healthy) skips it: nothing would move. With a sparse codec the
             members of a group that synced also restart their outer momentum from zero, so
             that they leave with one outer state, bit for bit. 0 turns it off; None (the
-            default) means :data:`DENSE_ANCHOR_SYNC_EVERY` with a dense codec and
+            default) means :data:`DENSE_ANCHOR_SYNC_EVERY` with a dense codec
+            (:data:`SCORED_ANCHOR_SYNC_EVERY` with ``score_updates``: late updates from hostile
+            peers part the anchors of the groups they join) and
             :data:`SPARSE_ANCHOR_SYNC_EVERY` with a sparse one, whose rounds are so small that
             one dense sync costs as much as about 40 of them; the value in use is
             :attr:`anchor_sync_period`. Lower it if the peers' losses part, raise it if the
@@ -378,8 +388,9 @@ class SwarmConfig:
         """``anchor_sync_every`` in use: about one group in this many syncs (0: never)."""
         if self.anchor_sync_every is not None:
             return self.anchor_sync_every
-        sparse = self.averaging.codec_spec.sparse
-        return SPARSE_ANCHOR_SYNC_EVERY if sparse else DENSE_ANCHOR_SYNC_EVERY
+        if self.averaging.codec_spec.sparse:
+            return SPARSE_ANCHOR_SYNC_EVERY
+        return SCORED_ANCHOR_SYNC_EVERY if self.averaging.score_updates else DENSE_ANCHOR_SYNC_EVERY
 
     @property
     def anchor_sync_spec(self) -> CodecSpec:

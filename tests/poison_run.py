@@ -178,8 +178,10 @@ async def run(
     codec: str = "none",
     seed: int = 0,
     slander: bool = False,
+    **overrides: object,
 ) -> dict:
-    """Train a swarm of ``peers`` (the last ``attackers`` with ``fault``) for ``rounds``."""
+    """Train a swarm of ``peers`` (the last ``attackers`` with ``fault``) for ``rounds``
+    (``overrides``: further :class:`~swarm.api.AsyncSwarm` options, or other values)."""
     options = {
         "listen": "127.0.0.1:0",
         "codec": codec,
@@ -190,6 +192,7 @@ async def run(
         "heartbeat_s": 1.0,
         "aggregator": aggregator,
         "score_updates": score_updates,
+        **overrides,
     }
     collusion = Collusion()
     logs: list[PeerLog] = []

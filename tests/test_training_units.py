@@ -392,7 +392,11 @@ def test_sparse_codecs_keep_batchnorm_buffers_local() -> None:
     [
         ({}, DENSE_ANCHOR_SYNC_EVERY, "int8"),
         ({"anchor_sync_every": 0}, 0, ""),
-        ({"overlap": True}, 4, "int8"),  # the step hands the launch copies instead (test_overlap)
+        (
+            {"overlap": True},
+            DENSE_ANCHOR_SYNC_EVERY,
+            "int8",
+        ),  # the step hands the launch copies instead (test_overlap)
         ({"codec": "fp16", "anchor_sync_every": 2}, 2, "fp16"),
         # sparse codecs: rarely, and in a dense codec (top-K or 1-bit would ruin raw weights)
         ({"codec": "topk:0.1"}, SPARSE_ANCHOR_SYNC_EVERY, "int8"),

@@ -165,11 +165,11 @@ class PartOwner:
             return None
         members = {-1, *contributors}
         cosines, progress = alignment.cosines(members), alignment.progress(members)
-        weights = self.reducer.claimed_weights()
-        for measure in (cosines, progress, weights):
+        weights, balance = self.reducer.claimed_weights(), alignment.balance(members)
+        for measure in (cosines, progress, weights, balance):
             if -1 in measure:
                 measure[self.me] = measure.pop(-1)
-        return part_scores(cosines, self.me, progress, weights)
+        return part_scores(cosines, self.me, progress, weights, balance)
 
     def _report(self) -> tuple[Refusal, ...]:
         """Every sender this part refused, dropped, clipped or capped, logged once each."""

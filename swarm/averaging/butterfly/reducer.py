@@ -226,7 +226,9 @@ class PartReducer:
         if self.observe_radius is not None and clip.radius > 0:
             self.observe_radius(clip.radius, end - start)
         if self.alignment is not None and clip.dots:
-            self.alignment.add_chunk([-1, *live], clip.dots, clip.norms2, clip.center_norm2)
+            self.alignment.add_chunk(
+                [-1, *live], clip.dots, clip.norms2, clip.center_norm2, clip.sides, end - start
+            )
         if clip.scales[0] < CLIPPED_BELOW:  # only ever set here: chunks reduce in parallel
             self.own_clipped = True
         for sender, scale in zip(live, clip.scales[1:], strict=True):

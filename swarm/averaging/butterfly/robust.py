@@ -58,6 +58,9 @@ class ClipResult:
     dots: tuple[float, ...] = ()
     norms2: tuple[float, ...] = ()
     center_norm2: float = 0.0
+    # with ``score``: per row, the sum of the signs of its values minus the center's (how many
+    # lie above it minus how many below)
+    sides: tuple[float, ...] = ()
 
 
 def centered_clip(
@@ -111,8 +114,14 @@ def centered_clip(
         return ClipResult(_combine(x, [v / total for v in w], origin), (1.0, 1.0), 0.0)
     a, scale, tau = _clip_steps(g, w, iterations)
     center = _combine(x, a, origin)
-    sums = _alignment(x, g, a, origin.to(x.dtype)) if score else ((), (), 0.0)
-    return ClipResult(center, tuple(scale), tau, *sums)
+    if not score:
+        return ClipResult(center, tuple(scale), tau)
+    sums = _alignment(x, g, a, origin.to(x.dtype))
+    # in the frame shifted by ``origin`` (r_i - c = x_i - (c - origin)); ``x`` is scratch by
+    # now (``rows`` itself only where the caller said so). Sums of +-1 stay exact in float32
+    # below 2^24 values a row, which no chunk reaches.
+    sides = x.sub_(center.to(x.dtype) - origin.to(x.dtype)).sign_().sum(dim=1).tolist()
+    return ClipResult(center, tuple(scale), tau, *sums, tuple(sides))
 
 
 def _clip_steps(

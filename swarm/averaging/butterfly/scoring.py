@@ -12,14 +12,19 @@ attacks above do not. So, in rounds that average *updates* (pseudo-gradients, no
 - and each member's **progress**: its contribution's projection on that mean, in units of the
   mean (``r . c / |c|^2``: 1 for a contribution that delivers as much as the mean, 0 for none),
   both as it is and per unit of the member's claimed weight (absurd claims capped);
+- and each member's **balance**: the share of its values above the robust mean's minus the
+  share below (:meth:`AlignmentSums.balance`; noise sits on both sides, ALIE's mean minus
+  standard deviations below everywhere), counted in the same pass;
 - each peer keeps a **record** of the others (:class:`Reputation`): running means of their
-  alignments and progress as *it* measured them (nobody else's word counts, so colluders cannot
-  talk an honest peer's record down), and the running means and spreads of its *own*;
+  alignments, progress and balance as *it* measured them (nobody else's word counts, so
+  colluders cannot talk an honest peer's record down), and the running means and spreads of
+  its *own*;
 - the weight an owner gives a sender is its claimed weight times its **trust**
   (:func:`trust_of`): full while its record lies within 2 spreads below the owner's own mean,
-  falling linearly to :data:`TRUST_FLOOR` at 4 spreads below; the lower of the alignment's
-  trust and the progress's, where progress counts the better of its two forms (a slow peer
-  delivers less but claims less; a peer with large batches claims more for the same steps).
+  falling linearly to :data:`TRUST_FLOOR` at 4 spreads below; the lowest of the alignment's
+  trust, the progress's, where progress counts the better of its two forms (a slow peer
+  delivers less but claims less; a peer with large batches claims more for the same steps),
+  and the balance's, judged on its distance from the owner's own on either side.
 
 Why a record: honest peers holding different data (non-IID shards) point away from the group's
 mean in some parts (with 8 peers holding 2 of 10 classes each, a quarter of their parts), by
@@ -36,10 +41,19 @@ Why progress: an update shrunk to sit inside the clip radius points where honest
 (its alignment is theirs) but delivers a fraction of what its weight claims: 0.04-0.72 of the
 mean (6 peers, one attacker) where honest members deliver 0.83-1.38 (deciles), and with its full
 weight claimed it is also low per unit of weight. Honest peers holding unlike data vary more (-0.1
-to 2.1), and so do their scorers' own parts. What such rules cannot see is an attack that points
-where honest updates do and delivers as much (ALIE, a stale update): that is bounded by the clip
+to 2.1), and so do their scorers' own parts. What neither measure sees is an update that points
+where honest updates do and delivers as much (ALIE, a stale update): ALIE is named by its
+balance, below; a stale update by nothing here, its effect is bounded by the clip
 instead (and the oscillation that late updates start, by the outer momentum's restart in
-:mod:`swarm.training.outer`), and measured in the README.
+:mod:`swarm.training.outer` and by syncing anchors more often), and measured in the README.
+
+Why balance: ALIE sends the honest mean minus ``z`` standard deviations in every coordinate.
+Its direction and size are an honest update's, but its offset from the mean lies below it
+nearly everywhere: per part its balance read -0.84 to -0.40 (5th to 95th percentile; 2 of 8
+colluding) where honest members read -0.13 to 0.45, the scorer's own as much (the colluders
+pull the mean down, so honest rows sit above it). Without attackers honest members read within
+0.05 of 0 (equal data) or -0.19 to 0.39 (8 peers holding 2 of 10 classes each, running means
+-0.02 to 0.12); IPM, free riders, stale and shrunk updates read as honest ones.
 
 No verdict is final: a record recovers by the same rule as it falls. A newcomer starts at the
 scorer's own means (full weight): a lower start would tilt every part of a young swarm toward its
@@ -70,18 +84,32 @@ MIN_MEDIAN_ALIGNMENT = 0.05  # below this the group's updates share no direction
 # of weight: the clip's cap of 2 would make a peer with a quarter of the steps read 0.4
 PROGRESS_WEIGHT_CAP = 8.0
 LOWERED_BELOW = 0.5  # a record below this is reported with its reason each round
+# balance is judged on at most this spread: the scorer's own parts swing by up to twice that
+# with an ALIE attacker in some of its groups (the mean pulled down), which hid the attacker
+BALANCE_SPREAD_CAP = 0.125
 
 
 @dataclass
 class AlignmentSums:
-    """One contribution's running sums over a part's chunks: ``r . c``, ``|r|^2``."""
+    """One contribution's running sums over a part's chunks: ``r . c``, ``|r|^2``, and how many
+    of its values lie above the center's minus how many below, of how many."""
 
     dot: float = 0.0
     norm2: float = 0.0
+    side: float = 0.0
+    numel: int = 0
 
-    def add(self, dot: float, norm2: float) -> None:
+    def add(self, dot: float, norm2: float, side: float = 0.0, numel: int = 0) -> None:
         self.dot += dot
         self.norm2 += norm2
+        self.side += side
+        self.numel += numel
+
+    def balance(self) -> float:
+        """The share of its values above the center minus the share below (0 for none): near 0
+        for an offset of noise, -1 for one below the center everywhere (ALIE's mean minus
+        standard deviations)."""
+        return self.side / self.numel if self.numel else 0.0
 
     def cosine(self, center_norm2: float) -> float:
         """Its cosine with the center (0 when either is zero)."""
@@ -112,11 +140,13 @@ class PartAlignment:
         dots: tuple[float, ...],
         norms2: tuple[float, ...],
         center_norm2: float,
+        sides: tuple[float, ...],
+        numel: int,
     ) -> None:
         with self._lock:
             self._center_norm2 += center_norm2
-            for m, d, n in zip(members, dots, norms2, strict=True):
-                self._sums.setdefault(m, AlignmentSums()).add(d, n)
+            for m, d, n, side in zip(members, dots, norms2, sides, strict=True):
+                self._sums.setdefault(m, AlignmentSums()).add(d, n, side, numel)
 
     def reset(self) -> None:
         with self._lock:
@@ -133,6 +163,11 @@ class PartAlignment:
         with self._lock:
             c2 = self._center_norm2
             return {m: s.progress(c2) for m, s in self._sums.items() if m in members}
+
+    def balance(self, members: set[int]) -> dict[int, float]:
+        """The balance of each of ``members`` (see :meth:`AlignmentSums.balance`)."""
+        with self._lock:
+            return {m: s.balance() for m, s in self._sums.items() if m in members}
 
 
 @dataclass(frozen=True)
@@ -151,6 +186,8 @@ class PartScores:
     alignments: dict[int, float]  # sender index -> its alignment (the owner left out)
     own_progress: Progress | None = None
     progress: dict[int, Progress] = field(default_factory=dict)  # sender index -> its progress
+    own_balance: float | None = None
+    balance: dict[int, float] = field(default_factory=dict)  # sender index -> its balance
 
 
 def part_scores(
@@ -158,20 +195,27 @@ def part_scores(
     owner: int,
     progress: Mapping[int, float] | None = None,
     weights: Mapping[int, float] | None = None,
+    balance: Mapping[int, float] | None = None,
 ) -> PartScores | None:
     """The senders' alignments in a part with the group's ``alignments`` (the owner's own
-    included), and their progress where ``progress`` and the claimed ``weights`` of the same
-    members are given; None when fewer than 3 aligned or the group shares no direction."""
+    included), their progress where ``progress`` and the claimed ``weights`` of the same
+    members are given, and their ``balance`` where given; None when fewer than 3 aligned or the
+    group shares no direction."""
     if len(alignments) < 3 or owner not in alignments:
         return None
     if not statistics.median(alignments.values()) > MIN_MEDIAN_ALIGNMENT:
         return None
+    members = set(alignments)
     others = {m: a for m, a in alignments.items() if m != owner}
-    if progress is None or weights is None or not set(alignments) <= set(progress) & set(weights):
-        return PartScores(alignments[owner], others)
+    own_balance, balances = None, {}
+    if balance is not None and members <= set(balance):
+        own_balance = balance[owner]
+        balances = {m: balance[m] for m in others}
+    if progress is None or weights is None or not members <= set(progress) & set(weights):
+        return PartScores(alignments[owner], others, own_balance=own_balance, balance=balances)
     delivered = _progress(progress, weights, list(alignments))
     own = delivered.pop(owner)
-    return PartScores(alignments[owner], others, own, delivered)
+    return PartScores(alignments[owner], others, own, delivered, own_balance, balances)
 
 
 def _progress(
@@ -201,6 +245,7 @@ class Standing:
     why: str  # the last score's reason
     progress: Progress | None = None  # the running means of its progress (once measured)
     low: str = ""  # what its trust was judged on (the lower measure), against the scorer's
+    balance: float | None = None  # the running mean of its balance (once measured)
 
 
 class _Moments:
@@ -240,6 +285,7 @@ class Reputation:
         self._records: dict[PeerID, Standing] = {}
         self._own = _Moments()  # its own alignments
         self._own_total, self._own_per_weight = _Moments(), _Moments()  # its own progress
+        self._own_balance = _Moments()
 
     def trust(self, peer: PeerID) -> float:
         s = self._records.get(peer)
@@ -261,6 +307,8 @@ class Reputation:
         if scores.own_progress is not None:
             self._own_total.add(scores.own_progress.total)
             self._own_per_weight.add(scores.own_progress.per_weight)
+        if scores.own_balance is not None:
+            self._own_balance.add(scores.own_balance)
         reference = self.reference
         ref = reference[0] if reference else self._own.mean()
         filed = {}
@@ -269,6 +317,7 @@ class Reputation:
             old = self._records.pop(peer, None)
             mean = _follow(ref if old is None else old.alignment, a)  # a newcomer: ordinary
             progress = self._progress(old, scores.progress.get(i))
+            balance = self._balance(old, scores.balance.get(i))
             why = f"alignment {a:.2f}, {mean:.2f} on average; " + (
                 f"own {ref:.2f} +- {reference[1]:.2f}" if reference else "scorer warming up"
             )
@@ -279,7 +328,11 @@ class Reputation:
                 delivered, low_progress = self._trust_in_progress(progress)
                 if delivered < trust:
                     trust, low = delivered, low_progress
-            new = Standing(trust, mean, (old.rounds if old else 0) + 1, why, progress, low)
+                balanced, low_balance = self._trust_in_balance(balance)
+                if balanced < trust:
+                    trust, low = balanced, low_balance
+            rounds = (old.rounds if old else 0) + 1
+            new = Standing(trust, mean, rounds, why, progress, low, balance)
             self._records[peer] = new  # re-inserted: the dict's order is least recently scored
             filed[i] = new
         while len(self._records) > self._limit:
@@ -297,6 +350,24 @@ class Reputation:
         return Progress(
             _follow(before.total, measured.total), _follow(before.per_weight, measured.per_weight)
         )
+
+    def _balance(self, old: Standing | None, measured: float | None) -> float | None:
+        """A record's running mean of balance with one more part (a newcomer's start at the
+        scorer's own mean)."""
+        before = old.balance if old else None
+        if measured is None:
+            return before
+        return _follow(self._own_balance.mean() if before is None else before, measured)
+
+    def _trust_in_balance(self, balance: float | None) -> tuple[float, str]:
+        """The trust a record's balance earns: lowered as far from the scorer's own on either
+        side as alignment is below it (1.0 unmeasured)."""
+        reference = self._own_balance.reference()
+        if balance is None or reference is None:
+            return NEW_TRUST, ""
+        ref, spread = reference[0], min(reference[1], BALANCE_SPREAD_CAP)
+        trust = trust_of(ref - abs(balance - ref), ref, spread)
+        return trust, f"offset skewed {balance:+.2f}, own {ref:+.2f}+-{spread:.2f}"
 
     def _trust_in_progress(self, progress: Progress | None) -> tuple[float, str]:
         """The trust a record's progress earns: the better of its two forms (1.0 unmeasured)."""
