@@ -116,11 +116,12 @@ def centered_clip(
     center = _combine(x, a, origin)
     if not score:
         return ClipResult(center, tuple(scale), tau)
-    sums = _alignment(x, g, a, origin.to(x.dtype))
+    o = origin.to(x.dtype)
+    sums = _alignment(x, g, a, o)
     # in the frame shifted by ``origin`` (r_i - c = x_i - (c - origin)); ``x`` is scratch by
     # now (``rows`` itself only where the caller said so). Sums of +-1 stay exact in float32
     # below 2^24 values a row, which no chunk reaches.
-    sides = x.sub_(center.to(x.dtype) - origin.to(x.dtype)).sign_().sum(dim=1).tolist()
+    sides = x.sub_(center.to(x.dtype) - o).sign_().sum(dim=1).tolist()
     return ClipResult(center, tuple(scale), tau, *sums, tuple(sides))
 
 

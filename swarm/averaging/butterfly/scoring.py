@@ -244,7 +244,7 @@ class Standing:
     rounds: int  # rounds it was scored in
     why: str  # the last score's reason
     progress: Progress | None = None  # the running means of its progress (once measured)
-    low: str = ""  # what its trust was judged on (the lower measure), against the scorer's
+    low: str = ""  # what its trust was judged on (the lowest measure), against the scorer's
     balance: float | None = None  # the running mean of its balance (once measured)
 
 
