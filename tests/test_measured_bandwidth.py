@@ -28,6 +28,7 @@ from swarm.averaging.butterfly.parts import (
 )
 from swarm.averaging.butterfly.repair import Repair
 from swarm.averaging.butterfly.runner import unbelieved_claims
+from swarm.averaging.butterfly.stall import StreamTiming
 from swarm.averaging.groups.group import GroupInfo
 from swarm.averaging.groups.rates import MIN_MEASURED_CHUNKS, PeerRates, stream_upload_rate
 from swarm.compression import get_codec
@@ -108,6 +109,21 @@ def test_stream_upload_rate_needs_enough_chunks():
     assert stream_upload_rate(3_000_000, MIN_MEASURED_CHUNKS - 1, 1.5, 6) == 0.0
     assert stream_upload_rate(3_000_000, 4, 0.0, 6) == 0.0
     assert stream_upload_rate(0, 4, 1.0, 6) == 0.0
+
+
+def test_a_stream_held_back_is_timed_without_its_holds():
+    # held between chunks: the hold is the owner's, not the link's
+    stream = StreamTiming()
+    stream.held(5.0)  # before the first chunk: nothing to leave out yet
+    for t, hold in ((10.0, 0.0), (11.0, 3.0), (15.0, 0.0)):
+        stream.held(hold)
+        stream.received(t, 1000)
+    assert stream.elapsed == 2.0 and stream.bytes_after_first == 2000
+    # a fast sender held after its last chunk waited for nothing: its rate stays its own (that
+    # hold, counted, took its whole stream time and measured it at 0)
+    stream.held(60.0)
+    stream.complete = True
+    assert stream.elapsed == 2.0
 
 
 def test_peer_rates_smooth_bound_and_ignore_junk():

@@ -205,8 +205,7 @@ class PartIntake:
         if began is None:
             return
         now = self._activity[sender] = time.monotonic()  # held is not silent
-        if stream.first is not None:
-            stream.held_s += now - began
+        stream.held(now - began)
 
     async def _consume(self, request: InboundStream, sender: int) -> None:
         reducer = self.reducer

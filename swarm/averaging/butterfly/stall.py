@@ -59,13 +59,22 @@ class StreamTiming:
     bytes_after_first: int = 0  # payload bytes of every chunk but the first
     chunks: int = 0
     complete: bool = False  # read to its end
-    held_s: float = 0.0  # time its owner held it back after its first chunk (not its link's)
+    held_s: float = 0.0  # time its owner held it back between chunks (not its link's)
+    # a hold counts once a chunk follows it: the hold after the last chunk waited for nothing,
+    # and counted it took a fast sender's whole stream time (measured rate 0)
+    _hold_s: float = 0.0
+
+    def held(self, seconds: float) -> None:
+        """The owner held this stream back ``seconds`` before reading its next chunk."""
+        self._hold_s += seconds
 
     def received(self, now: float, nbytes: int) -> None:
         if self.first is None:
             self.first = now
         else:
             self.bytes_after_first += nbytes
+            self.held_s += self._hold_s
+        self._hold_s = 0.0
         self.last = now
         self.chunks += 1
 
