@@ -42,8 +42,8 @@ from swarm.averaging import Fault
 from swarm.averaging.faults import SLOW_POISON
 
 
-async def mean_run(seeds: int, **kw) -> dict:
-    rows = [await run(seed=s, **kw) for s in range(seeds)]
+def summary(rows: list[dict]) -> dict:
+    """The mean over seeds of runs of one configuration."""
     out = {k: statistics.fmean(r[k] for r in rows) for k in ("final_loss", "wall_s", "cpu_s")}
     out["per_seed"] = [round(r["final_loss"], 4) for r in rows]
     out["honest_clip_rate"] = statistics.fmean(r["honest_clip_rate"] for r in rows)
@@ -53,25 +53,29 @@ async def mean_run(seeds: int, **kw) -> dict:
     return out
 
 
+async def mean_runs(seeds: int, **configs: dict) -> dict[str, dict]:
+    """Each configuration's :func:`summary`, the runs taking turns seed by seed, so that a busier
+    stretch of the machine falls on every configuration alike (``overhead`` is a ratio of two
+    of them)."""
+    rows: dict[str, list[dict]] = {name: [] for name in configs}
+    for seed in range(seeds):
+        for name, kw in configs.items():
+            rows[name].append(await run(seed=seed, **kw))
+    return {name: summary(r) for name, r in rows.items()}
+
+
 async def main(args: argparse.Namespace) -> None:
     common = {"rounds": args.rounds, "non_iid": args.non_iid}
     for peers, attackers in args.configs:
-        honest = await mean_run(
-            args.seeds, peers=peers - attackers, attackers=0, fault=Fault.NONE, **common
-        )
-        calm = await mean_run(args.seeds, peers=peers, attackers=0, fault=Fault.NONE, **common)
-        off = await mean_run(
+        calm_kw = {"peers": peers, "attackers": 0, "fault": Fault.NONE, **common}
+        calm_runs = await mean_runs(
             args.seeds,
-            peers=peers,
-            attackers=0,
-            fault=Fault.NONE,
-            aggregator="mean",
-            score_updates=False,
-            **common,
+            honest={**calm_kw, "peers": peers - attackers},
+            calm=calm_kw,
+            off={**calm_kw, "aggregator": "mean", "score_updates": False},
+            clip={**calm_kw, "score_updates": False},
         )
-        clip = await mean_run(
-            args.seeds, peers=peers, attackers=0, fault=Fault.NONE, score_updates=False, **common
-        )
+        honest, calm, off, clip = (calm_runs[k] for k in ("honest", "calm", "off", "clip"))
         base = {"peers": peers, "rounds": args.rounds, "seeds": args.seeds}
         base["non_iid"] = args.non_iid
         print(
@@ -96,8 +100,8 @@ async def main(args: argparse.Namespace) -> None:
         )
         for fault in args.attacks:
             kw = {"peers": peers, "attackers": attackers, "fault": fault, **common}
-            got = await mean_run(args.seeds, **kw)
-            bare = await mean_run(args.seeds, score_updates=False, **kw)
+            runs = await mean_runs(args.seeds, got=kw, bare={**kw, "score_updates": False})
+            got, bare = runs["got"], runs["bare"]
             row = {
                 "attack": fault.value,
                 **base,

@@ -212,6 +212,10 @@ class PartPlan:
     def num_chunks(self, part: int) -> int:
         return -(-self.size(part) // self.chunk_elems)
 
+    def largest_chunk(self) -> int:
+        """Values in the largest chunk of any part."""
+        return min(self.chunk_elems, max((self.size(j) for j in range(len(self))), default=0))
+
     def owned(self) -> tuple[int, ...]:
         """Indices of the members that own a non-empty part."""
         return tuple(i for i in range(len(self.ranges)) if self.size(i) > 0)

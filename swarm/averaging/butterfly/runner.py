@@ -144,7 +144,7 @@ class ButterflyRunner:
             me=me,
             weight=weight,
             feedback=self.feedback_for(numel, flat.device, kind, codec),
-            workers=Workers(self._pool),
+            workers=Workers.for_chunks(self._pool, plan.largest_chunk(), flat.device),
             stall=self.stall,
             deadline=deadline,
             faults=self.faults,
