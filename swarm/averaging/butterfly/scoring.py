@@ -84,9 +84,11 @@ MIN_MEDIAN_ALIGNMENT = 0.05  # below this the group's updates share no direction
 # of weight: the clip's cap of 2 would make a peer with a quarter of the steps read 0.4
 PROGRESS_WEIGHT_CAP = 8.0
 LOWERED_BELOW = 0.5  # a record below this is reported with its reason each round
-# balance is judged on at most this spread: the scorer's own parts swing by up to twice that
-# with an ALIE attacker in some of its groups (the mean pulled down), which hid the attacker
-BALANCE_SPREAD_CAP = 0.125
+# balance is judged on this spread, not the scorer's own: its parts swing by up to twice that
+# with an ALIE attacker in some of its groups (the mean pulled down), which hid the attacker,
+# and by 0.1 in calm runs, where honest records ran up to 0.29-0.38 from the scorer's own mean
+# (8 peers holding 2 of 10 classes each): on that spread, below half weight
+BALANCE_SPREAD = 0.125
 
 
 @dataclass
@@ -365,9 +367,9 @@ class Reputation:
         reference = self._own_balance.reference()
         if balance is None or reference is None:
             return NEW_TRUST, ""
-        ref, spread = reference[0], min(reference[1], BALANCE_SPREAD_CAP)
-        trust = trust_of(ref - abs(balance - ref), ref, spread)
-        return trust, f"offset skewed {balance:+.2f}, own {ref:+.2f}+-{spread:.2f}"
+        ref = reference[0]
+        trust = trust_of(ref - abs(balance - ref), ref, BALANCE_SPREAD)
+        return trust, f"offset skewed {balance:+.2f}, own {ref:+.2f}+-{BALANCE_SPREAD:.2f}"
 
     def _trust_in_progress(self, progress: Progress | None) -> tuple[float, str]:
         """The trust a record's progress earns: the better of its two forms (1.0 unmeasured)."""
