@@ -12,9 +12,10 @@ import torch
 from loopback_peers import fixed_group_config, start_peers
 
 from swarm.averaging import Averager
-from swarm.averaging.butterfly.parts import PartPlan
+from swarm.averaging.butterfly.parts import MIN_CHUNK_BYTES, PartPlan, chunk_elems_for
 from swarm.averaging.butterfly.reducer import PartReducer
 from swarm.averaging.butterfly.workers import INLINE_CHUNK_VALUES, Workers
+from swarm.compression import get_codec
 
 
 def test_small_chunks_on_the_cpu_run_inline_and_nothing_else_does():
@@ -24,6 +25,12 @@ def test_small_chunks_on_the_cpu_run_inline_and_nothing_else_does():
         assert Workers.for_chunks(pool, INLINE_CHUNK_VALUES, cpu).inline
         assert not Workers.for_chunks(pool, INLINE_CHUNK_VALUES + 1, cpu).inline
         assert not Workers.for_chunks(pool, 16, gpu).inline  # it would wait for the device
+        # the smallest chunks a slow link gets still go to the threads: only small vectors,
+        # whose parts are that small, run inline
+        for codec in ("none", "fp16", "int8", "sparse"):
+            smallest = chunk_elems_for(get_codec(codec), MIN_CHUNK_BYTES)
+            plan = PartPlan.create(10**7, [1.0] * 4, smallest)
+            assert not Workers.for_chunks(pool, plan.largest_chunk(), cpu).inline, codec
     finally:
         pool.shutdown()
 

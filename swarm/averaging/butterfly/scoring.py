@@ -101,7 +101,7 @@ class AlignmentSums:
     side: float = 0.0
     numel: int = 0
 
-    def add(self, dot: float, norm2: float, side: float = 0.0, numel: int = 0) -> None:
+    def add(self, dot: float, norm2: float, side: float, numel: int) -> None:
         self.dot += dot
         self.norm2 += norm2
         self.side += side

@@ -62,7 +62,7 @@ class StreamTiming:
     held_s: float = 0.0  # time its owner held it back between chunks (not its link's)
     # a hold counts once a chunk follows it: the hold after the last chunk waited for nothing,
     # and counted it took a fast sender's whole stream time (measured rate 0)
-    _hold_s: float = 0.0
+    _hold_s: float = field(default=0.0, init=False, repr=False)
 
     def held(self, seconds: float) -> None:
         """The owner held this stream back ``seconds`` before reading its next chunk."""

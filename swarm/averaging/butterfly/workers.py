@@ -23,7 +23,10 @@ import torch
 
 T = TypeVar("T")
 
-INLINE_CHUNK_VALUES = 8192  # chunks up to this many values are worked on at once (tens of us)
+# chunks up to this many values are worked on at once (tens of microseconds a call); chunks are
+# never cut below MIN_CHUNK_BYTES (32K float32 values), so only a round of parts this small, a
+# small vector, ever runs inline: a large one on a slow link still goes to the threads
+INLINE_CHUNK_VALUES = 8192
 
 
 class Workers:
