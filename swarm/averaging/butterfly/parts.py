@@ -28,7 +28,9 @@ from swarm.errors import AveragingError
 MAX_CHUNK_BYTES = 1 << 20  # one compressed chunk per transport frame
 MIN_CHUNK_BYTES = 128 << 10  # smaller chunks cost more per byte than they save in waiting
 CHUNK_TIME_S = 0.15  # a chunk takes about this long on one stream of the slowest member
-MAX_CHUNK_ELEMS = 1 << 20  # sparse codecs would otherwise make huge chunks (an owner row: 4 MiB)
+# an owner holds a float32 row per member for each chunk in flight: with 1M values (int8's
+# 1 MiB) those rows took a whole 25M-value vector of a round's memory at N=4 (see the README)
+MAX_CHUNK_ELEMS = 1 << 18
 CHUNK_ALIGN = 4096  # a multiple of every codec's block size, so chunks quantize like the whole
 
 
