@@ -10,10 +10,18 @@ attack and configuration, the figures the mean over ``--seeds`` runs::
     honest_only_final_loss   the same for the honest peers alone (peers - attackers, no attack)
     undefended_final_loss    the attack with update scoring off (CenteredClip alone)
     ratio                    final_loss / honest_only_final_loss
+    anchor_loss, ...         the same for the worst honest peer's last averaged parameters,
+                             without the steps it trained alone since (with ``--non-iid`` those
+                             fit its own two classes, and its final_loss says little)
     per_seed, ...            the same figures seed by seed (how far one run is from the mean)
     rounds_to_downweight     rounds until every honest peer that scored an attacker holds its
                              record below 0.5 (the worst seed; null: not in every seed)
-    honest_excluded          honest peers whose record fell below 0.5 in some honest view
+    honest_excluded          honest peers whose record fell below 0.5 in the median view of
+                             the honest peers that scored them, in some round (the worst seed;
+                             the view that names attackers, and the weight most of the swarm
+                             gives them)
+    honest_lowered_in_a_view honest peers whose record fell below 0.5 in some one honest view
+                             for a while (the worst seed): that scorer's parts weigh them less
     honest_clip_rate         honest contributions scaled below 0.5, over all update rounds
     overhead                 wall time of the defended run without attackers against the same
                              run with the defences off (plain mean, no scoring)
@@ -44,12 +52,14 @@ from swarm.averaging.faults import SLOW_POISON
 
 def summary(rows: list[dict]) -> dict:
     """The mean over seeds of runs of one configuration."""
-    out = {k: statistics.fmean(r[k] for r in rows) for k in ("final_loss", "wall_s", "cpu_s")}
+    keys = ("final_loss", "anchor_loss", "wall_s", "cpu_s")
+    out = {k: statistics.fmean(r[k] for r in rows) for k in keys}
     out["per_seed"] = [round(r["final_loss"], 4) for r in rows]
     out["honest_clip_rate"] = statistics.fmean(r["honest_clip_rate"] for r in rows)
     downs = [r["rounds_to_downweight"] for r in rows]
     out["rounds_to_downweight"] = None if None in downs else max(downs)
-    out["honest_excluded"] = max(len(r["honest_downweighted"]) for r in rows)
+    out["honest_excluded"] = max(len(r["honest_excluded"]) for r in rows)
+    out["honest_lowered_in_a_view"] = max(len(r["honest_downweighted"]) for r in rows)
     return out
 
 
@@ -86,9 +96,12 @@ async def main(args: argparse.Namespace) -> None:
                     "attackers": 0,
                     "final_loss": calm["final_loss"],
                     "honest_only_final_loss": honest["final_loss"],
+                    "anchor_loss": calm["anchor_loss"],
+                    "honest_only_anchor_loss": honest["anchor_loss"],
                     "per_seed": calm["per_seed"],
                     "honest_only_per_seed": honest["per_seed"],
                     "honest_excluded": calm["honest_excluded"],
+                    "honest_lowered_in_a_view": calm["honest_lowered_in_a_view"],
                     "honest_clip_rate": calm["honest_clip_rate"],
                     "overhead": calm["wall_s"] / off["wall_s"],
                     "overhead_cpu": calm["cpu_s"] / off["cpu_s"],
@@ -109,11 +122,14 @@ async def main(args: argparse.Namespace) -> None:
                 "final_loss": got["final_loss"],
                 "honest_only_final_loss": honest["final_loss"],
                 "undefended_final_loss": bare["final_loss"],
+                "anchor_loss": got["anchor_loss"],
+                "honest_only_anchor_loss": honest["anchor_loss"],
                 "ratio": got["final_loss"] / honest["final_loss"],
                 "per_seed": got["per_seed"],
                 "undefended_per_seed": bare["per_seed"],
                 "rounds_to_downweight": got["rounds_to_downweight"],
                 "honest_excluded": got["honest_excluded"],
+                "honest_lowered_in_a_view": got["honest_lowered_in_a_view"],
                 "honest_clip_rate": got["honest_clip_rate"],
                 "overhead": calm["wall_s"] / off["wall_s"],
                 "overhead_cpu": calm["cpu_s"] / off["cpu_s"],

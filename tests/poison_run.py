@@ -247,6 +247,9 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float, cpu: float) -> dict:
         "nan": any(not math.isfinite(v) for v in losses),
         "rounds_to_downweight": _rounds_to_downweight(honest, attacker_ids),
         "honest_downweighted": sorted(lowering),
+        # honest peers below half in the median view of the honest peers that scored them, the
+        # view that names an attacker (``rounds_to_downweight``): the weight most of them give
+        "honest_excluded": sorted(_held_below_by_most(honest, honest_ids)),
         # the most honest scorers that ever held one honest peer below half
         "honest_lowered_by_most": max(map(len, lowering.values()), default=0),
         "honest_trust_min": _min_trust(honest, honest_ids),
@@ -323,6 +326,20 @@ def _rounds_to_downweight(honest: list[PeerLog], attackers: set[str]) -> int | N
         if held and statistics.median(held) < LOWERED_BELOW:
             return r + 1
     return None
+
+
+def _held_below_by_most(honest: list[PeerLog], ids: set[str]) -> set[str]:
+    """Each of ``ids`` whose record, in some round, the median honest scorer of it held below
+    :data:`LOWERED_BELOW`."""
+    held = set()
+    for r in range(max((len(x.trust) for x in honest), default=0)):
+        views: dict[str, list[float]] = {}
+        for x in honest:
+            for p, v in (x.trust[r] if r < len(x.trust) else {}).items():
+                if p in ids:
+                    views.setdefault(p, []).append(v)
+        held |= {p for p, v in views.items() if statistics.median(v) < LOWERED_BELOW}
+    return held
 
 
 def _lowering_scorers(honest: list[PeerLog], ids: set[str]) -> dict[str, set[int]]:

@@ -31,7 +31,7 @@ from swarm.averaging.butterfly.scoring import (
     trust_of,
 )
 from swarm.averaging.faults import FaultInjector
-from swarm.averaging.poison import STALE_ROUNDS, Collusion, History, alie, inside_radius
+from swarm.averaging.poison import Collusion, alie, inside_radius
 from swarm.config import (
     DENSE_ANCHOR_SYNC_EVERY,
     SCORED_ANCHOR_SYNC_EVERY,
@@ -276,13 +276,6 @@ def test_alie_pools_the_colluders_updates() -> None:
     assert torch.allclose(got, xs.mean(0) - xs.std(0))
 
 
-def test_stale_updates_are_ten_rounds_old() -> None:
-    history, xs = History(), updates(STALE_ROUNDS + 3)
-    sent = [history.stale(x) for x in xs]
-    assert torch.equal(sent[0], xs[0]) and torch.equal(sent[STALE_ROUNDS], xs[0])
-    assert torch.equal(sent[STALE_ROUNDS + 2], xs[2])
-
-
 def test_inside_radius_turns_the_update_around_by_the_radius() -> None:
     x = updates(1)[0]
     assert inside_radius(x, None) is x
@@ -309,18 +302,6 @@ def test_scoring_syncs_dense_anchors_twice_as_often() -> None:
     sparse = SwarmConfig.build(score_updates=True, codec="sparse")
     assert sparse.anchor_sync_period == SPARSE_ANCHOR_SYNC_EVERY  # its syncs cost 40 rounds
     assert SwarmConfig.build(score_updates=True, anchor_sync_every=5).anchor_sync_period == 5
-
-
-def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> None:
-    """2 of 8 send their update of 10 rounds ago, every round, unnamed by scoring: with the
-    anchors synced in one group of 2 (scoring's default) the worst honest peer ends about where
-    the 6 honest peers alone end. Syncing one group in 4, 16 of 33 runs ended above 0.25 (to
-    1.68) where the honest peers alone ended at 0.185-0.209 (11 runs); syncing one group in 2,
-    0.167-0.196 (8 runs). The benchmark holds the mean of 3 seeds to 5%; one run, to 10%."""
-    got = asyncio.run(run(peers=8, attackers=2, fault=Fault.STALE, rounds=40))
-    alone = asyncio.run(run(peers=6, attackers=0, fault=Fault.NONE, rounds=40))
-    assert got["attack_fired"] and not got["nan"], got
-    assert got["final_loss"] <= 1.10 * alone["final_loss"], (got, alone)
 
 
 @pytest.mark.parametrize("fault", [Fault.IPM, Fault.FREE_RIDE, Fault.INSIDE_RADIUS, Fault.ALIE])
@@ -355,7 +336,7 @@ def test_a_calm_run_clips_and_lowers_no_honest_peer() -> None:
 def test_honest_peers_with_unlike_data_keep_their_weight() -> None:
     """8 peers holding 2 of the 10 classes each: a quarter of their parts point away from the
     group's mean, yet no honest peer is ever held below half weight by half of the other honest
-    peers, and each ends at full weight in the median honest view. Measured with two CPU hogs
+    peers or in the median view, and each ends at full weight there. Measured with two CPU hogs
     beside the run: in 14 runs of 68 one or more honest peers (holding classes that no other
     peer or one other held) fell below half in some views, never in more than 2 of the 7."""
     peers = 8
@@ -364,6 +345,7 @@ def test_honest_peers_with_unlike_data_keep_their_weight() -> None:
     )
     assert not got["nan"] and got["averaged_rounds_min"] >= 4, got
     assert got["honest_lowered_by_most"] < (peers - 1) / 2, got  # fewer than half the others
+    assert got["honest_excluded"] == [], got  # the median view never below half
     assert got["honest_record_min"] >= LOWERED_BELOW, got
 
 

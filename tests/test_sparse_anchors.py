@@ -33,9 +33,9 @@ from swarm.errors import ConfigError
 
 # max over peers of ||anchor - mean anchor|| / ||mean anchor|| on this file's task over 20
 # rounds, groups of 2 of 4 peers, every group syncing (measured with the sparse codec's default
-# plain outer step: 0.043-0.077 at most in 4 runs; without syncs 0.145-0.161 after 20 rounds,
-# and growing)
-SPREAD_BOUND = 0.11
+# plain outer step: 0.043-0.082 at most in 14 runs, 5 of them beside a CPU hog, and 0.124 once
+# in a full suite; without syncs 0.145-0.161 after 20 rounds in 9 runs, and growing)
+SPREAD_BOUND = 0.13
 
 
 def test_sparse_codecs_sync_anchors_rarely_and_in_a_dense_codec() -> None:

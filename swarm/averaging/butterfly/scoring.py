@@ -38,14 +38,11 @@ how much they vary. With scoring the part layout turns with every group
 (``PartPlan.create(first=...)``), so that a scorer's part covers every layer over time.
 
 Why progress: an update shrunk to sit inside the clip radius points where honest updates do
-(its alignment is theirs) but delivers a fraction of what its weight claims: 0.04-0.72 of the
-mean (6 peers, one attacker) where honest members deliver 0.83-1.38 (deciles), and with its full
-weight claimed it is also low per unit of weight. Honest peers holding unlike data vary more (-0.1
-to 2.1), and so do their scorers' own parts. What neither measure sees is an update that points
-where honest updates do and delivers as much (ALIE, a stale update): ALIE is named by its
-balance, below; a stale update by nothing here, its effect is bounded by the clip
-instead (and the oscillation that late updates start, by the outer momentum's restart in
-:mod:`swarm.training.outer` and by syncing anchors more often), and measured in the README.
+but delivers a fraction of what its weight claims: 0.04-0.72 of the mean (6 peers, one
+attacker) where honest members deliver 0.83-1.38 (deciles; with unlike data -0.1 to 2.1, and
+so do their scorers' own parts). ALIE and a stale update point where honest updates do and
+deliver as much: ALIE is named by its balance, below; a stale one by nothing here (bounded by
+the clip, the outer momentum's restart and more frequent anchor syncs; see the README).
 
 Why balance: ALIE sends the honest mean minus ``z`` standard deviations in every coordinate.
 Its direction and size are an honest update's, but its offset from the mean lies below it
@@ -55,6 +52,13 @@ pull the mean down, so honest rows sit above it). Without attackers honest membe
 0.05 of 0 (equal data) or -0.19 to 0.39 (8 peers holding 2 of 10 classes each, running means
 -0.02 to 0.12); IPM, free riders, stale and shrunk updates read as honest ones.
 
+Why the records widen the rule: with unlike data honest records lie far from the scorer's own
+for reasons of data (one delivered -1.9 on average over 13 scorings, the scorer's own 0.84 +-
+0.9). So a measure's spread is the larger of the scorer's own and how far the records it holds
+at half weight or more lie from its own mean (their median distance, :func:`widened`), at most
+:data:`POPULATION_CAP` times its own: with equal data the records lie close and nothing changes,
+and one or two attackers among the records cannot move their median.
+
 No verdict is final: a record recovers by the same rule as it falls. A newcomer starts at the
 scorer's own means (full weight): a lower start would tilt every part of a young swarm toward its
 owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
@@ -62,10 +66,11 @@ owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm.averaging.butterfly.robust import cap_weights
@@ -78,17 +83,20 @@ TRUST_FLOOR = 0.02  # no record falls below this: a score is evidence, not a ban
 TRUSTED_SPREADS = 2.0  # a record this many spreads below the scorer's keeps its full weight
 FLOOR_SPREADS = 4.0  # a record this many spreads below falls to TRUST_FLOOR
 MIN_SPREAD = 0.1  # never taken smaller: peers that agree closely are not judged on noise
-WARMUP_PARTS = 4  # a scorer judges nobody before it has seen this many of its own parts vary
+WARMUP_PARTS = 6  # a scorer judges nobody before it has seen this many of its own parts vary
 MIN_MEDIAN_ALIGNMENT = 0.05  # below this the group's updates share no direction: no scores
 # claims past this many times the group's lower median count as that much in progress per unit
 # of weight: the clip's cap of 2 would make a peer with a quarter of the steps read 0.4
 PROGRESS_WEIGHT_CAP = 8.0
 LOWERED_BELOW = 0.5  # a record below this is reported with its reason each round
-# balance is judged on this spread, not the scorer's own: its parts swing by up to twice that
-# with an ALIE attacker in some of its groups (the mean pulled down), which hid the attacker,
-# and by 0.1 in calm runs, where honest records ran up to 0.29-0.38 from the scorer's own mean
-# (8 peers holding 2 of 10 classes each): on that spread, below half weight
+# balance's own spread, not the scorer's: that swings by twice this with an ALIE attacker in
+# some of its groups, which hid it, and is 0.1 in calm runs, on which unlike data fell below half
 BALANCE_SPREAD = 0.125
+POPULATION_RECORDS = 64  # the most recently scored records widen the rule (:func:`widened`)
+POPULATION_SCORINGS = 3  # ... those scored this often, at half weight or more
+POPULATION_MIN = 3  # ... with at least this many of them
+POPULATION_CAP = 3.0  # ... to at most this many times the scorer's own spread
+_NORMAL_MAD = 1.4826  # a normal distribution's spread per unit of its median absolute deviation
 
 
 @dataclass
@@ -311,8 +319,17 @@ class Reputation:
             self._own_per_weight.add(scores.own_progress.per_weight)
         if scores.own_balance is not None:
             self._own_balance.add(scores.own_balance)
-        reference = self.reference
+        population = self._population()
+        reference = widened(self.reference, [s.alignment for s in population])
         ref = reference[0] if reference else self._own.mean()
+        progress_of = [s.progress for s in population if s.progress is not None]
+        total = widened(self._own_total.reference(), [p.total for p in progress_of])
+        per_weight = widened(self._own_per_weight.reference(), [p.per_weight for p in progress_of])
+        own_balance = self._own_balance.reference()
+        balance_ref = widened(
+            own_balance and (own_balance[0], BALANCE_SPREAD),
+            [s.balance for s in population if s.balance is not None],
+        )
         filed = {}
         for i, a in sorted(scores.alignments.items()):
             peer = peers[i]
@@ -327,10 +344,10 @@ class Reputation:
             if reference:
                 trust = trust_of(mean, *reference)
                 low = f"aligned {mean:.2f} on average, own {ref:.2f} +- {reference[1]:.2f}"
-                delivered, low_progress = self._trust_in_progress(progress)
+                delivered, low_progress = self._trust_in_progress(progress, total, per_weight)
                 if delivered < trust:
                     trust, low = delivered, low_progress
-                balanced, low_balance = self._trust_in_balance(balance)
+                balanced, low_balance = self._trust_in_balance(balance, balance_ref)
                 if balanced < trust:
                     trust, low = balanced, low_balance
             rounds = (old.rounds if old else 0) + 1
@@ -361,19 +378,26 @@ class Reputation:
             return before
         return _follow(self._own_balance.mean() if before is None else before, measured)
 
-    def _trust_in_balance(self, balance: float | None) -> tuple[float, str]:
-        """The trust a record's balance earns: lowered as far from the scorer's own on either
-        side as alignment is below it (1.0 unmeasured)."""
-        reference = self._own_balance.reference()
+    def _trust_in_balance(
+        self, balance: float | None, reference: tuple[float, float] | None
+    ) -> tuple[float, str]:
+        """The trust a record's balance earns against ``reference`` (the scorer's own mean and
+        the spread it judges on): lowered as far from it on either side as alignment is below
+        it (1.0 unmeasured)."""
         if balance is None or reference is None:
             return NEW_TRUST, ""
-        ref = reference[0]
-        trust = trust_of(ref - abs(balance - ref), ref, BALANCE_SPREAD)
-        return trust, f"offset skewed {balance:+.2f}, own {ref:+.2f}+-{BALANCE_SPREAD:.2f}"
+        ref, spread = reference
+        trust = trust_of(ref - abs(balance - ref), ref, spread)
+        return trust, f"offset skewed {balance:+.2f}, own {ref:+.2f}+-{spread:.2f}"
 
-    def _trust_in_progress(self, progress: Progress | None) -> tuple[float, str]:
-        """The trust a record's progress earns: the better of its two forms (1.0 unmeasured)."""
-        total, per_weight = self._own_total.reference(), self._own_per_weight.reference()
+    def _trust_in_progress(
+        self,
+        progress: Progress | None,
+        total: tuple[float, float] | None,
+        per_weight: tuple[float, float] | None,
+    ) -> tuple[float, str]:
+        """The trust a record's progress earns against the references of its two forms: the
+        better of the two (1.0 unmeasured)."""
         if progress is None or total is None or per_weight is None:
             return NEW_TRUST, ""
         trust = max(trust_of(progress.total, *total), trust_of(progress.per_weight, *per_weight))
@@ -382,6 +406,12 @@ class Reputation:
             f"delivered {progress.total:.3g} ({progress.per_weight:.3g}/weight),"
             f" own {total[0]:.3g}+-{total[1]:.2g}"
         )
+
+    def _population(self) -> list[Standing]:
+        """The records that widen the rule: the most recently scored, each scored at least
+        :data:`POPULATION_SCORINGS` times and held at half weight or more."""
+        recent = itertools.islice(reversed(self._records.values()), POPULATION_RECORDS)
+        return [s for s in recent if s.rounds >= POPULATION_SCORINGS and s.trust >= LOWERED_BELOW]
 
     def snapshot(self) -> dict[PeerID, Standing]:
         return dict(self._records)
@@ -393,6 +423,20 @@ class Reputation:
         return tuple(
             (short, round(t, 4), why) for t, short, why in low[:limit] if t < LOWERED_BELOW
         )
+
+
+def widened(
+    reference: tuple[float, float] | None, records: Sequence[float]
+) -> tuple[float, float] | None:
+    """The mean and spread a record is judged on: the scorer's own ``reference``, its spread
+    widened to how far the ``records`` of others lie from its mean (their median distance, as a
+    normal spread), up to :data:`POPULATION_CAP` times; as it is with fewer than
+    :data:`POPULATION_MIN` records."""
+    if reference is None or len(records) < POPULATION_MIN:
+        return reference
+    mean, spread = reference
+    population = _NORMAL_MAD * statistics.median(abs(r - mean) for r in records)
+    return mean, min(POPULATION_CAP * spread, max(spread, population))
 
 
 def trust_of(alignment: float, reference: float, spread: float) -> float:
