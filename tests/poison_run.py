@@ -317,12 +317,8 @@ def _rounds_to_downweight(honest: list[PeerLog], attackers: set[str]) -> int | N
     ``LOWERED_BELOW``, in the median view (None: never, or no attacker)."""
     if not attackers:
         return None
-    for r in range(max(len(x.trust) for x in honest)):
-        held = [
-            v
-            for v in (x.trust[r].get(a) for x in honest if r < len(x.trust) for a in attackers)
-            if v is not None
-        ]
+    for r, views in enumerate(_views_by_round(honest, attackers)):
+        held = [v for vs in views.values() for v in vs]
         if held and statistics.median(held) < LOWERED_BELOW:
             return r + 1
     return None
@@ -331,15 +327,25 @@ def _rounds_to_downweight(honest: list[PeerLog], attackers: set[str]) -> int | N
 def _held_below_by_most(honest: list[PeerLog], ids: set[str]) -> set[str]:
     """Each of ``ids`` whose record, in some round, the median honest scorer of it held below
     :data:`LOWERED_BELOW`."""
-    held = set()
+    return {
+        p
+        for views in _views_by_round(honest, ids)
+        for p, v in views.items()
+        if statistics.median(v) < LOWERED_BELOW
+    }
+
+
+def _views_by_round(honest: list[PeerLog], ids: set[str]) -> list[dict[str, list[float]]]:
+    """Round by round, each of ``ids`` that some honest peer held a record of: those records."""
+    rounds: list[dict[str, list[float]]] = []
     for r in range(max((len(x.trust) for x in honest), default=0)):
         views: dict[str, list[float]] = {}
         for x in honest:
             for p, v in (x.trust[r] if r < len(x.trust) else {}).items():
                 if p in ids:
                     views.setdefault(p, []).append(v)
-        held |= {p for p, v in views.items() if statistics.median(v) < LOWERED_BELOW}
-    return held
+        rounds.append(views)
+    return rounds
 
 
 def _lowering_scorers(honest: list[PeerLog], ids: set[str]) -> dict[str, set[int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from swarm.averaging.butterfly.scoring import (
@@ -26,6 +28,9 @@ def test_the_rule_widens_to_the_records_median_distance_up_to_a_cap() -> None:
     mean, spread = widened(OWN, [0.7, 0.65, 0.95, 0.6, 0.9])
     assert mean == 0.8 and spread == pytest.approx(1.4826 * 0.15)
     assert widened(OWN, [-5.0, -4.0, 3.0]) == (0.8, POPULATION_CAP * 0.1)
+    # a record that is no number widens nothing, and does not count towards the minimum
+    assert widened(OWN, [0.2, 0.2, math.nan, math.inf]) == OWN
+    assert widened(OWN, [0.7, 0.6, 0.9, math.nan])[1] == pytest.approx(1.4826 * 0.1)
     # two attackers far off among five records close by cannot move the median
     assert widened(OWN, [0.8, 0.78, 0.82, 0.79, 0.81, -0.9, -0.8]) == OWN
 

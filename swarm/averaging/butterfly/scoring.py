@@ -53,11 +53,9 @@ pull the mean down, so honest rows sit above it). Without attackers honest membe
 -0.02 to 0.12); IPM, free riders, stale and shrunk updates read as honest ones.
 
 Why the records widen the rule: with unlike data honest records lie far from the scorer's own
-for reasons of data (one delivered -1.9 on average over 13 scorings, the scorer's own 0.84 +-
-0.9). So a measure's spread is the larger of the scorer's own and how far the records it holds
-at half weight or more lie from its own mean (their median distance, :func:`widened`), at most
-:data:`POPULATION_CAP` times its own: with equal data the records lie close and nothing changes,
-and one or two attackers among the records cannot move their median.
+for reasons of data. So a spread is the larger of the scorer's own and how far the records it
+holds at half weight or more lie from its mean (:func:`widened`): with equal data they lie close
+and nothing changes, and one or two attackers among them cannot move their median.
 
 No verdict is final: a record recovers by the same rule as it falls. A newcomer starts at the
 scorer's own means (full weight): a lower start would tilt every part of a young swarm toward its
@@ -429,13 +427,15 @@ def widened(
     reference: tuple[float, float] | None, records: Sequence[float]
 ) -> tuple[float, float] | None:
     """The mean and spread a record is judged on: the scorer's own ``reference``, its spread
-    widened to how far the ``records`` of others lie from its mean (their median distance, as a
-    normal spread), up to :data:`POPULATION_CAP` times; as it is with fewer than
-    :data:`POPULATION_MIN` records."""
-    if reference is None or len(records) < POPULATION_MIN:
-        return reference
+    widened to the median distance of the finite ``records`` of others from its mean, as a normal
+    spread, up to :data:`POPULATION_CAP` times; as it is with fewer than :data:`POPULATION_MIN`."""
+    if reference is None:
+        return None
     mean, spread = reference
-    population = _NORMAL_MAD * statistics.median(abs(r - mean) for r in records)
+    distances = [abs(r - mean) for r in records if math.isfinite(r)]
+    if len(distances) < POPULATION_MIN:
+        return reference
+    population = _NORMAL_MAD * statistics.median(distances)
     return mean, min(POPULATION_CAP * spread, max(spread, population))
 
 
