@@ -1026,6 +1026,11 @@ def test_ranges_kept_lately_are_held_to_the_blatant_bound_only():
     assert set(implausible_parts({**rest, 1: 0.2}, lenient={1: 0.3})) == {1}  # a lie outside
     assert set(implausible_parts(rest, lenient={3: float("nan")})) == {3}
     assert implausible_parts({0: 0.0049}, lenient={1: 5.0}) == {}  # too few parts to judge
+    # never stricter than the usual rule: in a round of updates honest parts read about 1.6
+    # from a member's own update (8 peers, colluders refusing one member)
+    updates = {0: 1.61, 1: 1.6, 2: 1.8}
+    assert implausible_parts(updates, lenient={1: 2.42}) == {}
+    assert "over 6.44" in implausible_parts(updates, lenient={1: 7.5})[1]
 
 
 def test_a_round_order_far_ahead_is_not_followed():

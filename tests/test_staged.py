@@ -281,3 +281,28 @@ def test_an_owner_accused_before_gets_no_leniency_in_kept_ranges():
     dev, inside = deviations(flat, result, ranges, ((300, 400),), whole={3})
     assert inside == {} and dev[3] == pytest.approx(0.3)
     assert set(implausible_parts(dev, lenient=inside)) == {3}
+
+
+def test_a_slice_left_between_kept_ranges_is_measured_against_its_whole_part():
+    """Measured in 8-peer runs where colluders refused one member: the rest of a part outside
+    its kept ranges was a bias near 0, whose honest average read 0.38-0.98 from those small
+    values where the other parts read 0.01-0.05, and the member accused honest owners. Relative
+    to the whole part the same average reads as the others do; a lie in the slice, as large
+    as the part's values, still reads far."""
+    from swarm.averaging.butterfly.checks import implausible_parts
+
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randn(4000, generator=gen)
+    flat[1900:2000] *= 0.01  # a bias near 0, outside the kept range
+    average = flat + 0.01 * torch.randn(4000, generator=gen)
+    average[1900:2000] = flat[1900:2000] + 0.005 * torch.randn(100, generator=gen)
+    ranges = {0: (0, 2000), 1: (2000, 3000), 2: (3000, 4000)}
+    kept = ((0, 1900),)
+    outside, inside = deviations(flat, average, ranges, kept)
+    assert outside[0] < 2 * outside[1] and implausible_parts(outside, lenient=inside) == {}
+    lie = average.clone()
+    lie[1900:2000] = 5.0 * torch.randn(100, generator=gen)
+    outside, inside = deviations(flat, lie, ranges, kept)
+    assert set(implausible_parts(outside, lenient=inside)) == {0}
+    # a part wholly kept has no rest to measure
+    assert 0 not in deviations(flat, average, ranges, ((0, 2000),))[0]

@@ -51,8 +51,10 @@ accused an honest owner at 8e-5 against a median of 1e-5. One int8 pass rounds v
 
 In a round of values, the ranges where the member kept its own values in its recent rounds
 (:mod:`swarm.averaging.butterfly.kept`) part from the others' for an honest reason: their
-averages are held to the ``r > 1`` bound only (``lenient``), and the rest of each part to the
-rule above.
+averages are held to the ``r > 1`` bound only (``lenient``), or to the usual rule's where that
+is looser (rounds of updates, whose honest parts read about 1.6), and the rest of each part to
+the rule above, measured against the size of the whole part's values (a slice left between kept
+ranges may be a bias near 0, far from its own small values for no fault of its owner).
 
 This is cheaper than BTARD's validators (no re-download, no recomputation: one pass over the
 vector) and needs no agreement; what it cannot see is a lie smaller than ``factor`` times the
@@ -97,25 +99,29 @@ def implausible_parts(
         contributors: part -> the members whose values it averaged; a part is then judged
             against the mixed parts whose contributors include all of its own (default: every
             mixed part).
-        lenient: part -> ``r`` over the ranges of it held to the ``r > 1`` bound only (those
-            the member kept its own values of lately); ``deviations`` then covers the rest of
-            each part, and a part wholly in those ranges is missing from it.
+        lenient: part -> ``r`` over the ranges of it held to the ``r > 1`` bound (or the
+            usual rule's, where looser) only: those the member kept its own values of lately;
+            ``deviations`` then covers the rest of each part, and a part wholly in those ranges
+            is missing from it.
     """
     lenient = lenient or {}
     verdicts = not_finite(deviations, lenient)
     judged = {p for devs in (deviations, lenient) for p, d in devs.items() if not math.isnan(d)}
     if len(judged) < _MIN_PARTS:
         return verdicts
-    for part, d in lenient.items():
-        if part not in verdicts and d > UNAVERAGED_BOUND + _EPS:
-            verdicts[part] = (
-                f"average {d:.3g} from own values where this member kept them lately, "
-                f"over {UNAVERAGED_BOUND:g}"
-            )
     spread = {
         p: d for p, d in deviations.items() if not math.isnan(d) and (mixed is None or p in mixed)
     }
     overall = statistics.median(spread.values()) if len(spread) >= _MIN_PARTS else 0.0
+    # never stricter than the usual rule: in rounds of updates honest parts read 1.6 from a
+    # member's own update, and the r > 1 bound accused an honest owner of a kept range at 2.4
+    kept_bound = max(UNAVERAGED_BOUND, factor * overall)
+    for part, d in lenient.items():
+        if part not in verdicts and d > kept_bound + _EPS:
+            verdicts[part] = (
+                f"average {d:.3g} from own values where this member kept them lately, "
+                f"over {kept_bound:.3g}"
+            )
     for part, d in deviations.items():
         if part in verdicts:
             continue
