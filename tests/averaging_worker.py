@@ -182,6 +182,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # what dropped a stream or a part, for the test's report when a round was not whole
+    logging.getLogger("swarm.averaging").setLevel(logging.INFO)
     torch.set_num_threads(1)
     asyncio.run(run(args))
 

@@ -96,6 +96,8 @@ def swarm_of(tmp_path):
     yield start
     for w in started:
         w.kill()
+    for rank, w in enumerate(started):  # shown when the test failed (pytest's captured output)
+        print(f"---- worker {rank} (last 40 lines)", *w.lines[-40:], sep="\n")
 
 
 def expected_result(report: dict, values: dict[str, tuple[torch.Tensor, float]]) -> torch.Tensor:
