@@ -25,9 +25,10 @@ def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> Non
     the 6 honest peers alone end. Syncing one group in 4, 16 of 33 runs ended above 0.25 (to
     1.68) where the honest peers alone ended at 0.185-0.209 (11 runs); syncing one group in 2,
     0.167-0.196 (8 runs). One seed moves either side by up to 15%: one run against one ran
-    0.84-1.24x (7 pairs, seeds 0-2), and once in a loaded suite 1.5x (0.275 against 0.184;
-    seeds 0-4 beside it gave 0.164-0.211 against 0.187-0.196): three seeds each are held to
-    1.2x, below the blow-ups."""
+    0.84-1.24x (7 pairs, seeds 0-2; seeds 0-4 later 0.164-0.211 against 0.187-0.196). Beside a
+    busy core one honest anchor parts in some runs (0.239 where the honest mean was 0.169), and
+    a loaded suite once ended a seed at 1.5x (0.275 against 0.184): three seeds are held to
+    1.25x together, below the blow-ups syncing one group in 4 (mean 0.382 against 0.199)."""
     stale = {"peers": 8, "attackers": 2, "fault": Fault.STALE}
     seeds = (0, 1, 2)
     got = [asyncio.run(run(**stale, rounds=40, seed=s)) for s in seeds]
@@ -36,4 +37,4 @@ def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> Non
     ]
     assert all(g["attack_fired"] and not g["nan"] for g in got), got
     losses = [g["final_loss"] for g in got], [a["final_loss"] for a in alone]
-    assert sum(losses[0]) <= 1.2 * sum(losses[1]), losses
+    assert sum(losses[0]) <= 1.25 * sum(losses[1]), losses
