@@ -149,16 +149,15 @@ class StagedAverages:
             rest, mine = [(start, end)], []
         else:
             rest, mine = split(start, end, self.kept)
-        for pieces, table in ((rest, self._outside), (mine, self._inside)):
-            for s, e in pieces:
-                distance = table.setdefault(part, _Distance())
-                distance.add(self.flat[s:e], got[s - start : e - start])
-        # the rest of a part is measured against the size of the whole part's values: a slice
-        # left between kept ranges (a bias near 0) read 0.38-0.98 from its own small values
-        # where the other parts read 0.01-0.05, and an honest owner was accused
         outside = self._outside.setdefault(part, _Distance())
+        for s, e in rest:
+            outside.add(self.flat[s:e], got[s - start : e - start])
         for s, e in mine:
-            outside.add_size(self.flat[s:e])
+            inside = self._inside.setdefault(part, _Distance())
+            # the rest of a part is measured against the size of the whole part's values: a
+            # slice left between kept ranges (a bias near 0) read 0.38-0.98 from its own small
+            # values where the other parts read 0.01-0.05, and an honest owner was accused
+            outside.size2 += inside.add(self.flat[s:e], got[s - start : e - start])
 
 
 def stage_decoded(codec: Codec) -> bool:
@@ -170,23 +169,20 @@ def stage_decoded(codec: Codec) -> bool:
 class _Distance:
     """``||got - mine||`` and ``||mine||`` summed over pieces; NaN once ``got`` was not finite.
     Norms that overflow float32 (values near its limit) are taken again in float64, so huge own
-    values do not read as a bad average. :meth:`add_size` counts own values in the size only
-    (the part's values around the pieces measured)."""
+    values do not read as a bad average. ``size2`` may also count own values around the pieces
+    measured (the rest of the part)."""
 
     def __init__(self) -> None:
         self.diff2 = self.size2 = 0.0
         self.finite = True
         self.pieces = 0  # pieces measured by :meth:`add`
 
-    def add_size(self, mine: torch.Tensor) -> None:
-        for at, to in _spans(mine.numel()):
-            size = float(torch.linalg.vector_norm(mine[at:to], dtype=torch.float64))
-            self.size2 += size * size
-
-    def add(self, mine: torch.Tensor, got: torch.Tensor) -> None:
+    def add(self, mine: torch.Tensor, got: torch.Tensor) -> float:
+        """Add one piece; returns the ``||mine||^2`` it counted (0 once not finite)."""
         self.pieces += 1
+        added = 0.0
         if not self.finite:
-            return
+            return added
         for at, to in _spans(mine.numel()):
             m, g = mine[at:to], got[at:to]
             diff = float(torch.dist(g, m))  # half the time of norm(got - mine)
@@ -194,11 +190,13 @@ class _Distance:
             if not (math.isfinite(diff) and math.isfinite(size)):
                 if not bool(torch.isfinite(g).all()):
                     self.finite = False  # checked only here: a finite norm means finite values
-                    return
+                    return added
                 diff = float(torch.linalg.vector_norm(g.double() - m.double()))
                 size = float(torch.linalg.vector_norm(m, dtype=torch.float64))
             self.diff2 += diff * diff
             self.size2 += size * size
+            added += size * size
+        return added
 
     def value(self) -> float:
         if not self.finite:
