@@ -20,8 +20,8 @@ attack and configuration, the figures the mean over ``--seeds`` runs::
                              the honest peers that scored them, in some round (the worst seed;
                              the view that names attackers, and the weight most of the swarm
                              gives them)
-    honest_lowered_in_a_view honest peers whose record fell below 0.5 in some one honest view
-                             for a while (the worst seed): that scorer's parts weigh them less
+    honest_lowered_in_a_view honest peers whose record fell below 0.5 in some one honest view,
+                             in any round (the worst seed): that scorer's parts weigh them less
     honest_clip_rate         honest contributions scaled below 0.5, over all update rounds
     overhead                 wall time of the defended run without attackers against the same
                              run with the defences off (plain mean, no scoring)
