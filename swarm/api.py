@@ -208,6 +208,8 @@ class AsyncSwarm:
 
         After a successful round with codec ``none`` every member holds the same model. Under
         top-K, 1-bit or ``sparse`` it averages the parameters only, in ``anchor_sync_codec``.
+        A group whose members hold the same values already (a swarm that trained as one group)
+        sends nothing: they compare digests while the group forms.
         Its groups cross regions along a grid: ``ceil(log(peers) / log(target_group_size))``
         calls in a row bring the swarm to one model (:mod:`swarm.averaging.groups.converge`).
         """

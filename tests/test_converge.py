@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.api import AsyncSwarm
+from swarm.averaging import averager as averager_module
 from swarm.averaging.groups.converge import converging_plan, grid_sides
 from swarm.averaging.groups.regions import GRID, GroupingConfig
 from swarm.identity import PeerID
@@ -126,41 +127,110 @@ async def test_sixteen_real_peers_end_with_one_model_after_two_values_rounds() -
     """16 peers in groups of 4 make a 4 x 4 grid: two average_parameters() calls of every peer
     (real DHT, matchmaking and butterfly, codec none) leave one model. Two rounds of near
     groups of 4 (the plan before) would do so by chance only (a 4 x 4 transversal: p = 0.005)."""
+    swarms = await _linear_swarm("converge-16", list(range(16)), 60, "none")
+    try:
+        flat = [_flat(s) for s in swarms]
+        mean = torch.stack(flat).mean(0)
+        for _ in range(2):
+            outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+            assert all(o.averaged for o in outcomes), outcomes
+        got = [_flat(s) for s in swarms]
+        for g in got[1:]:  # the robust aggregator's mean, not the plain one: but one model
+            torch.testing.assert_close(g, got[0], rtol=0, atol=1e-6)
+        spread = max(float((f - mean).norm()) for f in flat)
+        assert float((got[0] - mean).norm()) < 0.5 * spread
+    finally:
+        await asyncio.gather(*(s.close() for s in swarms), return_exceptions=True)
+
+
+async def _linear_swarm(
+    run_id: str, seeds: list[int], first_address: int, codec: str
+) -> list[AsyncSwarm]:
+    """Peers on loopback, each holding the linear model of its seed, once each sees them all."""
     swarms: list[AsyncSwarm] = []
     try:
-        for i in range(16):
-            torch.manual_seed(i)  # different models, as training leaves them
+        for i, seed in enumerate(seeds):
+            torch.manual_seed(seed)
             model = torch.nn.Linear(16, 4)
             swarms.append(
                 await AsyncSwarm.create(
                     model,
                     torch.optim.SGD(model.parameters(), lr=0.1),
-                    run_id="converge-16",
-                    listen=f"127.0.0.{60 + i}:0",
+                    run_id=run_id,
+                    listen=f"127.0.0.{first_address + i}:0",
                     initial_peers=[swarms[0].address] if swarms else [],
-                    codec="none",
+                    codec=codec,
                     target_group_size=4,
                     matchmaking_timeout_s=5.0,
                     heartbeat_s=1.0,
                     sync_on_join=False,
                 )
             )
-        flat = [torch.cat([p.detach().flatten() for p in s.model.parameters()]) for s in swarms]
-        mean = torch.stack(flat).mean(0)
-        for _ in range(50):  # every view holds the 16 peers: every peer plans the same grid
+        for _ in range(50):  # every view holds every peer: every peer plans the same grid
             views = await asyncio.gather(*(s.known_peers() for s in swarms))
-            if all(len(v) == 16 for v in views):
-                break
+            if all(len(v) == len(seeds) for v in views):
+                return swarms
             await asyncio.sleep(0.2)
-        else:
-            pytest.fail(f"the peers did not all see each other: {sorted(map(len, views))}")
-        for _ in range(2):
-            outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
-            assert all(o.averaged for o in outcomes), outcomes
-        got = [torch.cat([p.detach().flatten() for p in s.model.parameters()]) for s in swarms]
-        for g in got[1:]:  # the robust aggregator's mean, not the plain one: but one model
-            torch.testing.assert_close(g, got[0], rtol=0, atol=1e-6)
-        spread = max(float((f - mean).norm()) for f in flat)
-        assert float((got[0] - mean).norm()) < 0.5 * spread
+        pytest.fail(f"the peers did not all see each other: {sorted(map(len, views))}")
+    except BaseException:
+        await asyncio.gather(*(s.close() for s in swarms), return_exceptions=True)
+        raise
+
+
+def _flat(s: AsyncSwarm) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in s.model.parameters()])
+
+
+async def test_a_values_round_of_equal_models_sends_nothing() -> None:
+    """Peers that hold the same model skip average_parameters()'s all-reduce: it would move
+    nothing but int8's rounding, and a whole model's round costs minutes on a home uplink. Once
+    one model differs they average, every member leaves with the same bits, and the next call
+    skips again."""
+    swarms = await _linear_swarm("equal-values", [0, 0, 0], 90, "int8")
+    try:
+        before = _flat(swarms[0])
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged and o.group_size == 3 for o in outcomes), outcomes
+        assert all(o.bytes_sent == o.bytes_received == 0 for o in outcomes), outcomes
+        assert all(torch.equal(_flat(s), before) for s in swarms)  # not rounded
+
+        with torch.no_grad():
+            for p in swarms[2].model.parameters():
+                p.add_(0.5)
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged and o.bytes_sent > 0 for o in outcomes), outcomes
+        assert all(torch.equal(_flat(s), _flat(swarms[0])) for s in swarms[1:])
+        assert not torch.equal(_flat(swarms[0]), before)
+
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged and o.bytes_sent == 0 for o in outcomes), outcomes
+    finally:
+        await asyncio.gather(*(s.close() for s in swarms), return_exceptions=True)
+
+
+async def test_a_peer_lying_that_its_values_equal_the_others_moves_no_honest_model(
+    monkeypatch,
+) -> None:
+    """A peer whose model differs but that joins with the digest of the others' gets the round
+    skipped, nothing more: the honest models keep their values, bit for bit."""
+    swarms = await _linear_swarm("equal-values-liar", [0, 0, 0], 95, "int8")
+    try:
+        honest = _flat(swarms[0])
+        with torch.no_grad():
+            for p in swarms[2].model.parameters():
+                p.mul_(-3.0)
+        liar_slots = {t.data_ptr() for t in swarms[2].engine.outer.slots}
+        real = averager_module.state_digest
+        swarms[0].engine.outer.load_values()  # the slots a values round digests
+        told = real(swarms[0].engine.outer.slots)
+
+        def digest(tensors):
+            lying = bool(tensors) and tensors[0].data_ptr() in liar_slots
+            return told if lying else real(tensors)
+
+        monkeypatch.setattr(averager_module, "state_digest", digest)
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged and o.bytes_sent == 0 for o in outcomes), outcomes
+        assert all(torch.equal(_flat(s), honest) for s in swarms[:2])
     finally:
         await asyncio.gather(*(s.close() for s in swarms), return_exceptions=True)

@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 # processes: 1.3 s apart in the first of 6 rounds, 14 s in the last; with half of a 5 s timeout
 # 32 peers lost 6 of 128 rounds, with 0.9 of it 64 peers closed 72 of 384 groups short)
 CONVERGE_PATIENCE = 0.9
+EQUAL_VALUES = "every member held the same values: nothing to send"
 
 
 class Averager:
@@ -165,6 +166,7 @@ class Averager:
         fragment: str = "",
         updates: bool = False,
         converge: bool = False,
+        unless_equal: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -209,6 +211,12 @@ class Averager:
                 rounds (a grid across regions, :mod:`.groups.converge`) instead of near
                 groups: for rounds meant to end with one model (e.g. at the end of training).
                 Such a round waits longer for its planned members (see ``CONVERGE_PATIENCE``).
+            unless_equal: skip the all-reduce when every member joined with the same digest of
+                ``tensors`` (:attr:`GroupInfo.agreed`): averaging equal values moves nothing
+                but a lossy codec's rounding, and a whole model's round costs minutes on a home
+                uplink (e.g. a swarm that averages as one group, at the end of training). The
+                result is averaged, with no bytes sent. Only peers that ask for it group
+                together; not with ``sync``.
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -225,13 +233,17 @@ class Averager:
         numel = sum(t.numel() for t in tensors)
         syncing = list(sync) if sync is not None and sync_every > 0 else []
         check_tensors(syncing)
+        if unless_equal and syncing:
+            raise AveragingError("unless_equal and sync exclude each other")
+        digested = tensors if unless_equal else syncing
         sync_with = self._codec(sync_codec) if syncing else self.codec
         round_codec = self._codec(codec)
         async with self._lock:
             started = time.monotonic()
             loop = asyncio.get_running_loop()
-            # the digest (a pass over the synced tensors) runs while the round is planned
-            digest = loop.run_in_executor(self._pool, state_digest, syncing) if syncing else None
+            # the digest (a pass over the synced tensors, or over ``tensors`` unless equal) runs
+            # while the round is planned
+            digest = loop.run_in_executor(self._pool, state_digest, digested) if digested else None
             try:
                 planned = (
                     RoundKey(group_key)
@@ -252,6 +264,8 @@ class Averager:
                 spec += f"|fragment={fragment}"
             if syncing:
                 spec += f"|sync={sync_every}:{schema_hash(syncing, sync_with.spec)}"
+            if unless_equal:
+                spec += "|unless-equal"
             key = matchmaking_key(self.peer.run_id, planned.key, schema_hash(tensors, spec))
             group = await self.matchmaker.form_group(
                 key,
@@ -269,6 +283,9 @@ class Averager:
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group.reason, matchmaking_s=matchmaking_s)
             self.planner.joined(group)
+            if unless_equal and group.agreed:
+                logger.info("round %s: %s", group.group_id.hex()[:8], EQUAL_VALUES)
+                return equal_values(group, matchmaking_s)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             kind = RoundKind(purpose, fragment)
             result = await self.butterfly.allreduce(
@@ -361,6 +378,12 @@ class Averager:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def equal_values(group: GroupInfo, matchmaking_s: float) -> RoundResult:
+    """A round whose members all hold the same values: averaged as it stands, nothing sent."""
+    parts = dict.fromkeys(range(len(group.members)), group.members)
+    return RoundResult(True, "", group.group_id, group.members, parts, matchmaking_s=matchmaking_s)
 
 
 def syncs(group: GroupInfo, every: int) -> bool:

@@ -3,9 +3,10 @@ hold the same values (sans-I/O).
 
 A group that would sync its members' anchors (``sync=`` of :meth:`Averager.average`) skips it
 when every member joined with the same digest: the sync would move nothing but quantization
-noise. A member may lie about its digest as about its values; the worst it buys is a sync
-skipped or run for nothing. SHA-256 of the float32 bytes (about 1 GB/s on one core; tensors
-off the CPU are copied over in blocks, so no buffer the size of the tensors is needed).
+noise. So does a round of values asked ``unless_equal`` (``average_parameters()``). A member
+may lie about its digest as about its values; the worst it buys is a sync or a round skipped,
+or run for nothing. SHA-256 of the float32 bytes (about 1 GB/s on one core; tensors off the CPU
+are copied over in blocks, so no buffer the size of the tensors is needed).
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ class TrainingEngine(PersistentState):
         :mod:`swarm.averaging.groups.converge`).
 
         Under a codec that would ruin raw values (top-K, 1-bit, ``sparse``) it travels in the
-        dense ``anchor_sync_codec``, as anchor syncs do.
+        dense ``anchor_sync_codec``, as anchor syncs do; members that hold equal values skip it.
 
         Raises:
             TrainingError: a round is in flight.
@@ -286,9 +286,8 @@ class TrainingEngine(PersistentState):
         with self.lock:
             self.outer.load_values()
         number, self.values_rounds = self.values_rounds, self.values_rounds + 1
-        return RoundPlan(
-            self.outer.slots, 1.0, 0.0, purpose="values", codec=dense.text, number=number
-        )
+        values = {"purpose": "values", "number": number, "unless_equal": True}
+        return RoundPlan(self.outer.slots, 1.0, 0.0, codec=dense.text, **values)
 
     def finish_values_round(self, outcome: RoundOutcome) -> None:
         """Apply an averaged values round (the model and anchors take the average)."""

@@ -78,11 +78,13 @@ class RoundPlan:
     # a round number every peer shares (part of the keys), e.g. its k-th values round: then
     # the groups bring the swarm to one model fastest (a grid across regions), not near ones
     number: int | None = None
+    # skip the all-reduce when every member holds the same bits (a round of values)
+    unless_equal: bool = False
 
     def averaging_options(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`swarm.averaging.Averager.average` for this round."""
         names = ("weight", "sync", "sync_every", "sync_codec", "codec", "order", "purpose")
-        names += ("fragment", "updates")
+        names += ("fragment", "updates", "unless_equal")
         numbered = {"round_": self.number, "converge": self.number is not None}
         return {name: getattr(self, name) for name in names} | numbered
 
