@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.utils import parameters_to_vector
 
 from swarm.api import AsyncSwarm
 from swarm.averaging import averager as averager_module
@@ -178,7 +179,7 @@ async def _linear_swarm(
 
 
 def _flat(s: AsyncSwarm) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in s.model.parameters()])
+    return parameters_to_vector(s.model.parameters()).detach()
 
 
 async def test_a_values_round_of_equal_models_sends_nothing() -> None:

@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 # processes: 1.3 s apart in the first of 6 rounds, 14 s in the last; with half of a 5 s timeout
 # 32 peers lost 6 of 128 rounds, with 0.9 of it 64 peers closed 72 of 384 groups short)
 CONVERGE_PATIENCE = 0.9
-EQUAL_VALUES = "every member held the same values: nothing to send"
 
 
 class Averager:
@@ -284,7 +283,9 @@ class Averager:
                 return RoundResult(False, group.reason, matchmaking_s=matchmaking_s)
             self.planner.joined(group)
             if unless_equal and group.agreed:
-                logger.info("round %s: %s", group.group_id.hex()[:8], EQUAL_VALUES)
+                logger.info(
+                    "round %s: every member holds the same values", group.group_id.hex()[:8]
+                )
                 return equal_values(group, matchmaking_s)
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             kind = RoundKind(purpose, fragment)
