@@ -43,7 +43,8 @@ class TransportError(SwarmError):
     """An HTTP exchange with a peer failed: refused, cut, timed out or oversized.
 
     ``refused`` is True when nothing listens at the peer's address (the connection was refused):
-    the peer is gone, not merely slow.
+    the peer is gone, not merely slow. ``unanswered`` is True when the connection failed before
+    any reply came (reset, closed, unreachable): the peer may never have seen the request.
     """
 
     def __init__(
@@ -53,11 +54,13 @@ class TransportError(SwarmError):
         peer: str | None = None,
         status: int | None = None,
         refused: bool = False,
+        unanswered: bool = False,
     ):
         super().__init__(message)
         self.peer = peer
         self.status = status
         self.refused = refused
+        self.unanswered = unanswered
 
     def __str__(self) -> str:
         parts = [super().__str__()]

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from tcp_proxy import TcpProxy
 
 from swarm.address import PeerAddress
 from swarm.auth import Membership
@@ -88,25 +89,6 @@ async def test_an_eavesdropper_reads_no_dht_record_in_a_keyed_swarm() -> None:
     assert any(MARKER in d for d in open_seen)  # the control: the tap does see records
 
 
-async def _tcp_tap(target: PeerAddress, seen: list[bytes]) -> asyncio.Server:
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                seen.append(data)
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(target.host, target.port)
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    return await asyncio.start_server(handle, HOST, 0)
-
-
 async def _info_traffic(membership: Membership) -> list[bytes]:
     a = Transport(
         Identity.generate(),
@@ -119,14 +101,17 @@ async def _info_traffic(membership: Membership) -> list[bytes]:
     await a.start()
     await b.start()
     seen: list[bytes] = []
-    tap = await _tcp_tap(a.bound_address, seen)
+
+    async def tap(data: bytes, writer: asyncio.StreamWriter) -> None:
+        seen.append(data)
+        writer.write(data)
+
     try:
-        port = tap.sockets[0].getsockname()[1]
-        record = await b.fetch_info(PeerAddress(HOST, port))
+        async with TcpProxy(a.bound_address, up=tap, down=tap, host=HOST) as address:
+            record = await b.fetch_info(address)
         assert record.extra["m"] == MARKER and record.peer_id == a.identity.peer_id
         return seen
     finally:
-        tap.close()
         await b.close()
         await a.close()
 

@@ -16,6 +16,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tcp_proxy import TcpProxy
 
 from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, RequestAuth, derive_stream_key
@@ -636,52 +637,56 @@ async def test_tamper_in_flight_through_proxy(pair: tuple[Transport, Transport])
     a, b = pair
     applied = Applied()
     b.add_stream("sink", applied)
-    upstream = b.bound_address
-    flip_at = 600_000
+    flip_at, seen = 600_000, [0]
 
-    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, flip: bool) -> None:
-        seen = 0
-        try:
-            while data := await reader.read(65536):
-                if flip and seen <= flip_at < seen + len(data):
-                    i = flip_at - seen
-                    data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
-                seen += len(data)
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+    async def flip(data: bytes, writer: asyncio.StreamWriter) -> None:
+        if seen[0] <= flip_at < seen[0] + len(data):
+            i = flip_at - seen[0]
+            data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
+        seen[0] += len(data)
+        writer.write(data)
 
-    tasks: set[asyncio.Task] = set()
-
-    async def on_client(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        ur, uw = await asyncio.open_connection(upstream.host, upstream.port)
-        for t in (
-            asyncio.create_task(relay(cr, uw, True)),
-            asyncio.create_task(relay(ur, cw, False)),
-        ):
-            tasks.add(t)
-
-    proxy = await asyncio.start_server(on_client, "127.0.0.4", 0)
-    try:
-        port = proxy.sockets[0].getsockname()[1]
-        via_proxy = dataclasses.replace(b.record(), address=PeerAddress("127.0.0.4", port))
+    async with TcpProxy(b.bound_address, up=flip) as address:
+        via_proxy = dataclasses.replace(b.record(), address=address)
         blob = os.urandom(2 * MiB)
         with pytest.raises(TransportError) as e:
             async with a.stream(via_proxy, "sink", {}, _blob_chunks(blob, 100_000), timeout=30):
                 pass
-        assert e.value.status in (400, 401)
-        assert not applied.committed
-        assert b"".join(applied.chunks) == blob[: len(b"".join(applied.chunks))]
-        assert sum(map(len, applied.chunks)) < flip_at
-    finally:
-        proxy.close()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await proxy.wait_closed()
+    assert e.value.status in (400, 401)
+    assert not applied.committed
+    assert b"".join(applied.chunks) == blob[: len(b"".join(applied.chunks))]
+    assert sum(map(len, applied.chunks)) < flip_at
+
+
+async def test_a_connection_stays_in_use_when_the_body_ends_after_the_reply(
+    pair: tuple[Transport, Transport],
+) -> None:
+    """The HTTP body's last bytes (chunked encoding's end) reach the server after an RPC that
+    answers at once has answered: the server waits for them instead of closing a connection
+    its caller already holds again for its next request (which then met a reset)."""
+    a, b = pair
+
+    async def echo(sender: object, payload: dict) -> dict:
+        return {"n": payload["n"]}
+
+    b.add_rpc("echo", echo)
+    last_chunk = b"0\r\n\r\n"
+
+    async def hold_back_the_end(data: bytes, writer: asyncio.StreamWriter) -> None:
+        if data.endswith(last_chunk):
+            writer.write(data[: -len(last_chunk)])
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            data = last_chunk
+        writer.write(data)
+
+    proxy = TcpProxy(b.bound_address, up=hold_back_the_end)
+    async with proxy as address:
+        via_proxy = dataclasses.replace(b.record(), address=address)
+        for n in range(4):
+            assert await a.call(via_proxy, "echo", {"n": n}, timeout=10) == {"n": n}
+            await asyncio.sleep(0.3)  # the held bytes went through: the server decided by now
+    assert proxy.connections == 1
 
 
 async def test_truncated_stream_detected(

@@ -42,6 +42,7 @@ import asyncio
 import logging
 import math
 import socket
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -169,6 +170,8 @@ class WanEmulator:
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
+        self._resets: dict[str, tuple[bytes, int]] = {}  # node name -> (marker, resets left)
+        self.resets = 0  # connections reset so far
 
     async def __aenter__(self) -> WanEmulator:
         return self
@@ -253,6 +256,21 @@ class WanEmulator:
             if node.host in (src, dst):
                 link.delay = self._region_delay(src, dst)
 
+    def reset_requests(self, node: WanNode, marker: bytes, count: int = 1) -> None:
+        """Reset (TCP RST, both ways) the connection of each of the next ``count`` requests to
+        ``node`` whose bytes contain ``marker`` (e.g. ``b"POST /stream/avg.part"``), before
+        anything of it reaches the node: a middlebox, or a peer closing a kept-alive
+        connection as its caller reuses it."""
+        self._resets[node.name] = (marker, count)
+
+    def _resets_now(self, node: WanNode, data: bytes) -> bool:
+        marker, left = self._resets.get(node.name, (b"", 0))
+        if left <= 0 or marker not in data:
+            return False
+        self._resets[node.name] = (marker, left - 1)
+        self.resets += 1
+        return True
+
     def expected_rtt(self, a: WanNode, b: WanNode) -> float:
         """The RTT that the links alone add between ``a`` and ``b`` (no queueing)."""
         return self.link(a, b).delay + self.link(b, a).delay
@@ -304,9 +322,15 @@ class WanEmulator:
                 node.host, node.listen.port, local_addr=local, limit=CHUNK_BYTES
             )
             await _first_error(
-                self._pump(reader, up_writer, self.link(src, node)),
+                self._pump(reader, up_writer, self.link(src, node), node),
                 self._pump(up_reader, writer, self.link(node, src)),
             )
+        except _Reset:
+            for w in (writer, up_writer):
+                w.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                w.transport.abort()
         except (OSError, asyncio.IncompleteReadError) as e:
             logger.debug("wan connection %s -> %s ended: %s", src, node.name, e)
         finally:
@@ -315,14 +339,22 @@ class WanEmulator:
                     w.close()
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: Link,
+        to: WanNode | None = None,
     ) -> None:
+        """Bytes of one direction over ``link``; ``to``: the node they go to (requests, which
+        :meth:`reset_requests` may reset)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(MAX_TCP_INFLIGHT)
 
         async def transmit() -> None:
             while True:
                 data = await reader.read(CHUNK_BYTES)
+                if to is not None and self._resets_now(to, data):
+                    raise _Reset
                 sent = link.reserve(len(data), loop.time())
                 await asyncio.sleep(max(0.0, sent - loop.time()))  # the wire is busy
                 await queue.put((sent + link.delay, data))
@@ -378,6 +410,10 @@ class WanEmulator:
         link.datagrams += 1
         timer = loop.call_at(link.reserve(len(data), now) + link.delay, send)
         self._timers.add(timer)
+
+
+class _Reset(Exception):
+    """A connection to reset (:meth:`WanEmulator.reset_requests`)."""
 
 
 def _host(x: WanNode | str) -> str:

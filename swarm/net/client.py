@@ -119,7 +119,10 @@ class Client:
                 raise TransportError(f"stream {name} timed out", peer=label) from e
             except (aiohttp.ClientError, OSError) as e:
                 raise TransportError(
-                    f"stream {name} failed: {e!r}", peer=label, refused=_refused(e)
+                    f"stream {name} failed: {e!r}",
+                    peer=label,
+                    refused=_refused(e),
+                    unanswered=True,
                 ) from e
 
         def make_reader(content: aiohttp.StreamReader) -> FrameReader:

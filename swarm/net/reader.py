@@ -49,6 +49,11 @@ class FrameReader:
         self.bytes_received = 0
         self.trailer: dict[str, Any] = {}
 
+    @property
+    def ended(self) -> bool:
+        """The END frame was read: the stream is whole."""
+        return self._opener.ended
+
     async def read(self) -> tuple[int, bytes]:
         """Return the next ``(kind, plaintext)``.
 
@@ -151,7 +156,7 @@ class FrameReader:
             TransportError: the sender aborted the stream (ERROR frame), a malformed trailer,
                 or see :meth:`read`.
         """
-        if self._opener.ended:
+        if self.ended:
             return None
         kind, plaintext = await self.read()
         if kind == DATA:

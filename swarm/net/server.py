@@ -24,10 +24,13 @@ that talks to one peer faster than that would see 429s.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, ReplayGuard, RequestAuth
@@ -55,6 +58,8 @@ AUTH_RATE = 200.0  # requests per second one host may have authenticated, sustai
 AUTH_BURST = 2000.0  # ... and at once
 FAILED_AUTH_COST = 16.0  # extra tokens a request that fails authentication costs its source
 _SHUTDOWN_TIMEOUT_S = 2.0
+# how long a served stream waits for the HTTP body's end behind the sender's END frame
+BODY_END_WAIT_S = 1.0
 _AUTH_KEY = web.RequestKey("swarm_auth", RequestAuth)
 
 
@@ -290,4 +295,28 @@ class Server:
             await reply.abort(e)
             return reply.response  # type: ignore[return-value]
         await reply.finish()
+        if reader.ended:
+            await _body_end(request, BODY_END_WAIT_S)
         return reply.response  # type: ignore[return-value]
+
+
+async def _body_end(request: web.Request, timeout: float) -> None:
+    """Wait (at most ``timeout``) for the end of a request body whose END frame was read.
+
+    aiohttp closes a kept-alive connection whose request body it has not seen end when the
+    handler returns (we keep no lingering time), and the HTTP body's last bytes travel behind
+    the END frame: a handler that answers at once (an RPC, the last member joining a group)
+    can return before they arrive. The caller, holding a whole reply, puts the connection back
+    in its pool; its next request there met the reset (an all-reduce part lost mid-round,
+    whose owner then waited for it until its stall check gave up). Bytes after the END frame
+    are a protocol violation: the connection is then closed as before.
+    """
+    content = request.content
+    if content.is_eof():
+        return
+    try:
+        extra = await asyncio.wait_for(content.read(1), timeout)
+    except (asyncio.TimeoutError, OSError, aiohttp.ClientError, HttpProcessingError):
+        return  # not reusable: aiohttp closes it
+    if extra:
+        logger.debug("bytes after a stream's END frame from %s", request.remote)

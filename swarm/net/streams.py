@@ -279,7 +279,7 @@ class OutboundStream:
         return {} if self._reader is None else self._reader.trailer
 
     async def __aexit__(self, *exc_info: object) -> None:
-        complete = self._reader is not None and self._reader._opener.ended
+        complete = self._reader is not None and self._reader.ended
         await self._close(abort=not complete)
         if exc_info[0] is None:
             self._raise_body_error()

@@ -86,8 +86,7 @@ class PartSender:
                 header = {"g": self.group.group_id, "p": self.part, "a": attempt, "w": self.weight}
                 if self.ctx.parent is not None:
                     header["r"] = self.ctx.parent  # a repair: owners that settled it answer now
-                exchange = self._exchange(owner, header, self._body(attempt))
-                contributors = await self._watched(exchange)
+                contributors = await self._attempt(owner, header)
                 if contributors is not None:
                     return SentPart(self.part, contributors, "")
             raise AveragingError("owner asked for too many retries")
@@ -116,6 +115,23 @@ class PartSender:
             )
             return SentPart(self.part, None, f"part {self.part}: {reason}")
 
+    async def _attempt(self, owner: Any, header: dict[str, Any]) -> tuple[int, ...] | None:
+        """One attempt's stream, opened once more when the connection failed before the owner
+        answered: the owner never took it (a second stream of the same attempt would be
+        refused), and a caller that reused a connection its peer was closing met a reset."""
+        try:
+            return await self._watched(self._exchange(owner, header, self._body()))
+        except TransportError as e:
+            if not e.unanswered or e.refused:
+                raise
+            logger.info(
+                "part %d: stream to %s lost before an answer (%s): once more",
+                self.part,
+                owner.peer_id.short,
+                e,
+            )
+        return await self._watched(self._exchange(owner, header, self._body()))
+
     async def _watched(self, exchange: Coroutine[Any, Any, T]) -> T:
         """Run one exchange until it ends, the deadline passes, or the owner stalls: nothing
         went out or came back for longer than the stall policy allows at the pace measured on
@@ -142,11 +158,13 @@ class PartSender:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def _body(self, attempt: int) -> AsyncIterator[bytes]:
+    async def _body(self) -> AsyncIterator[bytes]:
+        """The part's payloads: encoded once (error feedback moves with each encoding), then
+        sent again from the stored copies by a retry."""
         stored = self._stored
         for i, (s, e) in enumerate(self.chunks):
             await self.faults.before_chunk(i, len(self.chunks))
-            if attempt > 0 and stored is not None:
+            if stored is not None and i < len(stored):
                 payload = stored[i]
             else:
                 payload = await self.workers.run(self.feedback.encode, self.flat[s:e], s)
