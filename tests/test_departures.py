@@ -103,6 +103,48 @@ async def test_a_planned_member_left_alone_gives_up_after_the_patience(role: str
         await asyncio.gather(one.close(), two.close())
 
 
+@pytest.mark.parametrize("patience", [None, 2.5])
+async def test_a_round_may_wait_longer_for_its_planned_member(patience: float | None) -> None:
+    """Two peers whose rounds start 2 s apart under a 3 s matchmaking timeout (peers of equal
+    speed whose overlapped rounds start about one round apart): the earlier one gives up after
+    half the timeout, unless its round may wait longer (an overlapped round, whose peer trains
+    while it waits)."""
+    peers = await start_peers([93, 94], run_id=f"patience-{patience}")
+    config = AveragingConfig(
+        grouping="latency",
+        min_group_size=2,
+        target_group_size=2,
+        matchmaking_timeout_s=3.0,
+        threads=1,
+    )
+    averagers = [Averager(p, config) for p in peers]
+    try:
+        for _ in range(100):
+            views = await asyncio.gather(*(p.known_peers() for p in peers))
+            if all(len(v) == 2 for v in views):
+                break
+            await asyncio.sleep(0.2)
+        values = [torch.zeros(64), torch.ones(64)]
+
+        async def later():
+            await asyncio.sleep(2.0)
+            return await averagers[1].average([values[1]], order=5, patience_s=patience)
+
+        early, late = await asyncio.gather(
+            averagers[0].average([values[0]], order=5, patience_s=patience), later()
+        )
+        if patience is not None:
+            assert early.averaged and late.averaged, (early.reason, late.reason)
+            for v in values:
+                torch.testing.assert_close(v, torch.full((64,), 0.5))
+        else:
+            assert (early.averaged, early.reason) == (False, "no planned member came")
+            assert not late.averaged
+    finally:
+        await asyncio.gather(*(a.close() for a in averagers))
+        await asyncio.gather(*(p.close() for p in peers))
+
+
 async def test_patience_follows_how_late_planned_members_joined() -> None:
     (peer,) = await start_peers([89])
     maker = Matchmaker(

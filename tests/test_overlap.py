@@ -13,6 +13,7 @@ from lockstep import Lockstep, lockstep_loss
 
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError, TrainingError
+from swarm.training.cadence import OVERLAP_PATIENCE
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import run_step
 from swarm.training.engine import TrainingEngine
@@ -415,3 +416,45 @@ def test_outer_state_off_the_gpu_costs_no_gpu_memory_per_parameter(outer_device)
     else:
         assert overhead >= 16, overhead
     assert all(p.is_cuda and torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_overlapped_round_may_wait_for_its_members_until_about_its_next_round() -> None:
+    """Its peer trains while it waits: once a step was timed, the round asks the averager to
+    wait OVERLAP_PATIENCE rounds of this peer's steps for its planned members (the averager keeps
+    at least its default and at most the matchmaking timeout); a blocking round asks nothing,
+    nor does a round on the wall clock."""
+    e, rounds = make(True), Rounds()
+    for step in range(1, 2 * INNER + 1):
+        backward(e, step)
+        run_step(e.step(16), no_blocking_round, rounds.start)
+        if step % INNER == 0:
+            plan = rounds.started[-1][0]
+            step_s = e.cadence.step_s
+            assert plan.background and step_s is not None
+            assert plan.patience_s == pytest.approx(OVERLAP_PATIENCE * INNER * step_s)
+            assert plan.averaging_options()["patience_s"] == plan.patience_s
+            rounds.finish([t.clone() for t in plan.tensors])
+    blocking, plans = make(False), []
+
+    def run_round(plan: RoundPlan) -> RoundOutcome:
+        plans.append(plan)
+        return RoundOutcome(False, 0, 0, 0, "alone")
+
+    for step in range(1, INNER + 1):
+        backward(blocking, step)
+        run_step(blocking.step(16), run_round)
+    assert [p.patience_s for p in plans] == [None]
+    # on the wall clock every member's round falls due at once: a member far later is not
+    # coming, and a wait past the next boundary would start this peer's next round late
+    clock, rounds = make(True, inner_steps="1s"), Rounds()
+    step, deadline = 0, time.monotonic() + 5
+    while len(rounds.started) < 2 and time.monotonic() < deadline:
+        step += 1
+        backward(clock, step)
+        started = len(rounds.started)
+        run_step(clock.step(16), no_blocking_round, rounds.start)
+        if len(rounds.started) > started:
+            rounds.finish([t.clone() for t in rounds.started[-1][0].tensors])
+        time.sleep(0.02)
+    assert len(rounds.started) == 2
+    assert [plan.patience_s for plan, *_ in rounds.started] == [None, None]

@@ -141,13 +141,16 @@ class Averager:
             return max(cfg.matchmaking_timeout_s, cfg.round_timeout_s / 2)
         return cfg.matchmaking_timeout_s
 
-    def _patience(self, purpose: str, converge: bool) -> float:
+    def _patience(self, purpose: str, converge: bool, patience_s: float | None) -> float:
         """How long a planned leader waits for its planned members."""
         if converge:  # a grid's rounds follow each other: members come as their last one ends
             return CONVERGE_PATIENCE * self._matchmaking_timeout(converge)
+        most = self.patience
+        if patience_s is not None:
+            most = min(self.config.matchmaking_timeout_s, max(most, patience_s))
         if purpose:  # a one-off round arrives when training rounds end, not as rounds suggest
-            return self.patience
-        return self.matchmaker.patience(self.patience)
+            return most
+        return self.matchmaker.patience(most)
 
     async def average(
         self,
@@ -166,6 +169,7 @@ class Averager:
         updates: bool = False,
         converge: bool = False,
         unless_equal: bool = False,
+        patience_s: float | None = None,
     ) -> RoundResult:
         """Average ``tensors`` in place with a group (a failed round is a result, not an error).
 
@@ -216,6 +220,12 @@ class Averager:
                 uplink (e.g. a swarm that averages as one group, at the end of training). The
                 result is averaged, with no bytes sent. Only peers that ask for it group
                 together; not with ``sync``.
+            patience_s: how long to wait for the planned members when that is longer than the
+                default, half the matchmaking timeout (at most all of it): for a caller that
+                trains while it waits (an overlapped round), until its next round falls due.
+                Peers of equal speed whose rounds start about one round apart (the later one
+                arriving as the earlier one's next round starts) otherwise lost one round in
+                7-9 wherever a round took longer than half the timeout.
 
         Returns:
             A :class:`RoundResult`: which parts were averaged with whom, bytes, timings.
@@ -270,7 +280,7 @@ class Averager:
                 key,
                 self._matchmaking_timeout(converge),
                 expected=planned.expected,
-                patience=self._patience(purpose, converge),
+                patience=self._patience(purpose, converge, patience_s),
                 leader=planned.leader,
                 planned=planned.members,
                 order=planned.order,

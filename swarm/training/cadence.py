@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 READ_AHEAD_S = 3.0  # RoundLookout: the peer list is read this long before a round falls due
 HIDE_MARGIN = 1.5  # overlapped: the inner steps cover this many round times
+# an overlapped round counted in steps waits for its planned members until about this many of
+# its peer's rounds have passed (past its next due by half a round, where the wait would stall
+# training)
+OVERLAP_PATIENCE = 1.5
 BLOCKING_UTILIZATION = 0.95  # blocking: the round takes at most 5% of the wall time
 STEP_EMA = 0.1  # weight of the latest step time
 ROUND_EMA = 0.3  # weight of the latest round time
@@ -115,6 +119,17 @@ class Cadence:
         if self.step_s is None:
             return None
         return max(0, self.interval - steps_in_round) * self.step_s
+
+    def member_patience(self) -> float | None:
+        """How long a round that just started may wait for its planned members (None: the
+        averager's default). Counted in steps, until about the peer's next round is half a
+        round overdue: two peers of equal speed settle about one round apart. Not on the wall
+        clock: every member's round falls due at once, so a member that has not come is not
+        coming, and a longer wait would start this peer's next round late."""
+        if self.period_s is not None:
+            return None
+        to_due = self.seconds_to_due(0)
+        return OVERLAP_PATIENCE * to_due if to_due else None
 
     def step(self, waited_total: float, now: float | None = None) -> None:
         """Note a step; ``waited_total`` is every second the peer has waited on the swarm."""

@@ -167,7 +167,8 @@ class TrainingEngine(PersistentState):
         # the live anchors move in flight (eager step): a sync averages those the round started
         # from, kept for the landing
         sync = self._overlaps[fragment].launch_anchors if plan.sync is not None else None
-        handle = yield dataclasses.replace(plan, background=True, sync=sync)
+        patience = self.cadence.member_patience()  # it waits for its members while this trains
+        handle = yield dataclasses.replace(plan, background=True, sync=sync, patience_s=patience)
         self._flight = Flight(handle, plan.started, fragment)
         if handle.done() and landed is None:  # already over (run in place, or alone): land it
             landed = yield from self.land()

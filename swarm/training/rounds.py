@@ -80,11 +80,13 @@ class RoundPlan:
     number: int | None = None
     # skip the all-reduce when every member holds the same bits (a round of values)
     unless_equal: bool = False
+    # how long to wait for planned members, if longer than the averager's default (None)
+    patience_s: float | None = None
 
     def averaging_options(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`swarm.averaging.Averager.average` for this round."""
         names = ("weight", "sync", "sync_every", "sync_codec", "codec", "order", "purpose")
-        names += ("fragment", "updates", "unless_equal")
+        names += ("fragment", "updates", "unless_equal", "patience_s")
         numbered = {"round_": self.number, "converge": self.number is not None}
         return {name: getattr(self, name) for name in names} | numbered
 
