@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from poison_run import run
 
@@ -19,6 +20,8 @@ def test_stale_updates_are_ten_rounds_old() -> None:
     assert torch.equal(sent[STALE_ROUNDS + 2], xs[2])
 
 
+# six runs of 40 rounds: about 170 s on an idle 2-core machine, 300 s beside a busy core
+@pytest.mark.timeout(900)
 def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> None:
     """2 of 8 send their update of 10 rounds ago, every round, unnamed by scoring: with the
     anchors synced in one group of 2 (scoring's default) the worst honest peer ends about where
