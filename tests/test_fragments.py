@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 import torch
+from held_rounds import Rounds, backward, no_blocking_round
 from lockstep import Lockstep, lockstep_loss
-from test_overlap import Rounds, backward, no_blocking_round
 
 from swarm.config import SwarmConfig
 from swarm.errors import ConfigError, TrainingError

@@ -43,10 +43,11 @@ import logging
 import math
 import socket
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from wan_sockets import Addr, UdpSocket, bind_pair, first_error, reuse_port_socket
 from wan_uplinks import SharedUplinks
 
 from swarm.address import PeerAddress
@@ -57,7 +58,6 @@ LISTEN_PREFIX, ANNOUNCE_PREFIX = "127.0.0.", "127.0.1."
 CHUNK_BYTES = 16 * 1024  # TCP bytes moved per step (one emulated "packet train")
 MAX_TCP_INFLIGHT = 256  # chunks delayed per direction and connection (4 MiB)
 MAX_UDP_QUEUE_S = 1.0  # a datagram queued longer than this behind the rate limit is dropped
-Addr = tuple[str, int]
 
 
 class Uplink(Protocol):
@@ -99,39 +99,6 @@ class WanNode:
         return self.listen.host
 
 
-class _UdpSocket:
-    """A non-blocking UDP socket read by the loop; sends never raise (UDP may drop)."""
-
-    def __init__(self, sock: socket.socket, on_datagram: Callable[[bytes, Addr], None]):
-        self.sock, self.on_datagram = sock, on_datagram
-        sock.setblocking(False)
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
-
-    def _readable(self) -> None:
-        for _ in range(64):  # bounded, so one busy socket cannot starve the loop
-            try:
-                data, addr = self.sock.recvfrom(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # e.g. ICMP port unreachable from an earlier send
-                logger.debug("udp receive error: %s", e)
-                return
-            self.on_datagram(data, addr[:2])
-
-    def sendto(self, data: bytes, addr: Addr) -> None:
-        if self.sock.fileno() < 0:
-            return
-        try:
-            self.sock.sendto(data, addr)
-        except OSError as e:
-            logger.debug("udp datagram to %s dropped: %s", addr, e)
-
-    def close(self) -> None:
-        if self.sock.fileno() >= 0:
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
-            self.sock.close()
-
-
 class WanEmulator:
     """TCP and UDP proxies with per-link delay and rate in front of loopback peers.
 
@@ -165,8 +132,8 @@ class WanEmulator:
         self._by_listen: dict[Addr, WanNode] = {}
         self._links: dict[tuple[str, str], Link] = {}
         self._uplinks: dict[str, Uplink] = {}  # node host -> its uplink (set_uplink)
-        self._udp: dict[str, _UdpSocket] = {}  # node name -> its proxy socket
-        self._relays: dict[tuple[Addr, str], _UdpSocket] = {}
+        self._udp: dict[str, UdpSocket] = {}  # node name -> its proxy socket
+        self._relays: dict[tuple[Addr, str], UdpSocket] = {}
         self._servers: list[asyncio.Server] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -185,11 +152,11 @@ class WanEmulator:
             raise ValueError(f"node {name!r} exists or no loopback host is left")
         index, self._next_host = self._next_host, self._next_host + 1
         listen_host, announce_host = f"{LISTEN_PREFIX}{index}", f"{ANNOUNCE_PREFIX}{index}"
-        tcp, udp, port = _bind_pair(announce_host, listen_host, self.shared is not None)
+        tcp, udp, port = bind_pair(announce_host, listen_host, self.shared is not None)
         node = WanNode(name, PeerAddress(listen_host, port), PeerAddress(announce_host, port))
         self.nodes[name], self._by_listen[(listen_host, port)] = node, node
         self._region[listen_host] = region
-        self._udp[name] = _UdpSocket(udp, lambda data, addr: self._on_datagram(node, data, addr))
+        self._udp[name] = UdpSocket(udp, lambda data, addr: self._on_datagram(node, data, addr))
         server = await asyncio.start_server(
             lambda r, w: self._on_connection(node, r, w), sock=tcp, limit=CHUNK_BYTES
         )
@@ -206,9 +173,9 @@ class WanEmulator:
         self._by_listen[(node.listen.host, node.listen.port)] = node
         self._region[node.host] = region
         self._uplinks[node.host] = self.shared.of(node.host)
-        udp = _reuse_port_socket(socket.SOCK_DGRAM)
+        udp = reuse_port_socket(socket.SOCK_DGRAM)
         udp.bind((node.announce.host, node.announce.port))
-        self._udp[node.name] = _UdpSocket(udp, lambda d, a: self._on_datagram(node, d, a))
+        self._udp[node.name] = UdpSocket(udp, lambda d, a: self._on_datagram(node, d, a))
 
     def link(self, src: WanNode | str, dst: WanNode | str) -> Link:
         """The directed link ``src -> dst`` (nodes or hosts), created on first use."""
@@ -321,7 +288,7 @@ class WanEmulator:
             up_reader, up_writer = await asyncio.open_connection(
                 node.host, node.listen.port, local_addr=local, limit=CHUNK_BYTES
             )
-            await _first_error(
+            await first_error(
                 self._pump(reader, up_writer, self.link(src, node), node),
                 self._pump(up_reader, writer, self.link(node, src)),
             )
@@ -374,7 +341,7 @@ class WanEmulator:
                 writer.write(data)
                 await writer.drain()
 
-        await _first_error(transmit(), deliver())
+        await first_error(transmit(), deliver())
 
     # ---- UDP
 
@@ -392,10 +359,10 @@ class WanEmulator:
                 if frm == (dst.host, dst.listen.port):  # only dst may answer through the relay
                     self._send_later(self.link(dst, addr[0]), self._udp[dst.name], data, addr)
 
-            relay = self._relays[(addr, dst.name)] = _UdpSocket(sock, back)
+            relay = self._relays[(addr, dst.name)] = UdpSocket(sock, back)
         self._send_later(self.link(addr[0], dst), relay, data, dst.listen)
 
-    def _send_later(self, link: Link, out: _UdpSocket, data: bytes, to: PeerAddress | Addr) -> None:
+    def _send_later(self, link: Link, out: UdpSocket, data: bytes, to: PeerAddress | Addr) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         if link.busy_until - now > MAX_UDP_QUEUE_S:
@@ -418,50 +385,3 @@ class _Reset(Exception):
 
 def _host(x: WanNode | str) -> str:
     return x.host if isinstance(x, WanNode) else x
-
-
-def _reuse_port_socket(kind: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, kind)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # (Linux, BSD: no Windows)
-    return sock
-
-
-def _bind_pair(
-    announce_host: str, listen_host: str, shared_udp: bool = False
-) -> tuple[socket.socket, socket.socket, int]:
-    """TCP + UDP sockets on ``announce_host:P`` for a port ``P`` also free on ``listen_host``;
-    ``shared_udp``: other processes may bind ``announce_host:P`` for UDP too."""
-    for _ in range(50):
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if shared_udp:
-            udp = _reuse_port_socket(socket.SOCK_DGRAM)
-        else:
-            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            tcp.bind((announce_host, 0))
-            port = tcp.getsockname()[1]
-            udp.bind((announce_host, port))
-            for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):  # the peer binds it later
-                with socket.socket(socket.AF_INET, kind) as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    probe.bind((listen_host, port))
-            return tcp, udp, port
-        except OSError:
-            tcp.close()
-            udp.close()
-    raise OSError(f"no port free on both {announce_host} and {listen_host}")
-
-
-async def _first_error(*coros: Any) -> None:
-    """Run ``coros`` to the end; the first exception cancels the rest and propagates."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
