@@ -7,7 +7,7 @@ The corpus is every ``*.py`` file of this Python installation's standard library
 download), read as bytes (a 256-symbol vocabulary). Each peer trains on its own shard of the
 text with AdamW, gradient accumulation and, on a GPU, ``torch.autocast`` in bfloat16; every
 ``--inner-steps`` optimizer steps the peers average their pseudo-gradients (``--codec``, int8 +
-error feedback by default; ``--codec sparse`` sends about 1/70 of int8's bytes, for home uplinks)
+error feedback by default; ``--codec sparse`` sends about 1/33 of int8's bytes, for home uplinks)
 in the background while training goes on (overlapped DiLoCo); with ``--fragments 2`` each round
 averages half of the model, every ``--inner-steps`` / 2 steps (Streaming DiLoCo: half the peak
 bandwidth). Peer 0 prints one line per round with its held-out loss; the last line gives every

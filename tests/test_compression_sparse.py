@@ -79,7 +79,7 @@ def test_error_feedback_residual_plus_decoded_is_the_input(settings_, numel, see
 
 
 def test_spec_strings_and_settings():
-    assert get_codec("sparse").spec == "sparse:4096:64:2"
+    assert get_codec("sparse").spec == "sparse:4096:96:2"
     assert get_codec("sparse:64:1:2").spec == "sparse:64:1:2"
     assert get_codec("sparse").feedback_decay == 0.95
     codec = get_codec("sparse:4096:64:4:1.0")
@@ -106,9 +106,13 @@ def test_spec_strings_and_settings():
 def test_bytes_per_round_at_the_default():
     codec = get_codec("sparse")
     payload = codec.encode(torch.randn(1 << 20))
-    # 256 chunks of 4096: 64 kept each, 12 + 2 bits, and one bfloat16 scale pair per chunk
-    assert len(payload) == read_header(payload).size + 256 * (4 + 64 * 14 // 8)
-    assert 4 * (1 << 20) / len(payload) > 135
+    # 256 chunks of 4096, 96 kept each: a bfloat16 scale pair, a map of 96 + 128 - 1 bits,
+    # 5 low bits and 2 bits of code per kept value
+    assert len(payload) == read_header(payload).size + 256 * 4 + 256 * 223 // 8 + 256 * 96 * 7 // 8
+    assert 4 * (1 << 20) / len(payload) > 140
+    # 64 kept: a map of 64 + 64 - 1 bits, 6 low bits and 2 of code; 12-bit positions took 116
+    payload = get_codec("sparse:4096:64:2").encode(torch.randn(1 << 20))
+    assert len(payload) == read_header(payload).size + 256 * 4 + 256 * 127 // 8 + 256 * 64
 
 
 def test_decode_into_accumulates_with_a_weight():
@@ -190,25 +194,68 @@ def _craft(header: Header, scales: bytes, positions: bytes, codes: bytes, **fiel
     return h.serialize() + scales + positions + codes
 
 
-def _positions(values: list[int], width: int) -> bytes:
+def _stream(values: list[int], width: int) -> bytes:
+    """``width``-bit values packed LSB first, by hand."""
     bits = 0
     for i, v in enumerate(values):
         bits |= v << (i * width)
     return bits.to_bytes((len(values) * width + 7) // 8, "little")
 
 
-def test_repeated_and_out_of_range_positions_are_refused():
-    codec = get_codec("sparse:16:3:2")
+def _positions(codec: SparseCodec, rows: list[list[int]], tail: list[int] = ()) -> bytes:
+    """The positions section for full chunks' ``rows`` (in the order given) and the last
+    chunk's ``tail``, built bit by bit from the module docstring's rule."""
+    b, marks = codec.low_bits, []
+    for row in rows:
+        ones = {j + (p >> b) for j, p in enumerate(row)}
+        marks += [int(i in ones) for i in range(codec.map_bits)]
+    lows = [p & ((1 << b) - 1) for row in rows for p in row]
+    return _stream(marks, 1) + _stream(lows, b) + _stream(list(tail), codec.index_bits)
+
+
+@PROPS
+@given(settings_=SETTINGS, numel=st.integers(1, 3000), seed=st.integers(0, 2**31 - 1))
+def test_positions_are_laid_out_as_documented(settings_, numel, seed):
+    codec = SparseCodec(*settings_)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    _, _, positions, _ = _parts(codec.encode(x))
+    full, tail, _, _ = codec.layout(numel)
+    y = decode(codec.encode(x))
+    chunks = [y[c * codec.chunk : (c + 1) * codec.chunk] for c in range(full)]
+    rows = [(c != 0).nonzero().view(-1).tolist() for c in chunks]
+    if tail:  # the last chunk's positions in the encoder's order: check them as a set
+        last = positions[len(_positions(codec, rows)) :]
+        got = [int(v) for v in _unpack_stream(last, codec.index_bits, min(codec.k, tail))]
+        assert sorted(got) == (y[full * codec.chunk :] != 0).nonzero().view(-1).tolist()
+        assert positions == _positions(codec, rows, got)
+    else:
+        assert positions == _positions(codec, rows)
+
+
+def _unpack_stream(data: bytes, width: int, count: int) -> list[int]:
+    bits = int.from_bytes(data, "little")
+    return [(bits >> (i * width)) & ((1 << width) - 1) for i in range(count)]
+
+
+def test_repeated_unordered_miscounted_and_out_of_range_positions_are_refused():
+    codec = get_codec("sparse:16:3:2")  # 2 low bits, a map of 3 + 4 - 1 bits
     payload = codec.encode(torch.randn(16 + 5))  # one full chunk, a tail of 5
     header, scales, _, codes = _parts(payload)
-    ok = _positions([0, 1, 2, 0, 1, 2], 4)
+    ok = _positions(codec, [[0, 5, 15]], [0, 1, 2])
     assert decode(_craft(header, scales, ok, codes)).shape == (21,)
-    with pytest.raises(CompressionError, match="repeats a position"):
-        decode(_craft(header, scales, _positions([3, 3, 2, 0, 1, 2], 4), codes))
-    with pytest.raises(CompressionError, match="repeats a position"):
-        decode(_craft(header, scales, _positions([0, 1, 2, 4, 4, 1], 4), codes))
-    with pytest.raises(CompressionError, match="past its last chunk"):
-        decode(_craft(header, scales, _positions([0, 1, 2, 0, 1, 9], 4), codes))
+    for rows, tail, match in (
+        ([[5, 5, 9]], [0, 1, 2], "repeats a position"),  # same slice, same low bits
+        ([[6, 5, 9]], [0, 1, 2], "out of order"),
+        ([[0, 5, 15]], [4, 4, 1], "repeats a position"),
+        ([[0, 5, 15]], [0, 1, 9], "past its last chunk"),
+    ):
+        with pytest.raises(CompressionError, match=match):
+            decode(_craft(header, scales, _positions(codec, rows, tail), codes))
+    lows = _stream([0, 1, 3], 2)
+    for marks in ([1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [0] * 6):  # 2, 4 and 0 marked
+        crafted = _stream(marks, 1) + lows + _stream([0, 1, 2], 4)
+        with pytest.raises(CompressionError, match="does not mark 3 positions"):
+            decode(_craft(header, scales, crafted, codes))
 
 
 @pytest.mark.parametrize(
@@ -230,17 +277,19 @@ def test_hostile_scales_are_refused(lo, hi, match):
 
 
 def test_non_zero_padding_and_wrong_settings_are_refused():
-    codec = get_codec("sparse:16:3:2")  # 3 positions of 4 bits: 12 bits, 4 of padding
+    codec = get_codec("sparse:16:3:2")  # a map of 6 bits, then 3 x 2 low bits: 2 bytes
     payload = codec.encode(torch.randn(16))
     header, scales, positions, codes = _parts(payload)
-    padded = positions[:-1] + bytes([positions[-1] | 0x80])
-    with pytest.raises(CompressionError, match="padding"):
-        decode(_craft(header, scales, padded, codes))
+    for byte in (0, 1):  # the map's padding, the low bits'
+        padded = bytearray(positions)
+        padded[byte] |= 0x80
+        with pytest.raises(CompressionError, match="padding"):
+            decode(_craft(header, scales, bytes(padded), codes))
     for fields in ({"block": 12}, {"param": 0}, {"param": 17}, {"flags": 1}, {"flags": 9}):
         with pytest.raises(CompressionError, match="settings"):
             decode(_craft(header, scales, positions, codes, **fields))
-    with pytest.raises(CompressionError, match="sections"):  # k=2 needs fewer bytes
-        decode(_craft(header, scales, positions, codes, param=2))
+    with pytest.raises(CompressionError, match="sections"):  # k=8 needs more bytes
+        decode(_craft(header, scales, positions, codes, param=8))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

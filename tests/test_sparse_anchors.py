@@ -23,6 +23,7 @@ from swarm.averaging.butterfly.runner import RoundKind
 from swarm.averaging.digest import state_digest
 from swarm.averaging.groups.group import GroupInfo
 from swarm.averaging.groups.matchmaking import Matchmaker
+from swarm.compression import get_codec
 from swarm.config import (
     DENSE_ANCHOR_SYNC_EVERY,
     SPARSE_ANCHOR_SYNC_CODEC,
@@ -77,7 +78,8 @@ async def test_a_sparse_round_leaves_every_member_with_the_same_bits() -> None:
             for t in tensors[1:]:
                 assert torch.equal(t, tensors[0])
             kept = int((tensors[0] != 0).sum())
-            assert 0 < kept <= 4 * 64 * -(-numel // (4 * 4096))  # top-64 of each chunk
+            k = get_codec("sparse").k  # the top-k of each chunk of each part
+            assert 0 < kept <= 4 * k * -(-numel // (4 * 4096))
     finally:
         await asyncio.gather(*(a.close() for a in averagers))
         await asyncio.gather(*(p.close() for p in peers))

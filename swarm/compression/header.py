@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
 MAGIC = b"SWZ"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `sparse` sends its positions as maps and low bits
 MAX_NDIM = 32
 MAX_SECTIONS = 4
 # Default cap on the element count a payload may claim. Top-K payloads legitimately expand to far
