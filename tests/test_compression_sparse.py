@@ -213,14 +213,20 @@ def _positions(codec: SparseCodec, rows: list[list[int]], tail: list[int] = ()) 
     return _stream(marks, 1) + _stream(lows, b) + _stream(list(tail), codec.index_bits)
 
 
+def _unpack_stream(data: bytes, width: int, count: int) -> list[int]:
+    bits = int.from_bytes(data, "little")
+    return [(bits >> (i * width)) & ((1 << width) - 1) for i in range(count)]
+
+
 @PROPS
 @given(settings_=SETTINGS, numel=st.integers(1, 3000), seed=st.integers(0, 2**31 - 1))
 def test_positions_are_laid_out_as_documented(settings_, numel, seed):
     codec = SparseCodec(*settings_)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    _, _, positions, _ = _parts(codec.encode(x))
+    payload = codec.encode(x)
+    _, _, positions, _ = _parts(payload)
     full, tail, _, _ = codec.layout(numel)
-    y = decode(codec.encode(x))
+    y = decode(payload)
     chunks = [y[c * codec.chunk : (c + 1) * codec.chunk] for c in range(full)]
     rows = [(c != 0).nonzero().view(-1).tolist() for c in chunks]
     if tail:  # the last chunk's positions in the encoder's order: check them as a set
@@ -230,11 +236,6 @@ def test_positions_are_laid_out_as_documented(settings_, numel, seed):
         assert positions == _positions(codec, rows, got)
     else:
         assert positions == _positions(codec, rows)
-
-
-def _unpack_stream(data: bytes, width: int, count: int) -> list[int]:
-    bits = int.from_bytes(data, "little")
-    return [(bits >> (i * width)) & ((1 << width) - 1) for i in range(count)]
 
 
 def test_repeated_unordered_miscounted_and_out_of_range_positions_are_refused():

@@ -235,6 +235,8 @@ class SparseCodec(Codec):
         return torch.cat(out) if out else section.new_empty(0, dtype=torch.int64)
 
     def _full_positions(self, maps: torch.Tensor, lows: torch.Tensor, full: int) -> torch.Tensor:
+        """The full chunks' positions from their maps and low bits (``k`` marks a map, counted
+        before any is read; strictly increasing in each chunk)."""
         nbits = full * self.map_bits
         if not padding_is_zero(maps, nbits):
             raise CompressionError("sparse payload has non-zero padding bits")
