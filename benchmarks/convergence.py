@@ -23,7 +23,9 @@ points (the last one being after that final average), then over seeds, with its 
 Prints one JSON object per configuration (``mode``, ``codec``, ``peers``, ``seeds``,
 ``final_loss`` with ``final_loss_min``/``_max``/``_std`` and ``final_loss_per_seed``,
 ``reference_final_loss``, ``loss_vs_reference``, ``bytes_sent_per_peer``,
-``bytes_ratio_vs_reference``, ``diverged``, ``averaged_share``, ``step_overhead`` and a few more)
+``bytes_ratio_vs_reference``, ``final_average_bytes_per_peer`` and
+``bytes_ratio_training_rounds`` (without the final average), ``diverged``, ``averaged_share``,
+``step_overhead`` and a few more)
 and draws loss vs samples and vs bytes (means over seeds) into PNGs when matplotlib is
 installed. ``step_overhead`` is the extra time of ``swarm.step()`` over ``optimizer.step()`` on
 steps that do not average.
@@ -76,6 +78,7 @@ class Recorder:
         self.losses: dict[int, list[float]] = {}  # step -> loss of each peer
         self.sent: dict[int, list[int]] = {}  # step -> bytes sent so far by each peer
         self.bytes = [0] * n
+        self.final_bytes = [0] * n  # of the final average_parameters() (in self.bytes too)
         self.rounds = [0] * n
         self.averaged = [0] * n
         self.lock = threading.Lock()
@@ -103,6 +106,7 @@ class Recorder:
             "final": statistics.mean(c[2] for c in curve[-last:]),
             "final_point": curve[-1][2],
             "bytes": statistics.mean(self.bytes),
+            "final_bytes": statistics.mean(self.final_bytes),
             "averaged_share": sum(self.averaged) / max(sum(self.rounds), 1),
         }
 
@@ -151,7 +155,8 @@ def run(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dic
                     rec.count(rank, report)
                 barrier.wait()
                 # (in anchor_sync_codec, int8, where the codec would ruin raw values)
-                rec.bytes[rank] += swarm.average_parameters().bytes_sent
+                rec.final_bytes[rank] = swarm.average_parameters().bytes_sent
+                rec.bytes[rank] += rec.final_bytes[rank]
                 barrier.wait()
                 rec.evaluate(rank, args.steps, model, test)
                 barrier.wait()
@@ -323,6 +328,7 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
     finals = [r["final"] for r in runs]
     final, ref_final = statistics.mean(finals), reference["final"]
     sent = statistics.mean(r["bytes"] for r in runs)
+    final_sent = statistics.mean(r.get("final_bytes", 0) for r in runs)
     return {
         "mode": mode,
         "codec": codec,
@@ -340,6 +346,10 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
         "loss_vs_reference": round(final / ref_final - 1, 4),
         "bytes_sent_per_peer": int(sent),
         "bytes_ratio_vs_reference": round(reference["bytes"] / max(sent, 1), 1),
+        # the final average: nothing where the peers hold one model already (dense codecs);
+        # an int8 round of the model under a sparse one (each peer keeps what it left out)
+        "final_average_bytes_per_peer": int(final_sent),
+        "bytes_ratio_training_rounds": round(reference["bytes"] / max(sent - final_sent, 1), 1),
         # chance is ln(classes): a final loss above it, or not finite, is a divergence
         "diverged": any(not f < math.log(CLASSES) for f in finals),
         "averaged_share": round(statistics.mean(r["averaged_share"] for r in runs), 3),

@@ -42,10 +42,9 @@ DENSE_ANCHOR_SYNC_EVERY = 4  # anchor_sync_every's default with a dense codec (+
 SCORED_ANCHOR_SYNC_EVERY = 2
 SPARSE_ANCHOR_SYNC_EVERY = 8  # ... and with a sparse one (see the README's fidelity notes)
 SPARSE_ANCHOR_SYNC_CODEC = "int8"  # anchor_sync_codec's default with a sparse codec
-# The outer step's defaults: DiLoCo's Nesterov step, or SparseLoCo's plain step with the sparse
-# codec, whose decaying error feedback already acts as the outer momentum (the README's
-# fidelity notes have the measured difference)
-DENSE_OUTER, SPARSE_OUTER = (0.7, 0.9), (1.0, 0.0)  # (outer_lr, outer_momentum)
+# The outer step's defaults: DiLoCo's Nesterov step, with every codec (the README's fidelity
+# notes have the measured difference with SparseLoCo's plain step under the sparse codecs)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 ROUND_CLEANUP_S = 1.0  # of a round's time, kept for closing streams after the all-reduce
 LOCKSTEP_GATHER_S = 0.05  # gather window of gradients mode: every step is a round, peers in step
 
@@ -219,11 +218,10 @@ class SwarmConfig:
             on the wall clock, at the same instants for every peer, so peers of unequal speed
             arrive together, each with the steps it managed (the choice for mixed hardware).
         min_inner_steps, max_inner_steps: the range ``"auto"`` picks from (ignored otherwise).
-        outer_lr: outer learning rate. None (the default) means DiLoCo's 0.7, or SparseLoCo's
-            1.0 with the ``sparse`` codec in ``diloco``.
-        outer_momentum: outer Nesterov momentum. None (the default) means DiLoCo's 0.9, or 0
-            with the ``sparse`` codec in ``diloco``: its error feedback, which decays by 0.95 a
-            round, plays the momentum's part (SparseLoCo). A round with
+        outer_lr: outer learning rate. None (the default) means DiLoCo's 0.7.
+        outer_momentum: outer Nesterov momentum. None (the default) means DiLoCo's 0.9, with
+            every codec (with a sparse one too: its error feedback lives in the model, see
+            :meth:`swarm.training.outer.OuterState.keep_unsent`). A round with
             ``k`` peers uses at most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer alone
             takes no outer step at all (plain local training), so the default is stable at every
             group size; see :func:`swarm.training.outer.outer_rule`.
@@ -306,13 +304,10 @@ class SwarmConfig:
             if self.averaging.gather_window_s is None:
                 lockstep = dataclasses.replace(self.averaging, gather_window_s=LOCKSTEP_GATHER_S)
                 object.__setattr__(self, "averaging", lockstep)
-        codec = self.averaging.codec_spec
-        sparse_outer = mode is Mode.DILOCO and codec.name == "sparse"
-        lr, momentum = SPARSE_OUTER if sparse_outer else DENSE_OUTER
         if self.outer_lr is None:
-            object.__setattr__(self, "outer_lr", lr)
+            object.__setattr__(self, "outer_lr", OUTER_LR)
         if self.outer_momentum is None:
-            object.__setattr__(self, "outer_momentum", momentum)
+            object.__setattr__(self, "outer_momentum", OUTER_MOMENTUM)
         if not self.outer_lr > 0:
             raise ConfigError("outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
@@ -328,6 +323,7 @@ class SwarmConfig:
                     "(none, fp16, bf16, int8)"
                 )
             object.__setattr__(self, "anchor_sync_codec", anchors.text)
+        codec = self.averaging.codec_spec
         if mode.averages_values and not codec.dense_values_ok:
             raise ConfigError(
                 f"local_sgd averages parameter values, which {codec} would mostly zero or "

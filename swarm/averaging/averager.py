@@ -167,6 +167,7 @@ class Averager:
         purpose: str = "",
         fragment: str = "",
         updates: bool = False,
+        keep_unsent: bool = False,
         converge: bool = False,
         unless_equal: bool = False,
         patience_s: float | None = None,
@@ -210,6 +211,9 @@ class Averager:
                 parts this peer owns score each sender's alignment with the group's robust mean
                 and weigh it by this peer's record of it (see
                 :mod:`swarm.averaging.butterfly.scoring`); the robust aggregator only.
+            keep_unsent: with ``updates`` under a lossy codec, the caller keeps what the
+                payloads leave out (:attr:`RoundResult.unsent`) in its own values (e.g. the
+                training engine, in its model): the round adds nothing an earlier one left out.
             converge: plan groups that bring the whole swarm to one model in the fewest
                 rounds (a grid across regions, :mod:`.groups.converge`) instead of near
                 groups: for rounds meant to end with one model (e.g. at the end of training).
@@ -300,7 +304,16 @@ class Averager:
             deadline = started + self.config.round_timeout_s - ROUND_CLEANUP_S
             kind = RoundKind(purpose, fragment)
             result = await self.butterfly.allreduce(
-                tensors, numel, weight, group, matchmaking_s, deadline, kind, round_codec, updates
+                tensors,
+                numel,
+                weight,
+                group,
+                matchmaking_s,
+                deadline,
+                kind,
+                round_codec,
+                updates,
+                keep_unsent=keep_unsent,
             )
             self.planner.forget(self.liveness.gone)
             if not syncing or group.agreed or not syncs(group, sync_every):

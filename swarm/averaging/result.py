@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from swarm.identity import PeerID
 from swarm.monitor.tracker import RoundFigures
 
@@ -62,6 +64,10 @@ class RoundResult:
     synced: bool = False  # the group also averaged the synced tensors (part of them at least)
     # an update round: this peer's record (weight factor) of each member it scored so far
     trust: dict[PeerID, float] = field(default_factory=dict)
+    # an update round under a lossy codec: what this peer's payloads left out of its values
+    # (the error-feedback residual, flat, bfloat16), which its next round sends, unless the
+    # caller keeps it in its own values (``keep_unsent``: the training engine, in ``diloco``)
+    unsent: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:

@@ -25,7 +25,8 @@ below it). The default ``sparse:4096:96:2`` sends 116 bytes per 4096 values (0.2
 
 The codec drops most of each chunk: use it through error feedback, whose residual it asks to
 decay by ``decay`` per round (:attr:`feedback_decay`; 0.95 by default, as SparseLoCo and
-Covenant; 1 keeps the whole residual).
+Covenant; 1 keeps the whole residual). In ``diloco`` the training engine keeps that residual in
+the model rather than beside it (:meth:`swarm.training.outer.OuterState.keep_unsent`).
 
 Every field of a payload is checked before use: section lengths, bfloat16 scales (finite,
 ``0 <= lo <= hi``), positions (``k`` per full chunk, strictly increasing, inside the last

@@ -38,7 +38,7 @@ from swarm.training.cadence import Cadence
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
-from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait
+from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait, landing_share
 from swarm.training.persistence import PersistentState
 from swarm.training.report import StepReport, Utilization
 from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
@@ -72,6 +72,8 @@ class TrainingEngine(PersistentState):
         self._sync_every = config.anchor_sync_period if self.mode is Mode.DILOCO else 0
         self._sync_codec = config.anchor_sync_spec.text
         self._restart_momentum = sparse
+        # error feedback kept in the model (see OuterState.keep_unsent)
+        self._keep_unsent = sparse and self.mode is Mode.DILOCO
         self.schema = self.tensors.schema_hash()
         self.outer = OuterState(
             self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
@@ -83,7 +85,7 @@ class TrainingEngine(PersistentState):
             if len(self.fragments) > 1
             else [self.outer]
         )
-        self._overlaps = [Overlap(o) for o in self._outers]
+        self._overlaps = [Overlap(o, self._keep_unsent) for o in self._outers]
         self._flight: Flight | None = None  # the round running in the background (overlap)
         self._deferred = False  # a clock round fell due in flight: it starts when that lands
         # what a round averages: written into the fp32 slots before it
@@ -234,6 +236,7 @@ class TrainingEngine(PersistentState):
             order=self.round,
             fragment=self.fragments[self.fragment].label,
             updates=not self.mode.averages_values,
+            keep_unsent=self._keep_unsent,
         )
 
     def finish_round(self, plan: RoundPlan, outcome: RoundOutcome) -> StepReport:
@@ -261,6 +264,7 @@ class TrainingEngine(PersistentState):
                     step = self._outer_rule(outcome)
                     norm = None if step.solitary else outer.pseudo_grad_norm()
                     scale = outer.apply_outer(step, nesterov=cfg.nesterov, norm=norm)
+                    self._settle_unsent(outer, outcome, 1.0 if scale > 0 else 0.0)
                 else:
                     outer.apply_grads()
             self.round += 1
@@ -342,11 +346,20 @@ class TrainingEngine(PersistentState):
                 steps_in_flight=self.steps_in_round,
                 steps_per_round=self.cadence.round_steps,
             )
+            # the share of the anchor's correction the model followed (see landing_share)
+            share = landing_share(self.steps_in_round, self.cadence.round_steps)
+            self._settle_unsent(self._outers[flight.fragment], outcome, share if scale else 0.0)
             self.round += 1
             self._flight = None
             self._landed.notify_all()
         round_s = outcome.round_s or time.perf_counter() - flight.started
         return self._round_report(outcome, waited, round_s, norm, scale)
+
+    def _settle_unsent(self, outer: OuterState, outcome: RoundOutcome, share: float) -> None:
+        """Keep ``share`` of what the round's payloads left out in the model (none when the
+        round applied this peer's own values: alone, failed, or not finite)."""
+        if self._keep_unsent:
+            outer.keep_unsent(outcome.unsent, share if outcome.averaged else 0.0)
 
     @property
     def in_flight(self) -> bool:

@@ -344,6 +344,27 @@ class OuterState:
         return cosine
 
     @torch.no_grad()
+    def keep_unsent(self, unsent: torch.Tensor | None, share: float) -> None:
+        """Move the parameters by ``-share`` times what this peer's round left out of their
+        pseudo-gradient (``unsent``: the averager's flat error-feedback residual, parameters
+        first in slot order), which the next round then carries through the model instead of
+        the residual (the averager adds none back: ``keep_unsent`` rounds).
+
+        Error feedback kept in the model: after the round the model is ``θ_anchor - r`` rather
+        than ``θ_anchor``, so its inner steps go on from the progress it made instead of making
+        it again, and its next pseudo-gradient ``θ_anchor - θ`` carries ``r`` as the residual
+        would have. Used where the slots hold parameters alone (sparse codecs average no
+        floating buffers).
+        """
+        if unsent is None or not share or unsent.numel() != sum(s.numel() for s in self.slots):
+            return
+        offset = 0
+        for p in self.tensors.params:
+            r = unsent[offset : offset + p.numel()].view_as(p)
+            p.sub_(r.to(device=p.device, dtype=p.dtype), alpha=share)
+            offset += p.numel()
+
+    @torch.no_grad()
     def apply_values(self) -> None:
         """Model ← averaged slots (local SGD); the anchors follow."""
         for t, slot in zip(self.tensors.all, self.slots, strict=True):

@@ -111,8 +111,12 @@ def landing_share(steps_in_flight: int, steps_per_round: int) -> float:
 class Overlap:
     """This peer's pseudo-gradient, kept for the landing, and the landing itself."""
 
-    def __init__(self, outer: OuterState):
+    def __init__(self, outer: OuterState, keeps_unsent: bool = False):
         self.outer = outer
+        # error feedback in the model (OuterState.keep_unsent): the eager step then guesses
+        # no averaged change, and the model keeps its own progress on top of the guess
+        self.keeps_unsent = keeps_unsent
+        self._held = False  # the model holds Δ_local beyond the eager anchor
         self._local: list[torch.Tensor] = []  # Δ_local of the round in flight
         self._anchor0: list[torch.Tensor] = []  # the anchors (parameters, buffers) it started from
         self._momentum0: list[torch.Tensor] = []  # the momentum it started from
@@ -155,14 +159,29 @@ class Overlap:
     @torch.no_grad()
     def eager_step(self, step: OuterStep, *, nesterov: bool) -> None:
         """The outer step with ``Δ_local`` standing in for ``Δ̄`` (the slots stay the
-        averager's); the model restarts from the new anchor, as after a blocking round."""
+        averager's); the model restarts from the new anchor, as after a blocking round.
+
+        With error feedback in the model, ``Δ_local`` is mostly what earlier rounds left out
+        (a sparse round delivers a few percent of it), a poor guess of ``Δ̄``: the step then
+        guesses no change (the momentum alone moves the anchor) and the model keeps all its
+        local progress on top, ``θ_eager - Δ_local``. :meth:`land` gives ``Δ_local`` back by
+        the share the model follows of the anchor's correction, and the engine takes out what
+        the round left out by the same share (:meth:`OuterState.keep_unsent`): the model keeps
+        what it did not deliver and follows the group for what it did.
+        """
         outer, n, local = self.outer, len(self.outer.anchor), self._local
         params = zip(outer.anchor, local[:n], outer.tensors.params, strict=True)
+        self._held = self.keeps_unsent and not step.solitary
         for i, (anchor, delta, p) in enumerate(params):
             if step.solitary:
                 anchor.sub_(delta)  # the model as it is: plain local training
                 continue
             m = outer.momentum[i]
+            if self._held:
+                m.mul_(step.beta)
+                anchor.sub_(m, alpha=step.lr * step.beta if nesterov else step.lr)
+                p.copy_(anchor).sub_(delta.to(p.device, non_blocking=True))
+                continue
             m.mul_(step.beta).add_(delta)
             anchor.sub_(delta if nesterov else m, alpha=step.lr)
             if nesterov:
@@ -194,6 +213,9 @@ class Overlap:
         share = landing_share(steps_in_flight, steps_per_round)
         for m, m0 in zip(outer.momentum, self._momentum0, strict=True):
             m.copy_(m0)
+        if self._held:  # the model held Δ_local beyond the eager anchor (eager_step)
+            for p, delta in zip(outer.tensors.params, local[:n], strict=True):
+                p.add_(delta.to(p.device, non_blocking=True), alpha=share)
         params = zip(outer.anchor, self._anchor0[:n], local[:n], outer.tensors.params, strict=True)
         if step.solitary:
             for m in outer.momentum:

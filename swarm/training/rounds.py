@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +22,7 @@ class AveragedRound(Protocol):
     bytes_received: int
     refusals: tuple[Any, ...]  # each told as str(refusal)
     synced: bool
+    unsent: torch.Tensor | None  # what this peer's payloads left out (see RoundOutcome)
 
     @property
     def group_size(self) -> int: ...
@@ -39,6 +40,9 @@ class RoundOutcome:
     refusals: tuple[str, ...] = ()  # peers clipped, capped, dropped, refused or accused, and why
     round_s: float = 0.0  # seconds from the round's start to its outcome
     synced: bool = False  # the group also averaged the synced tensors (anchors)
+    # what this peer's payloads left out of its pseudo-gradient under a lossy codec (flat, in
+    # slot order): the error-feedback residual, which the engine keeps in the model instead
+    unsent: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def failed(cls, reason: str, round_s: float = 0.0) -> RoundOutcome:
@@ -56,6 +60,7 @@ def outcome_of(result: AveragedRound) -> RoundOutcome:
         reason="" if result.averaged else (result.reason or "not averaged"),
         refusals=tuple(str(r) for r in result.refusals),
         synced=result.synced,
+        unsent=result.unsent,
     )
 
 
@@ -75,6 +80,8 @@ class RoundPlan:
     purpose: str = ""  # rounds of another purpose never group (e.g. "values": the parameters)
     fragment: str = ""  # the model fragment averaged (Streaming DiLoCo): others never group
     updates: bool = False  # ``tensors`` are updates (pseudo-gradients, gradients), not values
+    # the engine keeps what the payloads leave out in its model (``RoundOutcome.unsent``)
+    keep_unsent: bool = False
     # a round number every peer shares (part of the keys), e.g. its k-th values round: then
     # the groups bring the swarm to one model fastest (a grid across regions), not near ones
     number: int | None = None
@@ -86,7 +93,7 @@ class RoundPlan:
     def averaging_options(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`swarm.averaging.Averager.average` for this round."""
         names = ("weight", "sync", "sync_every", "sync_codec", "codec", "order", "purpose")
-        names += ("fragment", "updates", "unless_equal", "patience_s")
+        names += ("fragment", "updates", "keep_unsent", "unless_equal", "patience_s")
         numbered = {"round_": self.number, "converge": self.number is not None}
         return {name: getattr(self, name) for name in names} | numbered
 

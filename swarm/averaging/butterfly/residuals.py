@@ -132,6 +132,20 @@ class FlatFeedback:
         if self._owner is not None and self._owner_range == self._owner_wanted:
             self._owner[offset : offset + n].zero_()
 
+    def unsent(self) -> torch.Tensor | None:
+        """The sender residual itself (flat, :data:`RESIDUAL_DTYPE`): what this peer's payloads
+        left out of its values, which its next round adds back unless the caller takes it (see
+        ``RoundResult.unsent``); None without error feedback or before any encoding."""
+        return self._sender if self.enabled else None
+
+    def drop_sent(self, ranges: list[tuple[int, int]]) -> None:
+        """Clear the sender residual in ``ranges`` (``(start, end)`` of the flat vector): parts
+        that kept this peer's own values applied all of them there, so nothing is owed (what
+        an earlier round left out there is lost: a one-off loss, never a value counted twice)."""
+        if self._sender is not None:
+            for start, end in ranges:
+                self._sender[start:end].zero_()
+
     def state_dict(self) -> dict[str, Any]:
         sender = self._sender.cpu() if self._sender is not None else None  # portable checkpoints
         return {"codec": self.codec.spec, "sender": sender}

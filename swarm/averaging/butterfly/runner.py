@@ -119,12 +119,14 @@ class ButterflyRunner:
         kind: RoundKind,
         codec: Codec | None = None,
         updates: bool = False,
+        keep_unsent: bool = False,
     ) -> RoundResult:
         """Average ``tensors`` (``numel`` values) in place with ``group``, by ``deadline``
         (monotonic), in ``codec`` (default: the averager's); only the parts that averaged are
         written back. With ``updates`` the tensors are updates (pseudo-gradients): the parts
         this peer owns score and weigh their senders by its record of them (unless the
-        averager's ``score_updates`` is off)."""
+        averager's ``score_updates`` is off); with ``keep_unsent`` too, the caller keeps what
+        its payloads leave out (``RoundResult.unsent``), so none is carried to this round."""
         self.excluded.start_round()
         score = updates and self.config.score_updates
         codec = codec if codec is not None else self.codec
@@ -163,7 +165,12 @@ class ButterflyRunner:
         )
         into = staging.result(numel, flat.device) if stage_decoded(codec) else None
         staged = StagedAverages(flat, ctx.kept, ctx.accused, into, codec.name)
+        if updates and keep_unsent:
+            await loop.run_in_executor(self._pool, ctx.feedback.drop_sent, [(0, numel)])
         outcome = await self._run(ctx, plan, flat, staged)
+        kept = [plan.ranges[j] for j in range(len(plan)) if j != me and j not in outcome.parts]
+        if updates and kept:  # where this peer keeps its own values, nothing left out is owed
+            await loop.run_in_executor(self._pool, ctx.feedback.drop_sent, kept)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:
             outcome = await self._repair(repair, ctx, outcome, flat, staged, started)
@@ -223,6 +230,7 @@ class ButterflyRunner:
             trust={p: self.reputation.trust(p) for p in ids if p != self.peer.peer_id}
             if score
             else {},
+            unsent=ctx.feedback.unsent() if updates else None,
         )
 
     def _plan(self, group: GroupInfo, numel: int, codec: Codec) -> PartPlan:
