@@ -36,6 +36,21 @@ def as_loss(value: object) -> float:
     return float(value)
 
 
+def with_outer_step(divergence: str, norm: float | None, scale: float) -> str:
+    """``divergence`` with what the outer step saw: a pseudo-gradient ``norm`` that was not
+    finite (the round's steps discarded), or one the norm bound cut by ``scale`` (< 1)."""
+    if norm is not None and not math.isfinite(norm):
+        lost = "the pseudo-gradient is not finite; the round's steps were discarded"
+        return "; ".join(filter(None, [divergence, lost]))
+    if scale < 1.0:
+        jump = (
+            f"the pseudo-gradient norm jumped to {norm:.4g}, {1 / scale:.1f}x the bound "
+            "from recent rounds; scaled down to the bound"
+        )
+        return "; ".join(filter(None, [divergence, jump]))
+    return divergence
+
+
 class DivergenceMonitor:
     """Mean loss per round and the verdict on it."""
 

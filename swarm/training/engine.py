@@ -23,7 +23,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Generator
@@ -35,7 +34,7 @@ from swarm.config import Mode, SwarmConfig
 from swarm.errors import TrainingError
 from swarm.round_schedule import round_period
 from swarm.training.cadence import Cadence
-from swarm.training.divergence import DivergenceMonitor, as_loss
+from swarm.training.divergence import DivergenceMonitor, as_loss, with_outer_step
 from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait, landing_share
@@ -264,7 +263,8 @@ class TrainingEngine(PersistentState):
                     step = self._outer_rule(outcome)
                     norm = None if step.solitary else outer.pseudo_grad_norm()
                     scale = outer.apply_outer(step, nesterov=cfg.nesterov, norm=norm)
-                    self._settle_unsent(outer, outcome, 1.0 if scale > 0 else 0.0)
+                    if self._keep_unsent:  # none where own values applied: alone, not finite
+                        outer.keep_unsent(outcome.unsent, float(outcome.averaged and scale > 0))
                 else:
                     outer.apply_grads()
             self.round += 1
@@ -346,20 +346,15 @@ class TrainingEngine(PersistentState):
                 steps_in_flight=self.steps_in_round,
                 steps_per_round=self.cadence.round_steps,
             )
-            # the share of the anchor's correction the model followed (see landing_share)
-            share = landing_share(self.steps_in_round, self.cadence.round_steps)
-            self._settle_unsent(self._outers[flight.fragment], outcome, share if scale else 0.0)
+            if self._keep_unsent:  # by the share of the correction the model followed
+                share = landing_share(self.steps_in_round, self.cadence.round_steps)
+                kept = share if outcome.averaged and scale > 0 else 0.0
+                self._outers[flight.fragment].keep_unsent(outcome.unsent, kept)
             self.round += 1
             self._flight = None
             self._landed.notify_all()
         round_s = outcome.round_s or time.perf_counter() - flight.started
         return self._round_report(outcome, waited, round_s, norm, scale)
-
-    def _settle_unsent(self, outer: OuterState, outcome: RoundOutcome, share: float) -> None:
-        """Keep ``share`` of what the round's payloads left out in the model (none when the
-        round applied this peer's own values: alone, failed, or not finite)."""
-        if self._keep_unsent:
-            outer.keep_unsent(outcome.unsent, share if outcome.averaged else 0.0)
 
     @property
     def in_flight(self) -> bool:
@@ -390,15 +385,7 @@ class TrainingEngine(PersistentState):
             )
             self._last_failure = outcome.reason
         loss, divergence = self.divergence.end_round()
-        if norm is not None and not math.isfinite(norm):
-            lost = "the pseudo-gradient is not finite; the round's steps were discarded"
-            divergence = "; ".join(filter(None, [divergence, lost]))
-        elif scale < 1.0:
-            jump = (
-                f"the pseudo-gradient norm jumped to {norm:.4g}, {1 / scale:.1f}x the bound "
-                "from recent rounds; scaled down to the bound"
-            )
-            divergence = "; ".join(filter(None, [divergence, jump]))
+        divergence = with_outer_step(divergence, norm, scale)
         if divergence and not self._diverging:
             logger.warning("round %d looks divergent: %s", self.round, divergence)
         elif not divergence and self._diverging:
