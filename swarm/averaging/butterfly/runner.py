@@ -165,11 +165,12 @@ class ButterflyRunner:
         )
         into = staging.result(numel, flat.device) if stage_decoded(codec) else None
         staged = StagedAverages(flat, ctx.kept, ctx.accused, into, codec.name)
-        if updates and keep_unsent:
+        owes = updates and ctx.feedback.enabled  # a residual of what this peer's payloads left out
+        if owes and keep_unsent:
             await loop.run_in_executor(self._pool, ctx.feedback.drop_sent, [(0, numel)])
         outcome = await self._run(ctx, plan, flat, staged)
         kept = [plan.ranges[j] for j in range(len(plan)) if j != me and j not in outcome.parts]
-        if updates and kept:  # where this peer keeps its own values, nothing left out is owed
+        if owes and kept:  # where this peer keeps its own values, nothing left out is owed
             await loop.run_in_executor(self._pool, ctx.feedback.drop_sent, kept)
         repair = Repair.plan(group, plan, me, set(outcome.parts))
         if repair is not None:
