@@ -190,7 +190,10 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
 
     Each peer encodes its vector with error feedback, the part owners average the decoded
     values and encode the mean with their own error feedback (as the butterfly all-reduce
-    does); bytes per peer per round are 2(N-1)/N x the payload. No network, no overlap.
+    does); bytes per peer per round are 2(N-1)/N x the payload. Where the engine keeps what
+    its payloads leave out in its model (sparse codecs), each sender's residual restarts at
+    zero every round and goes back to the engine, as the butterfly's does. No network, no
+    overlap.
     """
     from swarm.compression import decode, get_codec
     from swarm.compression.feedback import ErrorFeedback
@@ -213,8 +216,12 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
     gens = [generator(seed, r) for r in range(n)]
     rec, start = Recorder(n), time.perf_counter()
 
-    def average(plans: list) -> None:
+    def average(plans: list) -> list:
+        """Average the plans' tensors in place; the residuals the engines keep (else Nones)."""
         flat = [torch.cat([t.flatten() for t in p.tensors]) for p in plans]
+        for f, p in zip(feedback[:n], plans, strict=True):
+            if p.keep_unsent:  # the engine keeps what was left out in its model (as on sockets)
+                f.reset()
         payloads = [f.encode(v) for f, v in zip(feedback[:n], flat, strict=True)]
         total = sum(p.weight for p in plans)
         mean = sum(p.weight * decode(b).float() for p, b in zip(plans, payloads, strict=True))
@@ -225,6 +232,10 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
             for t in p.tensors:
                 t.copy_(values[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+        return [
+            f.residual.clone() if p.keep_unsent else None
+            for f, p in zip(feedback[:n], plans, strict=True)
+        ]
 
     for step in range(1, args.steps + 1):
         due = False
@@ -236,9 +247,10 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
                 e.inner_step()
         if due:
             plans = [e.begin_round() for e in engines]
-            average(plans)
+            unsent = average(plans)
             for r, (e, plan) in enumerate(zip(engines, plans, strict=True)):
-                rec.count(r, e.finish_round(plan, RoundOutcome(True, n, 0, 0)))
+                outcome = RoundOutcome(True, n, 0, 0, unsent=unsent[r])
+                rec.count(r, e.finish_round(plan, outcome))
                 if mode == "gradients":
                     e.inner_step()
         for e, schedule in zip(engines, schedules, strict=True):
