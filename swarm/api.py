@@ -207,9 +207,12 @@ class AsyncSwarm:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
 
         After a successful round with codec ``none`` every member holds the same model. Under
-        top-K, 1-bit or ``sparse`` it averages the parameters only, in ``anchor_sync_codec``.
-        A group whose members hold the same values already (a swarm that trained as one group)
-        sends nothing: they compare digests while the group forms.
+        top-K, 1-bit or ``sparse`` it averages the parameters only, in ``anchor_sync_codec``;
+        in ``diloco`` it averages each model's difference from its anchor instead, in
+        ``1bit``, and the anchors in ``anchor_sync_codec`` only where members' anchors differ
+        (about 1/8 of an ``int8`` round of the values where they agree). Otherwise a group
+        whose members hold the same values already (a swarm that trained as one group) sends
+        nothing: they compare digests while the group forms.
         Its groups cross regions along a grid: ``ceil(log(peers) / log(target_group_size))``
         calls in a row bring the swarm to one model (:mod:`swarm.averaging.groups.converge`).
         """

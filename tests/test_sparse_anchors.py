@@ -21,6 +21,7 @@ from swarm.api import AsyncSwarm
 from swarm.averaging import Averager
 from swarm.averaging.butterfly.runner import RoundKind
 from swarm.averaging.digest import state_digest
+from swarm.averaging.faults import Fault
 from swarm.averaging.groups.group import GroupInfo
 from swarm.averaging.groups.matchmaking import Matchmaker
 from swarm.compression import get_codec
@@ -264,29 +265,96 @@ async def test_a_leader_says_whether_its_members_joined_with_the_same_digest() -
         await asyncio.gather(leader.close(), follower.close())
 
 
-async def test_average_parameters_under_a_sparse_codec_travels_in_the_dense_sync_codec() -> None:
-    """One model for every peer at the end of a sparse run: the parameters themselves, which
-    top-k would ruin, are averaged in int8."""
-    swarms = await _swarm(2, 185)
+def _params(swarm: AsyncSwarm) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in swarm.model.parameters()])
+
+
+def _set_params(swarm: AsyncSwarm, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat, swarm.model.parameters())
+
+
+def _signs(numel: int) -> torch.Tensor:
+    """A fixed sign pattern: differences ``c * signs`` survive 1-bit coding exactly (one
+    magnitude per block), so the round's average can be checked to the float."""
+    return torch.randint(0, 2, (numel,), generator=torch.Generator().manual_seed(7)) * 2.0 - 1
+
+
+async def test_average_parameters_under_sparse_diloco_averages_differences_from_the_anchor() -> (
+    None
+):
+    """Sparse DiLoCo's models hold their error feedback and differ from the anchor they share:
+    the final average sends each model's difference from it in 1-bit (1/8 of an int8 round of
+    the values), skips the anchors, whose digests agree, and leaves every member the same
+    model, the mean of theirs, with the anchor on it."""
+    swarms = await _swarm(3, 185)
     try:
-        params = [list(s.model.parameters()) for s in swarms]
-        with torch.no_grad():
-            for i, ps in enumerate(params):  # two different models, as training leaves them
-                g = torch.Generator().manual_seed(i)
-                for p in ps:
-                    p.add_(torch.randn(p.shape, generator=g))
-        mean = [(a.detach() + b.detach()) / 2 for a, b in zip(*params, strict=True)]
+        anchor = _params(swarms[0])
+        signs = _signs(anchor.numel())
+        for i, s in enumerate(swarms):  # θ_i = anchor - c_i·signs: the mean is anchor - 0.02·signs
+            _set_params(s, anchor - 0.01 * (i + 1) * signs)
         outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
-        assert all(o.averaged for o in outcomes), outcomes
-        numel = sum(p.numel() for p in params[0])
-        # each sends half of the vector at about a byte per value (sparse: 0.03 bytes per value)
-        assert all(o.bytes_sent > numel / 4 for o in outcomes), outcomes
-        for a, b, m in zip(*params, mean, strict=True):
-            bound = float(m.abs().max()) / 100  # int8 blocks: absmax / 254 at most, per block
-            torch.testing.assert_close(a.detach(), m, rtol=0, atol=bound)
-            torch.testing.assert_close(b.detach(), m, rtol=0, atol=bound)
+        assert all(o.averaged and o.group_size == 3 and not o.synced for o in outcomes), outcomes
+        numel = anchor.numel()
+        # each sends 2/3 of the vector at 1/8 byte per value and gets 2/3 back; int8: 8x that
+        assert all(0 < o.bytes_sent < numel / 4 for o in outcomes), outcomes
+        for s in swarms:
+            torch.testing.assert_close(_params(s), anchor - 0.02 * signs, rtol=0, atol=1e-6)
+            assert torch.equal(_params(s), _params(swarms[0]))
+            assert torch.equal(
+                torch.cat([a.reshape(-1) for a in s.engine.outer.anchor]), _params(s)
+            )
         # a round of values keeps no residual (see butterfly/residuals.py)
         for s in swarms:
             assert not s.averager.butterfly.feedbacks[RoundKind("values", "")].enabled
+    finally:
+        await asyncio.gather(*(s.close() for s in swarms))
+
+
+async def test_members_whose_anchors_differ_sync_them_in_the_final_average() -> None:
+    """Peers of different groups hold different anchors: the round averages those too, in the
+    dense sync codec, and every member leaves with the mean of the models."""
+    swarms = await _swarm(2, 188)
+    try:
+        base = _params(swarms[0])
+        signs = _signs(base.numel())
+        models = []
+        for i, s in enumerate(swarms):
+            g = torch.Generator().manual_seed(10 + i)
+            anchor = base + 0.1 * torch.randn(base.shape, generator=g)
+            _set_params(s, anchor)
+            s.engine.outer.reset_anchor()
+            _set_params(s, anchor - 0.01 * (i + 1) * signs)
+            models.append(_params(s))
+        mean = torch.stack(models).mean(0)
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged and o.synced for o in outcomes), outcomes
+        assert torch.equal(_params(swarms[0]), _params(swarms[1]))
+        bound = float(mean.abs().max()) / 100  # int8 blocks of the anchors: absmax / 254 at most
+        torch.testing.assert_close(_params(swarms[0]), mean, rtol=0, atol=bound)
+    finally:
+        await asyncio.gather(*(s.close() for s in swarms))
+
+
+async def test_a_hostile_difference_in_the_final_average_is_refused_as_an_update() -> None:
+    """A member that sends 1e30 as its difference from the anchor is clipped or refused as in
+    a training round: the honest members end near the mean of their own models, finite."""
+    swarms = await _swarm(3, 191)
+    try:
+        anchor = _params(swarms[0])
+        signs = _signs(anchor.numel())
+        for i, s in enumerate(swarms):
+            _set_params(s, anchor - 0.01 * (i + 1) * signs)
+        swarms[2].averager.faults.fault = Fault.HUGE_VALUES
+        outcomes = await asyncio.gather(
+            *(s.average_parameters() for s in swarms[:2]), swarms[2].average_parameters()
+        )
+        attacker = swarms[2].peer.peer_id.short
+        for s, o in zip(swarms[:2], outcomes, strict=False):
+            assert any(r.startswith(attacker) for r in o.refusals), o
+            result = _params(s)
+            assert torch.isfinite(result).all()
+            # honest models: anchor - 0.01·signs and anchor - 0.02·signs
+            assert float((result - anchor).abs().max()) < 0.05, o
     finally:
         await asyncio.gather(*(s.close() for s in swarms))

@@ -40,7 +40,7 @@ from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait, landing_share
 from swarm.training.persistence import PersistentState
 from swarm.training.report import StepReport, Utilization
-from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
+from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow, differences_plan
 from swarm.training.tensors import ModelTensors
 
 logger = logging.getLogger(__name__)
@@ -281,16 +281,24 @@ class TrainingEngine(PersistentState):
 
         Under a codec that would ruin raw values (top-K, 1-bit, ``sparse``) it travels in the
         dense ``anchor_sync_codec``, as anchor syncs do; members that hold equal values skip it.
+        In ``diloco`` under such a codec the model holds its error feedback and differs from
+        the anchor, which members share: the round averages the differences instead
+        (:func:`~swarm.training.rounds.differences_plan`).
 
         Raises:
             TrainingError: a round is in flight.
         """
+        self._no_flight("average the parameters")
+        number, self.values_rounds = self.values_rounds, self.values_rounds + 1
+        if self._keep_unsent:
+            with self.lock:
+                self.outer.load_pseudo_grads()
+            anchors = self.outer.anchor + self.outer.buffer_anchor
+            return differences_plan(self.outer.slots, anchors, number, self._sync_codec)
         codec = self.config.averaging.codec_spec
         dense = codec if codec.dense_values_ok else self.config.anchor_sync_spec
-        self._no_flight("average the parameters")
         with self.lock:
             self.outer.load_values()
-        number, self.values_rounds = self.values_rounds, self.values_rounds + 1
         values = {"purpose": "values", "number": number, "unless_equal": True}
         return RoundPlan(self.outer.slots, 1.0, 0.0, codec=dense.text, **values)
 
@@ -298,7 +306,10 @@ class TrainingEngine(PersistentState):
         """Apply an averaged values round (the model and anchors take the average)."""
         if outcome.averaged:
             with self.lock:
-                self.outer.apply_values()
+                if self._keep_unsent:
+                    self.outer.apply_mean_difference()
+                else:
+                    self.outer.apply_values()
 
     def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
         cfg = self.config

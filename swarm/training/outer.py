@@ -372,6 +372,17 @@ class OuterState:
         self.reset_anchor()
 
     @torch.no_grad()
+    def apply_mean_difference(self) -> None:
+        """Model ← anchors - averaged slots (a round of pseudo-gradients ``θ_anchor - θ``
+        averaged as values: the mean of the members' models where they share the anchors);
+        the anchors follow."""
+        for p, a, slot in zip(self.tensors.params, self.anchor, self.slots[: self._n], strict=True):
+            torch.sub(a, slot, out=slot)
+            p.copy_(slot)
+        self._apply_buffer_changes()
+        self.reset_anchor()
+
+    @torch.no_grad()
     def apply_grads(self) -> None:
         """Gradients ← averaged slots; floating buffers ← anchor - mean change."""
         for p, slot in zip(self.tensors.params, self.slots[: self._n], strict=True):

@@ -98,5 +98,39 @@ class RoundPlan:
         return {name: getattr(self, name) for name in names} | numbered
 
 
+DIFFERENCES_CODEC = "1bit"
+"""The codec of :func:`differences_plan`'s round: ``1bit`` of the differences cost 1/8 of an
+``int8`` round of the values and lost 0.0003 of test loss (0.5944 against 0.5941 for the exact
+mean of the models, the convergence benchmark's simulation under ``sparse``, seed 0)."""
+
+
+def differences_plan(
+    slots: list[torch.Tensor], anchors: list[torch.Tensor], number: int, sync_codec: str
+) -> RoundPlan:
+    """A round that brings its members to the mean of their models as ``anchor - mean(Δ)``,
+    where ``slots`` hold each member's ``Δ = θ_anchor - θ`` (``diloco`` under a sparse codec,
+    whose models hold their error feedback and differ from the anchors the members share).
+
+    The differences are a few percent of the values, so they travel in
+    :data:`DIFFERENCES_CODEC` for about an eighth of an ``int8`` round of the values, as
+    updates (the robust aggregator and update scoring refuse hostile ones as in training
+    rounds). Members whose ``anchors`` differ average those too, in a second all-reduce in
+    ``sync_codec`` (dense), so every member leaves with the same model; where every member's
+    anchors are the same bits (a swarm that averaged as one group) that costs nothing. Equal
+    weights: whole models, not samples."""
+    return RoundPlan(
+        slots,
+        1.0,
+        0.0,
+        sync=anchors,
+        sync_every=1,
+        sync_codec=sync_codec,
+        codec=DIFFERENCES_CODEC,
+        purpose="values",
+        number=number,
+        updates=True,
+    )
+
+
 StepFlow = Generator[RoundPlan | RoundWait, Any, StepReport]
 """One step in progress: yields what it needs (see the module docstring), returns the report."""
