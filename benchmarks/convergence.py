@@ -15,8 +15,9 @@ loopback port; ``--backend sim``: the engines in one thread with an exact in-mem
 Every ``--eval-every`` steps each peer evaluates its own model (eval mode, its own BatchNorm
 statistics) on a fixed test set. The last step starts a round (``steps`` is a multiple of
 ``inner_steps``); ``wait_round()`` lands it before any inner step, so each peer holds its
-group's new anchor; then ``average_parameters()`` averages the models once more (in int8 where
-the codec is sparse), so that every peer ends with one model.
+group's new anchor; then ``average_parameters()`` averages the models once more (under a sparse
+codec: each model's difference from the shared anchor in 1-bit, the anchors in int8 only where
+they differ), so that every peer ends with one model.
 ``final_loss`` is the mean over peers, averaged over the last ``--last-evals`` evaluation
 points (the last one being after that final average), then over seeds, with its spread.
 
@@ -24,8 +25,9 @@ Prints one JSON object per configuration (``mode``, ``codec``, ``peers``, ``seed
 ``final_loss`` with ``final_loss_min``/``_max``/``_std`` and ``final_loss_per_seed``,
 ``reference_final_loss``, ``loss_vs_reference``, ``bytes_sent_per_peer``,
 ``bytes_ratio_vs_reference``, ``final_average_bytes_per_peer`` and
-``bytes_ratio_training_rounds`` (without the final average), ``diverged``, ``averaged_share``,
-``step_overhead`` and a few more)
+``bytes_ratio_training_rounds`` (without the final average), ``last_point_loss`` and
+``last_point_before_final_average`` (the peers' own models just before it), ``diverged``,
+``averaged_share``, ``step_overhead`` and a few more)
 and draws loss vs samples and vs bytes (means over seeds) into PNGs when matplotlib is
 installed. ``step_overhead`` is the extra time of ``swarm.step()`` over ``optimizer.step()`` on
 steps that do not average.
@@ -79,6 +81,7 @@ class Recorder:
         self.sent: dict[int, list[int]] = {}  # step -> bytes sent so far by each peer
         self.bytes = [0] * n
         self.final_bytes = [0] * n  # of the final average_parameters() (in self.bytes too)
+        self.before_final = [math.nan] * n  # each peer's own model's loss before it
         self.rounds = [0] * n
         self.averaged = [0] * n
         self.lock = threading.Lock()
@@ -105,6 +108,7 @@ class Recorder:
             "curve": curve,
             "final": statistics.mean(c[2] for c in curve[-last:]),
             "final_point": curve[-1][2],
+            "before_final_average": statistics.mean(self.before_final),
             "bytes": statistics.mean(self.bytes),
             "final_bytes": statistics.mean(self.final_bytes),
             "averaged_share": sum(self.averaged) / max(sum(self.rounds), 1),
@@ -153,8 +157,9 @@ def run(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dic
                 report = swarm.wait_round()  # lands the last round before any inner step
                 if report is not None:
                     rec.count(rank, report)
+                rec.before_final[rank] = evaluate(model, test)
                 barrier.wait()
-                # (in anchor_sync_codec, int8, where the codec would ruin raw values)
+                # (sparse codecs: the differences from the anchor in 1-bit; see the docstring)
                 rec.final_bytes[rank] = swarm.average_parameters().bytes_sent
                 rec.bytes[rank] += rec.final_bytes[rank]
                 barrier.wait()
@@ -259,9 +264,65 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
         if step % args.eval_every == 0 or step == args.steps:
             for r, e in enumerate(engines):
                 rec.evaluate(r, step, e.model, test)
+    for r, e in enumerate(engines):
+        rec.before_final[r] = evaluate(e.model, test)
+    final_average(engines, rec)
+    for r, e in enumerate(engines):  # replaces the last evaluation, as on sockets
+        rec.evaluate(r, args.steps, e.model, test)
     result = rec.result(args.batch * n, args.last_evals)
     result["wall_s"] = time.perf_counter() - start
     return result
+
+
+def final_average(engines: list, rec: Recorder) -> None:
+    """``average_parameters()`` of every engine in memory: each plan's codec without residuals
+    (rounds of values keep none), skipped where ``unless_equal`` and the values agree, the
+    anchors averaged too where the plan syncs them and they differ; then the buffers' round."""
+    from swarm.compression import decode, get_codec
+    from swarm.training.rounds import RoundOutcome
+
+    def flat(tensors: list) -> torch.Tensor:
+        return torch.cat([t.flatten() for t in tensors])
+
+    def average(lists: list, codec: str | None) -> int:
+        """Average the lists of tensors in place (sender and owner encode once); payload bytes."""
+        codec_of = get_codec(codec or "none")
+        payloads = [codec_of.encode(flat(ts)) for ts in lists]
+        mean = sum(decode(b).float() for b in payloads) / len(lists)
+        values = decode(codec_of.encode(mean)).float()
+        for ts in lists:
+            offset = 0
+            for t in ts:
+                t.copy_(values[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return max(map(len, payloads))
+
+    def run_round(plans: list) -> int:
+        """One round of ``plans`` (and their syncs), as the averager would run it: bytes."""
+        sent, n = 0, len(plans)
+        if not (
+            plans[0].unless_equal
+            and all(torch.equal(flat(p.tensors), flat(plans[0].tensors)) for p in plans)
+        ):
+            sent += average([p.tensors for p in plans], plans[0].codec)
+        syncs = [p.sync for p in plans if p.sync]
+        if len(syncs) == n and not all(torch.equal(flat(s), flat(syncs[0])) for s in syncs):
+            sent += average(syncs, plans[0].sync_codec)
+        return sent
+
+    done = RoundOutcome(True, len(engines), 0, 0)
+    plans = [e.begin_values_round() for e in engines]
+    sent = run_round(plans)
+    for e in engines:
+        e.finish_values_round(done)
+    buffers = [e.begin_buffers_round() for e in engines]
+    if buffers[0] is not None:  # the floating buffers a sparse codec leaves local
+        sent += run_round(buffers)
+        for e, plan in zip(engines, buffers, strict=True):
+            e.finish_buffers_round(plan, done)
+    for r in range(len(engines)):
+        rec.final_bytes[r] = int(2 * (len(engines) - 1) / len(engines) * sent)
+        rec.bytes[r] += rec.final_bytes[r]
 
 
 def step_overhead(args: argparse.Namespace, backend: str) -> float:
@@ -354,12 +415,17 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
         "final_loss_std": round(statistics.pstdev(finals), 5),
         "final_loss_per_seed": [round(f, 5) for f in finals],
         "last_point_loss": round(statistics.mean(r["final_point"] for r in runs), 5),
+        # the peers' own models just before the final average (the last point is after it)
+        "last_point_before_final_average": round(
+            statistics.mean(r["before_final_average"] for r in runs), 5
+        ),
         "reference_final_loss": round(ref_final, 5),
         "loss_vs_reference": round(final / ref_final - 1, 4),
         "bytes_sent_per_peer": int(sent),
         "bytes_ratio_vs_reference": round(reference["bytes"] / max(sent, 1), 1),
         # the final average: nothing where the peers hold one model already (dense codecs);
-        # an int8 round of the model under a sparse one (each peer keeps what it left out)
+        # under a sparse one each peer keeps what it left out: a 1-bit round of the models'
+        # differences from the anchor (and int8 of the anchors where they differ)
         "final_average_bytes_per_peer": int(final_sent),
         "bytes_ratio_training_rounds": round(reference["bytes"] / max(sent - final_sent, 1), 1),
         # chance is ln(classes): a final loss above it, or not finite, is a divergence

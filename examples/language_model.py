@@ -10,8 +10,9 @@ text with AdamW, gradient accumulation and, on a GPU, ``torch.autocast`` in bflo
 error feedback by default; ``--codec sparse`` sends about 1/33 of int8's bytes, for home uplinks)
 in the background while training goes on (overlapped DiLoCo); with ``--fragments 2`` each round
 averages half of the model, every ``--inner-steps`` / 2 steps (Streaming DiLoCo: half the peak
-bandwidth). Peer 0 prints one line per round with its held-out loss; the last line gives every
-peer's held-out loss after the last round and the bytes each sent. On several machines, run
+bandwidth). Peer 0 prints one line per round with its held-out loss. At the end the peers
+average their models once (``average_parameters()``); the last line gives the held-out loss
+after that, their own models' before it, and the bytes each sent. On several machines, run
 one peer per machine with ``initial_peers=["HOST:PORT"]`` and ``listen="0.0.0.0:7000"``.
 """
 
@@ -129,9 +130,15 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
                 print(f"peer 0 {report.line(held)} ({held / math.log(2):.2f} bits/byte)")
         last = swarm.wait_round()  # land the last round before leaving
         sent += last.bytes_sent if last is not None else 0
+        own = held_out_loss(model, held_out, device)
+        ready.wait()  # every peer has landed its last round
+        # one model for every peer (nothing to send where they hold one already; under a
+        # sparse codec each model holds what its rounds left out: see average_parameters)
+        final = swarm.average_parameters()
+        sent += final.bytes_sent
         held = held_out_loss(model, held_out, device)
-        ready.wait()  # stay up until everyone has finished their last round
-        return held, sent
+        ready.wait()  # stay up until everyone has finished the final average
+        return own, held, sent
 
 
 def held_out_loss(model: nn.Module, held_out, device: str) -> float:
@@ -189,12 +196,14 @@ def main() -> None:
         t.join()
     if any(s is None for s in swarms) or any(e is None for e in ends):
         raise SystemExit("a peer failed (its traceback is above)")
-    bits = [held / math.log(2) for held, _ in ends]
-    mib = [sent / 2**20 for _, sent in ends]
+    own = [loss / math.log(2) for loss, _, _ in ends]
+    bits = [held / math.log(2) for _, held, _ in ends]
+    mib = [sent / 2**20 for _, _, sent in ends]
     print(
         f"final ({args.codec}): held-out {sum(bits) / len(bits):.4f} bits/byte, mean of"
-        f" {len(bits)} peers ({min(bits):.4f}-{max(bits):.4f}); sent"
-        f" {sum(mib) / len(mib):.3f} MiB per peer"
+        f" {len(bits)} peers ({min(bits):.4f}-{max(bits):.4f}) after the final average;"
+        f" their own models before it {sum(own) / len(own):.4f} ({min(own):.4f}-{max(own):.4f});"
+        f" sent {sum(mib) / len(mib):.3f} MiB per peer"
     )
 
 

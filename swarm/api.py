@@ -207,12 +207,14 @@ class AsyncSwarm:
         """Average the parameters and buffers themselves once (e.g. at the end of training).
 
         After a successful round with codec ``none`` every member holds the same model. Under
-        top-K, 1-bit or ``sparse`` it averages the parameters only, in ``anchor_sync_codec``;
-        in ``diloco`` it averages each model's difference from its anchor instead, in
-        ``1bit``, and the anchors in ``anchor_sync_codec`` only where members' anchors differ
-        (about 1/8 of an ``int8`` round of the values where they agree). Otherwise a group
-        whose members hold the same values already (a swarm that trained as one group) sends
-        nothing: they compare digests while the group forms.
+        top-K, 1-bit or ``sparse`` it averages the parameters in ``anchor_sync_codec``; in
+        ``diloco`` each model's difference from its anchor instead, in 1-bit, and the
+        anchors in ``anchor_sync_codec`` only where members' anchors differ (about 1/7 of an
+        ``int8`` round of the values where they agree); then, in a second round, the floating
+        buffers (BatchNorm statistics), which their training rounds leave local. A group
+        whose members hold the same values already (a swarm that trained as one group in a
+        dense codec) sends nothing: they compare digests while the group forms.
+        See :mod:`swarm.training.final_average`.
         Its groups cross regions along a grid: ``ceil(log(peers) / log(target_group_size))``
         calls in a row bring the swarm to one model (:mod:`swarm.averaging.groups.converge`).
         """
@@ -220,7 +222,16 @@ class AsyncSwarm:
         plan = self.engine.begin_values_round()
         outcome = await self.average_round(plan)
         self.engine.finish_values_round(outcome)
-        return outcome
+        buffers = self.engine.begin_buffers_round()
+        if buffers is None or not outcome.averaged:  # alone: nobody to average them with
+            return outcome
+        kept = await self.average_round(buffers)
+        self.engine.finish_buffers_round(buffers, kept)
+        return dataclasses.replace(
+            outcome,
+            bytes_sent=outcome.bytes_sent + kept.bytes_sent,
+            bytes_received=outcome.bytes_received + kept.bytes_received,
+        )
 
     async def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:
         """Indices of the items this peer should train on; disjoint across live peers.
@@ -380,8 +391,9 @@ class Swarm:
 
     def average_parameters(self) -> RoundOutcome:
         """Average the parameters and buffers themselves once (e.g. at the end of training)."""
+        # up to two rounds: the values, then the buffers a sparse codec leaves local
         return self._run(
-            self._async.average_parameters(), self.config.averaging.round_timeout_s + 10
+            self._async.average_parameters(), 2 * self.config.averaging.round_timeout_s + 10
         )
 
     def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:

@@ -136,3 +136,8 @@ def test_language_model_example_trains_two_peers_on_the_standard_library() -> No
     assert len(rounds) >= 2, done.stdout
     losses = [float(loss) for _, loss in rounds]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < math.log(256), losses
+    # the peers end with one model: the final average leaves them the same loss
+    final = re.search(
+        r"held-out (\S+) bits/byte, mean of 2 peers \((\S+)-(\S+)\) after", done.stdout
+    )
+    assert final and final[2] == final[3] and float(final[1]) < 8.0, done.stdout

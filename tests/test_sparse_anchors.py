@@ -113,8 +113,9 @@ def _spread(swarms: list[AsyncSwarm]) -> float:
     return float((flat - mean).norm(dim=1).max() / mean.norm())
 
 
-async def _swarm(n: int, host: int, **options) -> list[AsyncSwarm]:
-    """``n`` peers from one initial model on ``127.0.0.{host}...``, the sparse codec."""
+async def _swarm(n: int, host: int, make=None, **options) -> list[AsyncSwarm]:
+    """``n`` peers from one initial model (``make()``, default ``_model()``) on
+    ``127.0.0.{host}...``, the sparse codec."""
     settings = {
         "codec": "sparse",
         "inner_steps": 2,
@@ -128,7 +129,7 @@ async def _swarm(n: int, host: int, **options) -> list[AsyncSwarm]:
     swarms: list[AsyncSwarm] = []
     try:
         for i in range(n):
-            model = _model()
+            model = (make or _model)()
             swarms.append(
                 await AsyncSwarm.create(
                     model,
@@ -296,8 +297,9 @@ async def test_average_parameters_under_sparse_diloco_averages_differences_from_
         outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
         assert all(o.averaged and o.group_size == 3 and not o.synced for o in outcomes), outcomes
         numel = anchor.numel()
-        # each sends 2/3 of the vector at 1/8 byte per value and gets 2/3 back; int8: 8x that
-        assert all(0 < o.bytes_sent < numel / 4 for o in outcomes), outcomes
+        # each sends 2/3 of the vector to the owners and its part to 2 members: 4/3 values per
+        # value, at 1/8 byte each (plus scales and headers), where int8 sends 4/3 bytes
+        assert all(0 < o.bytes_sent < numel / 3 for o in outcomes), outcomes
         for s in swarms:
             torch.testing.assert_close(_params(s), anchor - 0.02 * signs, rtol=0, atol=1e-6)
             assert torch.equal(_params(s), _params(swarms[0]))
@@ -332,6 +334,36 @@ async def test_members_whose_anchors_differ_sync_them_in_the_final_average() -> 
         assert torch.equal(_params(swarms[0]), _params(swarms[1]))
         bound = float(mean.abs().max()) / 100  # int8 blocks of the anchors: absmax / 254 at most
         torch.testing.assert_close(_params(swarms[0]), mean, rtol=0, atol=bound)
+    finally:
+        await asyncio.gather(*(s.close() for s in swarms))
+
+
+async def test_the_final_average_also_averages_the_buffers_a_sparse_codec_leaves_local() -> None:
+    """BatchNorm statistics stay each peer's own in sparse training rounds; the final average
+    gives every member their mean (in a round of their own, int8), with the parameters'."""
+
+    def normed() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64))
+
+    swarms = await _swarm(2, 194, make=normed)
+    try:
+        norms = [s.model[1] for s in swarms]
+        for i, bn in enumerate(norms):  # as each peer's own batches leave them
+            g = torch.Generator().manual_seed(20 + i)
+            bn.running_mean.copy_(torch.randn(64, generator=g))
+            bn.running_var.copy_(torch.rand(64, generator=g) + 0.5)
+        means = [(norms[0].running_mean + norms[1].running_mean) / 2]
+        means.append((norms[0].running_var + norms[1].running_var) / 2)
+        counts = [int(bn.num_batches_tracked) for bn in norms]
+        outcomes = await asyncio.gather(*(s.average_parameters() for s in swarms))
+        assert all(o.averaged for o in outcomes), outcomes
+        for bn in norms:
+            for got, mean in zip((bn.running_mean, bn.running_var), means, strict=True):
+                bound = float(mean.abs().max()) / 100  # int8: absmax / 254 at most, per block
+                torch.testing.assert_close(got, mean, rtol=0, atol=bound)
+        assert torch.equal(norms[0].running_var, norms[1].running_var)
+        assert [int(bn.num_batches_tracked) for bn in norms] == counts  # counters stay local
     finally:
         await asyncio.gather(*(s.close() for s in swarms))
 

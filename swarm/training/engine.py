@@ -35,12 +35,13 @@ from swarm.errors import TrainingError
 from swarm.round_schedule import round_period
 from swarm.training.cadence import Cadence
 from swarm.training.divergence import DivergenceMonitor, as_loss, with_outer_step
+from swarm.training.final_average import ValuesRounds
 from swarm.training.fragments import split
 from swarm.training.outer import OuterState, OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait, landing_share
 from swarm.training.persistence import PersistentState
 from swarm.training.report import StepReport, Utilization
-from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow, differences_plan
+from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
 from swarm.training.tensors import ModelTensors
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class TrainingEngine(PersistentState):
             else [self.outer]
         )
         self._overlaps = [Overlap(o, self._keep_unsent) for o in self._outers]
+        self.values = ValuesRounds(self.outer, model, config, differences=self._keep_unsent)
         self._flight: Flight | None = None  # the round running in the background (overlap)
         self._deferred = False  # a clock round fell due in flight: it starts when that lands
         # what a round averages: written into the fp32 slots before it
@@ -273,43 +275,30 @@ class TrainingEngine(PersistentState):
         return self._round_report(outcome, waited, outcome.round_s or waited, norm, scale)
 
     def begin_values_round(self) -> RoundPlan:
-        """The plan of a one-off round that averages the model's values themselves (equal
-        weights: whole models, not samples; a peer still in a training round averages other
-        values, so the two never group). The k-th such round of every peer plans the same
-        groups: a grid across regions, whose axes come round in turn (see
-        :mod:`swarm.averaging.groups.converge`).
-
-        Under a codec that would ruin raw values (top-K, 1-bit, ``sparse``) it travels in the
-        dense ``anchor_sync_codec``, as anchor syncs do; members that hold equal values skip it.
-        In ``diloco`` under such a codec the model holds its error feedback and differs from
-        the anchor, which members share: the round averages the differences instead
-        (:func:`~swarm.training.rounds.differences_plan`).
+        """The plan of a one-off round that averages the model's values themselves (see
+        :mod:`swarm.training.final_average`).
 
         Raises:
             TrainingError: a round is in flight.
         """
         self._no_flight("average the parameters")
         number, self.values_rounds = self.values_rounds, self.values_rounds + 1
-        if self._keep_unsent:
-            with self.lock:
-                self.outer.load_pseudo_grads()
-            anchors = self.outer.anchor + self.outer.buffer_anchor
-            return differences_plan(self.outer.slots, anchors, number, self._sync_codec)
-        codec = self.config.averaging.codec_spec
-        dense = codec if codec.dense_values_ok else self.config.anchor_sync_spec
         with self.lock:
-            self.outer.load_values()
-        values = {"purpose": "values", "number": number, "unless_equal": True}
-        return RoundPlan(self.outer.slots, 1.0, 0.0, codec=dense.text, **values)
+            return self.values.plan(number)
 
     def finish_values_round(self, outcome: RoundOutcome) -> None:
-        """Apply an averaged values round (the model and anchors take the average)."""
-        if outcome.averaged:
-            with self.lock:
-                if self._keep_unsent:
-                    self.outer.apply_mean_difference()
-                else:
-                    self.outer.apply_values()
+        """Apply a values round (the model and anchors take the average)."""
+        with self.lock:
+            self.values.apply(outcome)
+
+    def begin_buffers_round(self) -> RoundPlan | None:
+        """The plan of the round of the floating buffers the training rounds leave local that
+        goes with the last values round (None: none such)."""
+        return self.values.buffers_plan(max(self.values_rounds - 1, 0))
+
+    def finish_buffers_round(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        with self.lock:
+            self.values.apply_buffers(plan, outcome)
 
     def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
         cfg = self.config
