@@ -279,6 +279,7 @@ def final_average(engines: list, rec: Recorder) -> None:
     (rounds of values keep none), skipped where ``unless_equal`` and the values agree, the
     anchors averaged too where the plan syncs them and they differ; then the buffers' round."""
     from swarm.compression import decode, get_codec
+    from swarm.training.final_average import average_values
     from swarm.training.rounds import RoundOutcome
 
     def flat(tensors: list) -> torch.Tensor:
@@ -310,16 +311,18 @@ def final_average(engines: list, rec: Recorder) -> None:
             sent += average(syncs, plans[0].sync_codec)
         return sent
 
-    done = RoundOutcome(True, len(engines), 0, 0)
-    plans = [e.begin_values_round() for e in engines]
-    sent = run_round(plans)
-    for e in engines:
-        e.finish_values_round(done)
-    buffers = [e.begin_buffers_round() for e in engines]
-    if buffers[0] is not None:  # the floating buffers a sparse codec leaves local
-        sent += run_round(buffers)
-        for e, plan in zip(engines, buffers, strict=True):
-            e.finish_buffers_round(plan, done)
+    # every engine's average_parameters() flow, in step: the same rounds in the same order
+    def answer(flow, outcome: RoundOutcome):
+        try:
+            return flow.send(outcome)
+        except StopIteration:
+            return None
+
+    flows = [average_values(e) for e in engines]
+    plans, sent = [next(f) for f in flows], 0
+    while all(p is not None for p in plans):
+        sent += run_round(plans)
+        plans = [answer(f, RoundOutcome(True, len(engines), 0, 0)) for f in flows]
     for r in range(len(engines)):
         rec.final_bytes[r] = int(2 * (len(engines) - 1) / len(engines) * sent)
         rec.bytes[r] += rec.final_bytes[r]

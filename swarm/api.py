@@ -40,6 +40,7 @@ from swarm.training.cadence import RoundLookout
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import AwaitingRounds, BlockingRounds, Rounds, drive, run_inline
 from swarm.training.engine import TrainingEngine
+from swarm.training.final_average import average_values
 from swarm.training.joining import Joined, join_swarm
 from swarm.training.overlap import RoundHandle
 from swarm.training.report import StepReport
@@ -219,19 +220,7 @@ class AsyncSwarm:
         calls in a row bring the swarm to one model (:mod:`swarm.averaging.groups.converge`).
         """
         await self.wait_round()  # the slots are the round in flight's until it lands
-        plan = self.engine.begin_values_round()
-        outcome = await self.average_round(plan)
-        self.engine.finish_values_round(outcome)
-        buffers = self.engine.begin_buffers_round()
-        if buffers is None or not outcome.averaged:  # alone: nobody to average them with
-            return outcome
-        kept = await self.average_round(buffers)
-        self.engine.finish_buffers_round(buffers, kept)
-        return dataclasses.replace(
-            outcome,
-            bytes_sent=outcome.bytes_sent + kept.bytes_sent,
-            bytes_received=outcome.bytes_received + kept.bytes_received,
-        )
+        return await drive(average_values(self.engine), self._awaiting)
 
     async def shard(self, num_items: int, num_shards: int | None = None) -> list[int]:
         """Indices of the items this peer should train on; disjoint across live peers.

@@ -8,6 +8,7 @@ The step and its rounds:
 - :mod:`~swarm.training.outer`: the DiLoCo outer step and its fp32 state
 - :mod:`~swarm.training.overlap`: overlapped rounds that land a few steps late
 - :mod:`~swarm.training.fragments`: Streaming DiLoCo's fragments of the model
+- :mod:`~swarm.training.final_average`: rounds that average the values (``average_parameters``)
 - :mod:`~swarm.training.tensors`: which tensors are averaged, and the schema hash
 - :mod:`~swarm.training.divergence`: a sharp rise of the loss, round by round
 - :mod:`~swarm.training.report`: :class:`StepReport`, what ``step()`` returns

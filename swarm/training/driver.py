@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Protocol, TypeVar
 
 from swarm.errors import TrainingError
@@ -37,8 +37,9 @@ class Rounds(Protocol):
     async def wait(self, request: RoundWait) -> RoundOutcome: ...
 
 
-async def drive(flow: StepFlow, rounds: Rounds) -> StepReport:
-    """Answer ``flow``'s requests until it returns its report."""
+async def drive(flow: Generator[RoundPlan | RoundWait, Any, T], rounds: Rounds) -> T:
+    """Answer ``flow``'s requests (a step's, or ``average_parameters()``'s) until it returns
+    its report."""
     try:
         request = next(flow)
         while True:

@@ -291,15 +291,6 @@ class TrainingEngine(PersistentState):
         with self.lock:
             self.values.apply(outcome)
 
-    def begin_buffers_round(self) -> RoundPlan | None:
-        """The plan of the round of the floating buffers the training rounds leave local that
-        goes with the last values round (None: none such)."""
-        return self.values.buffers_plan(max(self.values_rounds - 1, 0))
-
-    def finish_buffers_round(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
-        with self.lock:
-            self.values.apply_buffers(plan, outcome)
-
     def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
         cfg = self.config
         self._last_group_size = outcome.group_size if outcome.averaged else 1

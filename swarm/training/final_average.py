@@ -23,12 +23,46 @@ mean too (each peer's own model: 0.5889 and 0.5940).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
 import torch
 
 from swarm.config import SwarmConfig
 from swarm.training.outer import OuterState
 from swarm.training.rounds import RoundOutcome, RoundPlan, differences_plan
 from swarm.training.tensors import ModelTensors
+
+if TYPE_CHECKING:
+    from swarm.training.engine import TrainingEngine
+
+ValuesFlow = Generator[RoundPlan, RoundOutcome, RoundOutcome]
+"""``average_parameters()`` in progress: yields the rounds to run (answered as a step's are,
+:func:`swarm.training.driver.drive`), returns the values round's outcome."""
+
+
+def average_values(engine: TrainingEngine) -> ValuesFlow:
+    """``average_parameters()`` of ``engine``: the values round, then, where the training
+    rounds leave floating buffers local, the buffers' round (not alone: nobody to average
+    them with); the values round's outcome, with the bytes of both.
+
+    Raises:
+        TrainingError: a round is in flight.
+    """
+    outcome = yield engine.begin_values_round()
+    engine.finish_values_round(outcome)
+    buffers = engine.values.buffers_plan(engine.values_rounds - 1)
+    if buffers is None or not outcome.averaged:
+        return outcome
+    kept = yield buffers
+    with engine.lock:
+        engine.values.apply_buffers(buffers, kept)
+    return dataclasses.replace(
+        outcome,
+        bytes_sent=outcome.bytes_sent + kept.bytes_sent,
+        bytes_received=outcome.bytes_received + kept.bytes_received,
+    )
 
 
 class ValuesRounds:

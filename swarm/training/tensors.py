@@ -4,8 +4,10 @@ Every parameter is averaged (frozen ones too, so all peers keep one model) and s
 floating-point buffer (BatchNorm running mean/var) when the codec is dense (none, fp16, bf16,
 int8). Top-K and 1-bit codecs turn a running variance's change into something that can make it
 negative for a round (measured: the evaluation loss explodes), so with them buffers stay local
-to each peer (they are statistics each peer re-estimates from its own batches). Integer buffers
-such as ``num_batches_tracked`` are counters, not state to average; they stay local.
+to each peer (they are statistics each peer re-estimates from its own batches) until
+``average_parameters()``, which averages them in a dense codec (:mod:`.final_average`).
+Integer buffers such as ``num_batches_tracked`` are counters, not state to average; they stay
+local.
 """
 
 from __future__ import annotations
