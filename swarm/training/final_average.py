@@ -24,8 +24,9 @@ mean too (each peer's own model: 0.5889 and 0.5940).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -34,15 +35,24 @@ from swarm.training.outer import OuterState
 from swarm.training.rounds import RoundOutcome, RoundPlan, differences_plan
 from swarm.training.tensors import ModelTensors
 
-if TYPE_CHECKING:
-    from swarm.training.engine import TrainingEngine
-
 ValuesFlow = Generator[RoundPlan, RoundOutcome, RoundOutcome]
 """``average_parameters()`` in progress: yields the rounds to run (answered as a step's are,
 :func:`swarm.training.driver.drive`), returns the values round's outcome."""
 
 
-def average_values(engine: TrainingEngine) -> ValuesFlow:
+class ValuesEngine(Protocol):
+    """What :func:`average_values` uses of the training engine (which imports this module)."""
+
+    values: ValuesRounds
+    values_rounds: int  # values rounds begun
+    lock: threading.Lock
+
+    def begin_values_round(self) -> RoundPlan: ...
+
+    def finish_values_round(self, outcome: RoundOutcome) -> None: ...
+
+
+def average_values(engine: ValuesEngine) -> ValuesFlow:
     """``average_parameters()`` of ``engine``: the values round, then, where the training
     rounds leave floating buffers local, the buffers' round (not alone: nobody to average
     them with); the values round's outcome, with the bytes of both.
