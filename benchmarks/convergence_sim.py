@@ -26,7 +26,7 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
     zero every round and goes back to the engine, as the butterfly's does. No network, no
     overlap.
     """
-    from swarm.compression import decode, get_codec
+    from swarm.compression import get_codec
     from swarm.compression.feedback import ErrorFeedback
     from swarm.config import SwarmConfig
     from swarm.training.engine import TrainingEngine
@@ -49,20 +49,14 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
 
     def average(plans: list) -> list:
         """Average the plans' tensors in place; the residuals the engines keep (else Nones)."""
-        flat = [torch.cat([t.flatten() for t in p.tensors]) for p in plans]
         for f, p in zip(feedback[:n], plans, strict=True):
             if p.keep_unsent:  # the engine keeps what was left out in its model (as on sockets)
                 f.reset()
-        payloads = [f.encode(v) for f, v in zip(feedback[:n], flat, strict=True)]
-        total = sum(p.weight for p in plans)
-        mean = sum(p.weight * decode(b).float() for p, b in zip(plans, payloads, strict=True))
-        values = decode(feedback[n].encode(mean / total)).float()
-        for r, p in enumerate(plans):
-            rec.bytes[r] += int(2 * (n - 1) / n * max(map(len, payloads)))
-            offset = 0
-            for t in p.tensors:
-                t.copy_(values[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        senders = [f.encode for f in feedback[:n]]
+        weights = [p.weight for p in plans]
+        sent = exact_butterfly([p.tensors for p in plans], weights, senders, feedback[n].encode)
+        for r in range(n):
+            rec.bytes[r] += int(2 * (n - 1) / n * sent)
         return [
             f.residual.clone() if p.keep_unsent else None
             for f, p in zip(feedback[:n], plans, strict=True)
@@ -104,25 +98,14 @@ def final_average(engines: list, rec: Recorder) -> None:
     """``average_parameters()`` of every engine in memory: each plan's codec without residuals
     (rounds of values keep none), skipped where ``unless_equal`` and the values agree, the
     anchors averaged too where the plan syncs them and they differ; then the buffers' round."""
-    from swarm.compression import decode, get_codec
+    from swarm.compression import get_codec
     from swarm.training.final_average import average_values
     from swarm.training.rounds import RoundOutcome
 
-    def flat(tensors: list) -> torch.Tensor:
-        return torch.cat([t.flatten() for t in tensors])
-
     def average(lists: list, codec: str | None) -> int:
-        """Average the lists of tensors in place (sender and owner encode once); payload bytes."""
-        codec_of = get_codec(codec or "none")
-        payloads = [codec_of.encode(flat(ts)) for ts in lists]
-        mean = sum(decode(b).float() for b in payloads) / len(lists)
-        values = decode(codec_of.encode(mean)).float()
-        for ts in lists:
-            offset = 0
-            for t in ts:
-                t.copy_(values[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-        return max(map(len, payloads))
+        """Average the lists of tensors in place, encoded without residual; payload bytes."""
+        encode = get_codec(codec or "none").encode
+        return exact_butterfly(lists, [1.0] * len(lists), [encode] * len(lists), encode)
 
     def run_round(plans: list) -> int:
         """One round of ``plans`` (and their syncs), as the averager would run it: bytes."""
@@ -152,3 +135,24 @@ def final_average(engines: list, rec: Recorder) -> None:
     for r in range(len(engines)):
         rec.final_bytes[r] = int(2 * (len(engines) - 1) / len(engines) * sent)
         rec.bytes[r] += rec.final_bytes[r]
+
+
+def flat(tensors: list) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in tensors])
+
+
+def exact_butterfly(lists: list, weights: list, senders: list, owner) -> int:
+    """What a butterfly round leaves every member with, in memory: each list of tensors encoded
+    by its sender (``senders[i]``), the weighted mean of the decoded vectors encoded by the
+    owner, decoded into every list in place. Returns the largest payload's bytes."""
+    from swarm.compression import decode
+
+    payloads = [encode(flat(ts)) for encode, ts in zip(senders, lists, strict=True)]
+    mean = sum(w * decode(b).float() for w, b in zip(weights, payloads, strict=True))
+    values = decode(owner(mean / sum(weights))).float()
+    for ts in lists:
+        offset = 0
+        for t in ts:
+            t.copy_(values[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return max(map(len, payloads))
