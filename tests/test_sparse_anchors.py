@@ -285,8 +285,8 @@ async def test_average_parameters_under_sparse_diloco_averages_differences_from_
     None
 ):
     """Sparse DiLoCo's models hold their error feedback and differ from the anchor they share:
-    the final average sends each model's difference from it in 1-bit (1/8 of an int8 round of
-    the values), skips the anchors, whose digests agree, and leaves every member the same
+    the final average sends each model's difference from it in 1-bit (about 1/7 of an int8
+    round of the values), skips the anchors, whose digests agree, and leaves every member the same
     model, the mean of theirs, with the anchor on it."""
     swarms = await _swarm(3, 185)
     try:
