@@ -42,7 +42,7 @@ def get_codec(spec: str, **options: object) -> Codec:
     ``bf16``, ``int8``, ``int8:BLOCK``, ``int8:BLOCK:bnb``, ``topk:FRACTION`` (a float such as
     ``0.01``), ``topk:COUNT`` (an integer), ``topk:0.01:int8`` (value format), ``1bit``,
     ``1bit:BLOCK``, ``sparse`` (``sparse:4096:96:2``), ``sparse:CHUNK:K:BITS`` and
-    ``sparse:CHUNK:K:BITS:DECAY`` (error feedback's decay, default 1).
+    ``sparse:CHUNK:K:BITS:DECAY`` (error feedback's decay, default 0.95).
 
     Args:
         spec: codec name or spec string.
