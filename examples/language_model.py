@@ -111,6 +111,8 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
         codec=args.codec,
         matchmaking_timeout_s=5.0,
         round_timeout_s=120.0,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
     ) as swarm:
         out[rank] = swarm
         ready.wait()  # every peer is up: the shards are disjoint
@@ -165,6 +167,8 @@ def main() -> None:
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--codec", default="int8", help="e.g. int8, sparse (see the README's codecs)")
     p.add_argument("--seed", type=int, default=0, help="the initial model and the batches")
+    p.add_argument("--outer-lr", type=float, help="DiLoCo's outer learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0.9)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads() // args.peers))

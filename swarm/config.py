@@ -219,12 +219,15 @@ class SwarmConfig:
             arrive together, each with the steps it managed (the choice for mixed hardware).
         min_inner_steps, max_inner_steps: the range ``"auto"`` picks from (ignored otherwise).
         outer_lr: outer learning rate. None (the default) means DiLoCo's 0.7.
-        outer_momentum: outer Nesterov momentum. None (the default) means DiLoCo's 0.9, with
-            every codec (with a sparse one too: its error feedback lives in the model, see
-            :meth:`swarm.training.outer.OuterState.keep_unsent`). A round with
-            ``k`` peers uses at most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer alone
-            takes no outer step at all (plain local training), so the default is stable at every
-            group size; see :func:`swarm.training.outer.outer_rule`.
+        outer_momentum: outer Nesterov momentum. None (the default) means DiLoCo's 0.9. A
+            round with ``k`` peers uses at most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer
+            alone takes no outer step at all (plain local training), so the default is stable
+            at every group size; see :func:`swarm.training.outer.outer_rule`. In ``diloco``
+            with a sparse codec (``sparse``, ``topk``, ``1bit``: their error feedback lives in
+            the model, see :meth:`swarm.training.outer.OuterState.keep_unsent`) the momentum
+            is folded into the step size instead: a plain step of ``outer_lr / (1 - β)``, β
+            capped as above and at 0.875 (2 peers: 1.4, 4: 2.8, 8 or more: 5.6 with the
+            defaults).
         nesterov: use Nesterov momentum in the outer step; False gives heavy-ball momentum.
         anchor_sync_every: ``diloco``: about one group in this many also averages the
             members' anchors (the shared weights the outer step moves), after the

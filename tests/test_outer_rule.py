@@ -42,6 +42,34 @@ def test_rule_alone_small_and_large_groups() -> None:
     assert outer_rule(3, lr=0.7, beta=0.0).beta == 0.0
 
 
+def test_plain_rule_folds_the_capped_momentum_into_the_step() -> None:
+    """Error feedback in the model (sparse codecs): no momentum, the step it would give a
+    steady pseudo-gradient instead, ``lr / (1 - β)``, with β capped at 1 - 1/k and 0.875."""
+    plain = [outer_rule(k, lr=0.7, beta=0.9, plain=True) for k in (2, 3, 4, 8, 20)]
+    assert [s.lr for s in plain] == pytest.approx([1.4, 2.1, 2.8, 5.6, 5.6])
+    assert all(s.beta == 0.0 and not s.solitary for s in plain)
+    assert outer_rule(2, lr=0.7, beta=0.0, plain=True).lr == pytest.approx(0.7)
+    alone = outer_rule(1, lr=0.7, beta=0.9, plain=True)
+    assert alone.solitary and alone.lr == 0.0
+
+
+@pytest.mark.parametrize(("codec", "first_step"), [("sparse", 1.4), ("int8", 0.7 * 1.5)])
+def test_sparse_diloco_takes_the_plain_step(codec: str, first_step: float) -> None:
+    """In a group of 2, sparse DiLoCo moves the anchor by 1.4 Δ̄ every round, momentum or not;
+    a dense codec by Nesterov's 0.7 (Δ̄ + 0.5 m), 1.05 Δ̄ in the first round."""
+    model = make_model()
+    config = SwarmConfig.build(codec=codec, overlap=False)
+    e = TrainingEngine(model, torch.optim.Adam(model.parameters()), config)
+    for _ in range(2 if codec == "sparse" else 1):
+        before = [a.clone() for a in e.outer.anchor]
+        round_of(e, 1e-3, group=2)
+        for a, b, p in zip(e.outer.anchor, before, model.parameters(), strict=True):
+            torch.testing.assert_close(
+                b - a, torch.full_like(a, first_step * 1e-3), rtol=1e-4, atol=1e-9
+            )
+            assert torch.equal(p.detach(), a.to(p.dtype))
+
+
 def round_of(e: TrainingEngine, delta: float, group: int = 2) -> object:
     """Finish a round whose averaged pseudo-gradient is ``delta`` everywhere."""
     plan = e.begin_round()

@@ -292,9 +292,19 @@ class TrainingEngine(PersistentState):
             self.values.apply(outcome)
 
     def _outer_rule(self, outcome: RoundOutcome) -> OuterStep:
-        cfg = self.config
         self._last_group_size = outcome.group_size if outcome.averaged else 1
-        return outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        return self._rule_for_last_group()
+
+    def _rule_for_last_group(self) -> OuterStep:
+        """:func:`outer_rule` for the size of the group this peer last averaged with (a plain
+        step where the model keeps the error feedback)."""
+        cfg = self.config
+        return outer_rule(
+            self._last_group_size,
+            lr=cfg.outer_lr,
+            beta=cfg.outer_momentum,
+            plain=self._keep_unsent,
+        )
 
     # -- overlapped rounds (diloco) -----------------------------------------------------------
     def launch(self) -> None:
@@ -302,7 +312,7 @@ class TrainingEngine(PersistentState):
         (the rule of the group size this peer averaged with last time) and start the next
         round's count."""
         cfg = self.config
-        guess = outer_rule(self._last_group_size, lr=cfg.outer_lr, beta=cfg.outer_momentum)
+        guess = self._rule_for_last_group()
         overlap = self._overlaps[self.fragment]
         with self.lock:
             overlap.keep_local()

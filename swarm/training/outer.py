@@ -27,7 +27,10 @@ one peer. :func:`outer_rule` adapts it (see the README's "Fidelity to the papers
   step is the plain ``lr · Δ``. Late contributions make the group's pull a delayed one, which
   momentum turns into a growing oscillation: 2 of 8 peers sending their updates of 10 rounds
   ago drove the honest peers' loss up round after round (see :data:`RESTART_BELOW`). An
-  overlapped round decides it at its landing, from ``Δ̄``; its eager step never restarts.
+  overlapped round decides it at its landing, from ``Δ̄``; its eager step never restarts;
+- where the model keeps the error feedback (sparse codecs in ``diloco``), there is no momentum:
+  a plain step of ``lr / (1 - β)``, the step the capped momentum gives a steady pseudo-gradient
+  (see :data:`PLAIN_BETA_CAP`).
 """
 
 from __future__ import annotations
@@ -95,6 +98,17 @@ updates of 10 rounds ago (``Fault.STALE``), the cosine fell to -0.4 as the ancho
 and the honest peers' worst final loss was 0.20-2.59 (mean 0.70, seeds 0-5) without restarts
 and 0.18-0.29 (mean 0.20) with them."""
 
+PLAIN_BETA_CAP = 0.875
+"""The largest momentum a plain step folds in (8x the learning rate; see :func:`outer_rule`):
+the largest group measured.
+
+With ``sparse`` (error feedback in the model), final loss against the Nesterov step of the
+same momentum: the convergence benchmark's CNN task (simulation) with 2 peers 0.6197 against
+0.6247 (2 seeds), 4 peers 0.5955 against 0.5960 (2 seeds), 8 peers 0.5838 against 0.6032
+(one seed; a plain step of 4x the learning rate: 0.5912); the language-model example
+(2 peers) 2.433 against 2.516 bits per byte (3 seeds), where plain steps of 2x and 4x the
+learning rate ended at 2.57 and 3.27 (seed 0): the step has to follow the group's size."""
+
 NORM_BOUND = 3.0  # an averaged pseudo-gradient is scaled down to this x the recent median norm
 NORM_HISTORY = 8  # rounds whose norms make that median
 NORM_MIN_HISTORY = 3  # no bound until this many rounds were seen (a joiner has no history)
@@ -109,17 +123,26 @@ class OuterStep:
     solitary: bool  # nobody averaged in: the anchor follows the local model
 
 
-def outer_rule(group_size: int, *, lr: float, beta: float) -> OuterStep:
+def outer_rule(group_size: int, *, lr: float, beta: float, plain: bool = False) -> OuterStep:
     """The outer step for a round averaged over ``group_size`` peers (1 = alone).
 
     Alone, DiLoCo's Nesterov step would re-apply one noisy pseudo-gradient with a momentum
     built for the mean of many, and diverges (lr 0.7, momentum 0.9: loss rising for hundreds of
     rounds on the benchmark task); plain local training is the stable fixed point. In a group,
     the momentum is capped at ``1 - 1/k`` (see the module docstring).
+
+    ``plain`` (error feedback kept in the model, see :meth:`OuterState.keep_unsent`): the
+    momentum is folded into the step size, a plain step of ``lr / (1 - β)`` with ``β`` capped
+    as above and at :data:`PLAIN_BETA_CAP`: the step a steady pseudo-gradient gets from the
+    momentum, without the momentum's memory of earlier rounds, which the model's error feedback
+    already carries (see the README's "Fidelity to the papers: training").
     """
     if group_size <= 1:
-        return OuterStep(0.0, beta, solitary=True)
-    return OuterStep(lr, min(beta, 1.0 - 1.0 / group_size), solitary=False)
+        return OuterStep(0.0, 0.0 if plain else beta, solitary=True)
+    capped = min(beta, 1.0 - 1.0 / group_size)
+    if plain:
+        return OuterStep(lr / (1.0 - min(capped, PLAIN_BETA_CAP)), 0.0, solitary=False)
+    return OuterStep(lr, capped, solitary=False)
 
 
 class OuterState:
