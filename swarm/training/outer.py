@@ -106,7 +106,7 @@ With ``sparse`` (error feedback in the model), final loss against the Nesterov s
 same momentum: the convergence benchmark's CNN task (simulation) with 2 peers 0.6197 against
 0.6247 (2 seeds), 4 peers 0.5955 against 0.5960 (2 seeds), 8 peers 0.5838 against 0.6032
 (one seed; a plain step of 4x the learning rate: 0.5912); the language-model example
-(2 peers) 2.433 against 2.516 bits per byte (3 seeds), where plain steps of 2x and 4x the
+(2 peers) 2.431 against 2.506 bits per byte (4 seeds), where plain steps of 2x and 4x the
 learning rate ended at 2.57 and 3.27 (seed 0): the step has to follow the group's size."""
 
 NORM_BOUND = 3.0  # an averaged pseudo-gradient is scaled down to this x the recent median norm
