@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from swarm.api import Swarm
+from swarm.config import SwarmConfig
+from swarm.errors import SwarmError
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -170,6 +172,12 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, help="DiLoCo's outer learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (default 0.9)")
     args = p.parse_args()
+    try:  # check the options here, so that a bad value is one line, not a thread's traceback
+        SwarmConfig.build(
+            codec=args.codec, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum
+        )
+    except SwarmError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, torch.get_num_threads() // args.peers))
     text = load_corpus(args.corpus_bytes)

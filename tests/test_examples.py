@@ -44,6 +44,8 @@ def test_help_has_a_text_and_a_default_for_every_option(script, options) -> None
         ("quickstart.py", ["--codec", "int9"], "unknown codec 'int9'"),
         ("quickstart.py", ["--outer-lr", "-1"], "outer_lr"),
         ("quickstart.py", ["--peers", "0"], "--peers"),
+        ("language_model.py", ["--codec", "int9"], "unknown codec 'int9'"),
+        ("language_model.py", ["--outer-momentum", "1.5"], "outer_momentum"),
         ("image_classifier.py", ["--codec", "zip"], "unknown codec 'zip'"),
         ("image_classifier.py", ["--listen", "nowhere"], "nowhere"),
         ("image_classifier.py", ["--swarm-key", "/no/such/key"], "/no/such/key"),
