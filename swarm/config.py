@@ -237,8 +237,8 @@ class SwarmConfig:
             overlapped round syncs the anchors it started from, and its landing starts from
             their mean. A group whose members joined with the same anchors (a group of the
             whole swarm, all healthy) skips it: nothing would move. With a sparse codec the
-            members of a group that synced also restart their outer momentum from zero, so
-            that they leave with one outer state, bit for bit. 0 turns it off; None (the
+            outer step keeps no momentum, so the members of a group that synced leave with one
+            outer state, bit for bit. 0 turns it off; None (the
             default) means :data:`DENSE_ANCHOR_SYNC_EVERY` with a dense codec
             (:data:`SCORED_ANCHOR_SYNC_EVERY` with ``score_updates``: late updates from hostile
             peers part the anchors of the groups they join) and

@@ -258,3 +258,69 @@ def test_swarm_peer_export_command(tmp_path) -> None:
     )
     assert done.returncode == 1
     assert "old pickle-based format" in done.stderr and "Traceback" not in done.stderr
+
+
+def _plain_and_nesterov() -> tuple[TrainingEngine, TrainingEngine]:
+    """A ``sparse`` DiLoCo engine (plain outer step, no momentum) after an inner step, and an
+    ``int8`` one of the same model (Nesterov) with a momentum of ones."""
+    engines = []
+    for codec in ("sparse", "int8"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engines.append(TrainingEngine(model, opt, SwarmConfig.build(codec=codec, inner_steps=3)))
+    plain, nesterov = engines
+    for m in nesterov.outer.momentum:
+        m.fill_(1.0)
+    plain.model(torch.randn(8, 4)).pow(2).mean().backward()
+    plain.count(8)
+    plain.inner_step()
+    return plain, nesterov
+
+
+def test_a_plain_step_keeps_no_momentum_and_its_checkpoints_cross_codecs(tmp_path) -> None:
+    """A sparse DiLoCo peer keeps and saves no outer momentum (one fp32 vector of the model
+    less); a peer that keeps one restores its checkpoint with zero momentum, and the other way
+    round the saved momentum is ignored. A checkpoint missing only part of it is refused."""
+    plain, nesterov = _plain_and_nesterov()
+    assert plain.outer.momentum == [] and len(nesterov.outer.momentum) == 4
+    state = plain.state_dict(None)
+    assert not any(k.startswith("momentum.") for k in state["outer"]), list(state["outer"])
+    write_checkpoint(tmp_path / "plain", state)
+    nesterov.load_state_dict(read_checkpoint(tmp_path / "plain"))
+    assert all(not m.any() for m in nesterov.outer.momentum)
+    for a, b in zip(nesterov.outer.anchor, plain.outer.anchor, strict=True):
+        assert torch.equal(a, b)
+    for m in nesterov.outer.momentum:
+        m.fill_(2.0)
+    full = nesterov.state_dict(None)
+    write_checkpoint(tmp_path / "nesterov", full)
+    plain.load_state_dict(read_checkpoint(tmp_path / "nesterov"))
+    assert plain.outer.momentum == []
+    del full["outer"][next(k for k in full["outer"] if k.startswith("momentum."))]
+    write_checkpoint(tmp_path / "partial", full)
+    before = snapshot_of(nesterov)
+    with pytest.raises(CheckpointError, match="momentum"):
+        nesterov.load_state_dict(read_checkpoint(tmp_path / "partial"))
+    assert_unchanged(before, nesterov)
+    assert all(bool((m == 2.0).all()) for m in nesterov.outer.momentum)
+
+
+def test_a_plain_step_serves_joiners_zero_momentum_in_the_one_snapshot_layout() -> None:
+    """Joiners get one layout whatever the codec: a sparse provider's momentum is zero, and a
+    sparse joiner of a Nesterov provider takes the model and leaves the momentum."""
+    plain, nesterov = _plain_and_nesterov()
+    assert plain.snapshot_layout() == nesterov.snapshot_layout()
+    _, blob = plain.snapshot()
+    snap = unpack_snapshot(blob, schema=nesterov.schema, expected=nesterov.snapshot_layout())
+    nesterov.load_snapshot(snap, steps_in_round=0)
+    assert all(not m.any() for m in nesterov.outer.momentum)
+    for a, b in zip(nesterov.outer.anchor, plain.outer.anchor, strict=True):
+        assert torch.equal(a, b)
+    for m in nesterov.outer.momentum:
+        m.fill_(1.0)
+    _, blob = nesterov.snapshot()
+    plain.load_snapshot(
+        unpack_snapshot(blob, schema=plain.schema, expected=plain.snapshot_layout()), 0
+    )
+    assert plain.outer.momentum == []

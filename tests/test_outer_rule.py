@@ -60,6 +60,7 @@ def test_sparse_diloco_takes_the_plain_step(codec: str, first_step: float) -> No
     model = make_model()
     config = SwarmConfig.build(codec=codec, overlap=False)
     e = TrainingEngine(model, torch.optim.Adam(model.parameters()), config)
+    assert (e.outer.momentum == []) == (codec == "sparse")  # a plain step keeps none
     for _ in range(2 if codec == "sparse" else 1):
         before = [a.clone() for a in e.outer.anchor]
         round_of(e, 1e-3, group=2)

@@ -67,16 +67,17 @@ class TrainingEngine(PersistentState):
         self.mode = Mode(config.mode)
         sparse = config.averaging.codec_spec.sparse
         self.tensors = ModelTensors.of(model, with_buffers=not sparse)
-        # anchors sync in a dense codec (top-K or 1-bit would ruin raw weights); after a sparse
-        # round's rare sync its members restart their momentum, to leave with one outer state
+        # anchors sync in a dense codec (top-K or 1-bit would ruin raw weights)
         self._sync_every = config.anchor_sync_period if self.mode is Mode.DILOCO else 0
         self._sync_codec = config.anchor_sync_spec.text
-        self._restart_momentum = sparse
         # error feedback kept in the model (see OuterState.keep_unsent)
         self._keep_unsent = sparse and self.mode is Mode.DILOCO
         self.schema = self.tensors.schema_hash()
+        # the plain step of error feedback in the model keeps no momentum (outer_rule)
         self.outer = OuterState(
-            self.tensors, keep_momentum=self.mode.has_outer_step, device=config.outer_device
+            self.tensors,
+            keep_momentum=self.mode.has_outer_step and not self._keep_unsent,
+            device=config.outer_device,
         )
         # Streaming DiLoCo: round r averages fragment r mod F, each with its own outer state
         self.fragments = split(self.tensors, config.fragments)
@@ -258,9 +259,6 @@ class TrainingEngine(PersistentState):
                     # A cut round may have half-written the slots: use our own values again.
                     self._load_slots()
                 if self.mode.has_outer_step:
-                    if outcome.synced and self._restart_momentum:
-                        for m in outer.momentum:
-                            m.zero_()
                     # Alone: plain local training; small groups: capped momentum (outer_rule).
                     step = self._outer_rule(outcome)
                     norm = None if step.solitary else outer.pseudo_grad_norm()
@@ -339,8 +337,6 @@ class TrainingEngine(PersistentState):
                 waited,
             )
         with self._landed:
-            if outcome.synced and self._restart_momentum:
-                self._overlaps[flight.fragment].restart_momentum()
             norm, scale = self._overlaps[flight.fragment].land(
                 self._outer_rule(outcome),
                 nesterov=self.config.nesterov,

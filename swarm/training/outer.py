@@ -64,8 +64,13 @@ def outer_step(
     """Apply one outer SGD step to ``anchor`` from the averaged pseudo-gradients, in place.
 
     Same update as ``torch.optim.SGD(lr, momentum=beta, nesterov=...)`` with ``Δ`` as gradient.
-    ``pseudo_grads`` is used as scratch space (its values are consumed).
+    ``pseudo_grads`` is used as scratch space (its values are consumed). Without ``momentum``
+    (an empty list: a plain step, see :func:`outer_rule`), ``θ ← θ - lr·Δ``.
     """
+    if not momentum:
+        for theta, delta in zip(anchor, pseudo_grads, strict=True):
+            theta.sub_(delta, alpha=lr)
+        return
     for theta, delta, m in zip(anchor, pseudo_grads, momentum, strict=True):
         m.mul_(beta).add_(delta)  # m ← βm + Δ
         update = delta.add_(m, alpha=beta) if nesterov else m  # Nesterov look-ahead: Δ + βm
@@ -114,6 +119,13 @@ NORM_HISTORY = 8  # rounds whose norms make that median
 NORM_MIN_HISTORY = 3  # no bound until this many rounds were seen (a joiner has no history)
 
 
+def has_momentum(outer_state: object) -> bool:
+    """Whether a saved outer state (:meth:`OuterState.state_dict`) holds any momentum."""
+    return isinstance(outer_state, dict) and any(
+        isinstance(k, str) and k.startswith("momentum.") for k in outer_state
+    )
+
+
 @dataclass(frozen=True)
 class OuterStep:
     """The outer step one round applies: what :func:`outer_rule` decided."""
@@ -156,7 +168,8 @@ class OuterState:
 
     Args:
         tensors: the model's parameters and floating buffers (see :class:`ModelTensors`).
-        keep_momentum: False for ``local_sgd``/``gradients``, which need no outer momentum.
+        keep_momentum: False for ``local_sgd``/``gradients``, which need no outer momentum,
+            and for the plain step of ``diloco`` with error feedback in the model.
         device: where the fp32 state lives; None = the model's device. ``cpu`` with a CUDA
             model keeps it in pinned host memory (the averager's residuals follow the slots).
     """
@@ -427,11 +440,16 @@ class OuterState:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore anchors and momentum; raises CheckpointError on a missing or misshaped entry."""
-        pairs = [
-            ("anchor", self.tensors.names, self.anchor + self.buffer_anchor),
-            ("momentum", self.tensors.param_names, self.momentum),
-        ]
+        """Restore anchors and momentum; raises CheckpointError on a missing or misshaped entry.
+
+        A state with no momentum at all (a plain step's, see :func:`outer_rule`) restores zero
+        momentum; one this state does not keep is ignored."""
+        pairs = [("anchor", self.tensors.names, self.anchor + self.buffer_anchor)]
+        if has_momentum(state):
+            pairs.append(("momentum", self.tensors.param_names, self.momentum))
+        else:
+            for m in self.momentum:
+                m.zero_()
         for prefix, names, targets in pairs:
             for name, target in zip(names, targets, strict=False):
                 value = state.get(f"{prefix}.{name}")

@@ -132,13 +132,6 @@ class Overlap:
         return self._anchor0
 
     @torch.no_grad()
-    def restart_momentum(self) -> None:
-        """Land the round in flight from zero momentum (a sparse round that synced anchors:
-        see ``anchor_sync_every``), so that its members leave with one outer state."""
-        for m0 in self._momentum0:
-            m0.zero_()
-
-    @torch.no_grad()
     def keep_local(self) -> None:
         """Copy the slots (``Δ_local``, just loaded) before the averager overwrites them, and
         the anchors and momentum the round starts from."""
@@ -176,11 +169,16 @@ class Overlap:
             if step.solitary:
                 anchor.sub_(delta)  # the model as it is: plain local training
                 continue
-            m = outer.momentum[i]
+            m = outer.momentum[i] if outer.momentum else None  # none: a plain step
             if self._held:
-                m.mul_(step.beta)
-                anchor.sub_(m, alpha=step.lr * step.beta if nesterov else step.lr)
+                if m is not None:
+                    m.mul_(step.beta)
+                    anchor.sub_(m, alpha=step.lr * step.beta if nesterov else step.lr)
                 p.copy_(anchor).sub_(delta.to(p.device, non_blocking=True))
+                continue
+            if m is None:
+                anchor.sub_(delta, alpha=step.lr)
+                p.copy_(anchor)
                 continue
             m.mul_(step.beta).add_(delta)
             anchor.sub_(delta if nesterov else m, alpha=step.lr)

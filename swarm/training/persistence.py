@@ -18,7 +18,7 @@ from swarm.config import Mode, SwarmConfig
 from swarm.errors import CheckpointError, TrainingError
 from swarm.training.cadence import Cadence
 from swarm.training.checkpoint import OPTIONAL_COUNTS, check_checkpoint
-from swarm.training.outer import OuterState
+from swarm.training.outer import OuterState, has_momentum
 from swarm.training.overlap import Flight
 from swarm.training.snapshot import Snapshot, pack_snapshot
 from swarm.training.tensors import ModelTensors
@@ -82,19 +82,24 @@ class PersistentState:
             )
             values += self.outer.buffer_anchor
             if self.mode.has_outer_step:
-                values += self.outer.momentum
+                # a plain step keeps no momentum: its snapshot's momentum is zero (one layout for
+                # every codec, and what a peer that joins with a momentum should start from)
+                values += self.outer.momentum or [
+                    torch.zeros(1).expand(p.numel()) for p in self.tensors.params
+                ]
             names = [name for name, _ in self.snapshot_layout()]
             named = list(zip(names, values, strict=True))
             return self.round, pack_snapshot(self.round, self.schema, self.mode.value, named)
 
     @torch.no_grad()
     def load_snapshot(self, snap: Snapshot, steps_in_round: int) -> None:
-        """Adopt a downloaded state: model, anchor, momentum and round; inner state resets."""
+        """Adopt a downloaded state: model, anchor, momentum (where this peer keeps one) and
+        round; inner state resets."""
         self._no_flight("load a downloaded state")
         with self.lock:
             for name, t in zip(self.tensors.names, self.tensors.all, strict=True):
                 t.copy_(snap.tensors[f"model.{name}"].view(t.shape))
-            if self.mode.has_outer_step:
+            if self.outer.momentum:
                 for name, m in zip(self.tensors.param_names, self.outer.momentum, strict=True):
                     m.copy_(snap.tensors[f"momentum.{name}"].view(m.shape))
             self.outer.reset_anchor()
@@ -136,8 +141,11 @@ class PersistentState:
         # All-or-nothing: everything is checked before the first value is written.
         t = self.tensors
         outer = {f"anchor.{n}": x.shape for n, x in zip(t.names, t.all, strict=True)}
-        for n, m in zip(t.param_names, self.outer.momentum, strict=False):
-            outer[f"momentum.{n}"] = m.shape
+        # a plain step saves no momentum (a peer that keeps one starts it at zero) and ignores
+        # a saved one, checked all the same
+        if has_momentum(state.get("outer")):
+            for n, p in zip(t.param_names, t.params, strict=True):
+                outer[f"momentum.{n}"] = p.shape
         check_checkpoint(state, model=self.model, optimizer=self.optimizer, outer=outer)
         with self.lock:
             try:
