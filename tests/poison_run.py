@@ -89,6 +89,8 @@ class PeerLog:
     missed: list[str] = field(default_factory=list)  # why each due round it did not average
     waits: list[float] = field(default_factory=list)  # seconds each due round blocked step()
     trust: list[dict[str, float]] = field(default_factory=list)  # per round: short id -> record
+    # per round: short id -> why its record is below LOWERED_BELOW (for failure messages)
+    low: list[dict[str, str]] = field(default_factory=list)
     groups: list[tuple[bool, tuple[PeerID, ...]]] = field(default_factory=list)  # per round
 
 
@@ -161,7 +163,9 @@ async def _train(
                 m = _CLIP.match(r)
                 if m and float(m.group(2)) < 0.5:
                     log.clipped.append(m.group(1))
-            log.trust.append({p.short: s.trust for p, s in runner.reputation.snapshot().items()})
+            records = runner.reputation.snapshot().items()
+            log.trust.append({p.short: s.trust for p, s in records})
+            log.low.append({p.short: s.low for p, s in records if s.trust < LOWERED_BELOW})
         await asyncio.sleep(0)
 
 
@@ -277,6 +281,13 @@ def _victim(logs: list[PeerLog]) -> dict:
             x.swarm.averager.butterfly.excluded.accused(victim) for x in honest
         ),
         "victim_trust_min": min(views, default=1.0),
+        # (scorer, round, why) of every honest view that held it below LOWERED_BELOW
+        "victim_lowered_why": [
+            (x.swarm.peer.peer_id.short, r, low[victim.short])
+            for x in honest
+            for r, low in enumerate(x.low)
+            if victim.short in low
+        ],
         "victim_averaged": logs[0].rounds,
         "others_averaged": statistics.median(x.rounds for x in honest),
         "victim_missed": logs[0].missed,
