@@ -222,7 +222,7 @@ class SwarmConfig:
         outer_momentum: outer Nesterov momentum. None (the default) means DiLoCo's 0.9. A
             round with ``k`` peers uses at most ``1 - 1/k`` (2 peers: 0.5, 4: 0.75), and a peer
             alone takes no outer step at all (plain local training), so the default is stable
-            at every group size; see :func:`swarm.training.outer.outer_rule`. In ``diloco``
+            at every group size; see :func:`swarm.training.outer_rule.outer_rule`. In ``diloco``
             with a sparse codec (``sparse``, ``topk``, ``1bit``: their error feedback lives in
             the model, see :meth:`swarm.training.outer.OuterState.keep_unsent`) the momentum
             is folded into the step size instead: a plain step of ``outer_lr / (1 - β)``, β

@@ -165,7 +165,7 @@ def test_streaming_rounds_reach_whole_model_diloco_loss() -> None:
     """4 peers, 2 fragments taking turns every 5 of 10 inner steps, overlapped (landing 3 steps
     late, or when the next round is due): within 10% of whole-model blocking DiLoCo at the same
     steps (measured 1.08x and 0.91x); blocking, within 2x (measured 1.62x). Before the outer
-    momentum restarted (swarm.training.outer), whole-model blocking ended 2.8x higher (4.0e-4)
+    momentum restarted (swarm.training.outer_rule), whole-model blocking ended 2.8x higher (4.0e-4)
     and the fragments at 0.91x-0.94x of it: each fragment restarts its own momentum, and
     blocking fragments gained less from that (3.6e-4 -> 2.3e-4) than the whole model. With the
     landing's fixed half share (before ``landing_share``) the overlapped fragments ended at

@@ -12,7 +12,7 @@ from swarm.api import Swarm
 from swarm.config import SwarmConfig
 from swarm.training.divergence import DivergenceMonitor, as_loss
 from swarm.training.engine import TrainingEngine
-from swarm.training.outer import NORM_BOUND, NORM_MIN_HISTORY, momentum_cosine, outer_rule
+from swarm.training.outer_rule import NORM_BOUND, NORM_MIN_HISTORY, momentum_cosine, outer_rule
 from swarm.training.rounds import RoundOutcome
 
 DIM, CLASSES = 32, 8

@@ -26,7 +26,7 @@ from swarm.identity import Identity
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import arun_step, run_step
 from swarm.training.engine import TrainingEngine
-from swarm.training.outer import outer_step
+from swarm.training.outer_rule import outer_step
 from swarm.training.rounds import RoundOutcome, RoundPlan
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.snapshot import snapshot_size, unpack_snapshot

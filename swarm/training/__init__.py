@@ -5,7 +5,8 @@ The step and its rounds:
 - :mod:`~swarm.training.engine`: :class:`TrainingEngine`, the step/round state machine
 - :mod:`~swarm.training.rounds`: round plans and outcomes (what a step and the network exchange)
 - :mod:`~swarm.training.driver`: the one loop that answers a step, blocking or awaited
-- :mod:`~swarm.training.outer`: the DiLoCo outer step and its fp32 state
+- :mod:`~swarm.training.outer_rule`: the DiLoCo outer step and its rule for changing groups
+- :mod:`~swarm.training.outer`: the fp32 state it moves (anchors, slots, momentum)
 - :mod:`~swarm.training.overlap`: overlapped rounds that land a few steps late
 - :mod:`~swarm.training.fragments`: Streaming DiLoCo's fragments of the model
 - :mod:`~swarm.training.final_average`: rounds that average the values (``average_parameters``)
@@ -26,7 +27,7 @@ State kept and shared:
 The user-facing classes live in :mod:`swarm.api`.
 """
 
-from swarm.training.outer import outer_step
+from swarm.training.outer_rule import outer_step
 from swarm.training.report import StepReport
 
 __all__ = ["StepReport", "outer_step"]

@@ -5,7 +5,7 @@ round mean of the last ``WINDOW`` rounds (a median, so one lucky round of small 
 not make the next normal one look like a rise). A round whose mean exceeds ``RISE`` times that
 median (or that saw a non-finite loss) is flagged: the step report carries the reason and the
 engine logs a WARNING when the peer starts diverging. Pseudo-gradient norm jumps are caught by
-the outer rule's norm bound (:mod:`swarm.training.outer`), which reports through the same flag.
+the outer rule's norm bound (:mod:`swarm.training.outer_rule`), which reports through the same flag.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ from swarm.training.cadence import Cadence
 from swarm.training.divergence import DivergenceMonitor, as_loss, with_outer_step
 from swarm.training.final_average import ValuesRounds
 from swarm.training.fragments import split
-from swarm.training.outer import OuterState, OuterStep, outer_rule
+from swarm.training.outer import OuterState
+from swarm.training.outer_rule import OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait, landing_share
 from swarm.training.persistence import PersistentState
 from swarm.training.report import StepReport, Utilization

@@ -6,9 +6,9 @@ anchor and momentum it starts from), and starts the all-reduce in the background
 peer takes an *eager* outer step with its own ``Δ_local`` standing in for the average still in
 transit (Kale et al. 2025, "Eager updates for overlapped communication and computation in
 DiLoCo"), with the outer rule of the group size it averaged with last time
-(:func:`~swarm.training.outer.outer_rule`: a peer that was alone takes no step and simply goes on
-from its local model), restarts from that anchor and trains on. When the outcome arrives (at a
-later step, or at the next due round at the latest, which then waits for it):
+(:func:`~swarm.training.outer_rule.outer_rule`: a peer that was alone takes no step and simply
+goes on from its local model), restarts from that anchor and trains on. When the outcome
+arrives (at a later step, or at the next due round at the latest, which then waits for it):
 
 - averaged with ``k`` peers: anchor and momentum go back to where the round started and take
   blocking DiLoCo's outer step with ``Δ̄`` (the same rule for ``k``, the same norm bound), so
@@ -42,7 +42,8 @@ from typing import Any, Protocol
 
 import torch
 
-from swarm.training.outer import OuterState, OuterStep
+from swarm.training.outer import OuterState
+from swarm.training.outer_rule import OuterStep
 
 
 class RoundHandle(Protocol):
