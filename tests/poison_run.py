@@ -17,6 +17,7 @@ training shows.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import statistics
@@ -233,6 +234,11 @@ async def run(
     finally:
         for log in logs:
             await log.swarm.close()
+
+
+def shown(figures: dict | list) -> str:
+    """A run's figures in full, for an assertion's message (pytest cuts a dict's repr short)."""
+    return json.dumps(figures, default=str)
 
 
 def _figures(logs: list[PeerLog], rounds: int, wall: float, cpu: float) -> dict:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from poison_run import run
+from poison_run import run, shown
 
 from swarm.averaging import Fault
 from swarm.averaging.butterfly.robust import centered_clip
@@ -103,6 +103,6 @@ def test_colluding_alie_attackers_lose_their_weight_and_honest_peers_keep_theirs
     scorer judges nobody before its own parts warmed up (6 of them) and scores an attacker in
     about 3 rounds of 7, so a suite that leaves rounds short named one late: 40 rounds."""
     got = asyncio.run(run(peers=8, attackers=2, fault=Fault.ALIE, rounds=40))
-    assert got["attack_fired"] and not got["nan"], got
-    assert got["rounds_to_downweight"] is not None, got
-    assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], got
+    assert got["attack_fired"] and not got["nan"], shown(got)
+    assert got["rounds_to_downweight"] is not None, shown(got)
+    assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], shown(got)

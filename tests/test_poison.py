@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from poison_run import data as poison_data
 from poison_run import model as poison_model
-from poison_run import run
+from poison_run import run, shown
 from torch import nn
 
 from swarm.api import AsyncSwarm
@@ -320,17 +320,17 @@ def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault)
     rounds = {Fault.INSIDE_RADIUS: 50, Fault.ALIE: 40}.get(fault, 30)
     got = asyncio.run(run(peers=6, attackers=1, fault=fault, rounds=rounds, score_updates=True))
     assert not got["nan"]
-    assert got["rounds_to_downweight"] is not None, got
-    assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], got
+    assert got["rounds_to_downweight"] is not None, shown(got)
+    assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], shown(got)
 
 
 def test_a_calm_run_clips_and_lowers_no_honest_peer() -> None:
     """Measured without other load: 0-0.3% of honest contributions clipped below 0.5 (a peer
     whose rounds failed while the others averaged); the bound leaves room for a busy machine."""
     got = asyncio.run(run(peers=6, attackers=0, fault=Fault.NONE, rounds=16, score_updates=True))
-    assert got["honest_record_min"] > LOWERED_BELOW, got
-    assert got["honest_clip_rate"] < 0.1, got
-    assert got["averaged_rounds_min"] >= 8, got
+    assert got["honest_record_min"] > LOWERED_BELOW, shown(got)
+    assert got["honest_clip_rate"] < 0.1, shown(got)
+    assert got["averaged_rounds_min"] >= 8, shown(got)
 
 
 def test_honest_peers_with_unlike_data_keep_their_weight() -> None:
@@ -343,10 +343,10 @@ def test_honest_peers_with_unlike_data_keep_their_weight() -> None:
     got = asyncio.run(
         run(peers=peers, attackers=0, fault=Fault.NONE, rounds=16, score_updates=True, non_iid=True)
     )
-    assert not got["nan"] and got["averaged_rounds_min"] >= 4, got
+    assert not got["nan"] and got["averaged_rounds_min"] >= 4, shown(got)
     assert got["honest_lowered_by_most"] < (peers - 1) / 2, got  # fewer than half the others
     assert got["honest_excluded"] == [], got  # the median view never below half
-    assert got["honest_record_min"] >= LOWERED_BELOW, got
+    assert got["honest_record_min"] >= LOWERED_BELOW, shown(got)
 
 
 def test_colluders_cannot_get_an_honest_peer_excluded() -> None:
@@ -364,15 +364,17 @@ def test_colluders_cannot_get_an_honest_peer_excluded() -> None:
     got = asyncio.run(
         run(peers=8, attackers=2, fault=Fault.NONE, rounds=12, score_updates=True, slander=True)
     )
-    assert got["victim_accused_by_honest"] == 0, got
-    assert got["victim_trust_min"] >= LOWERED_BELOW, got
+    assert got["victim_accused_by_honest"] == 0, shown(got)
+    assert got["victim_trust_min"] >= LOWERED_BELOW, shown(got)
     # an accused member's part no longer waits for its accusers until the stall limit (they
     # say so), so an honest peer in its group is all it needs
     run_ = got["victim_rounds_run"]
-    assert got["victim_failed_beside_honest"] <= 0.2 * run_, got
-    assert got["victim_rounds_averaged"] + got["victim_among_accusers_only"] >= 0.5 * run_, got
+    assert got["victim_failed_beside_honest"] <= 0.2 * run_, shown(got)
+    assert got["victim_rounds_averaged"] + got["victim_among_accusers_only"] >= 0.5 * run_, shown(
+        got
+    )
     assert got["victim_slandered"], got  # the colluders did accuse and down-score it
-    assert got["victim_with_accusers_again"] <= 4, got
+    assert got["victim_with_accusers_again"] <= 4, shown(got)
 
 
 def test_peers_with_and_without_scoring_never_group() -> None:

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 import torch
-from poison_run import run
+from poison_run import run, shown
 
 from swarm.averaging import Fault
 from swarm.averaging.poison import STALE_ROUNDS, History
@@ -41,6 +41,6 @@ def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> Non
     alone = [
         asyncio.run(run(peers=6, attackers=0, fault=Fault.NONE, rounds=40, seed=s)) for s in seeds
     ]
-    assert all(g["attack_fired"] and not g["nan"] for g in got), got
+    assert all(g["attack_fired"] and not g["nan"] for g in got), shown(got)
     losses = [g["final_loss"] for g in got], [a["final_loss"] for a in alone]
     assert statistics.median(losses[0]) <= 1.25 * statistics.median(losses[1]), losses
