@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -278,7 +279,7 @@ def _plain_and_nesterov() -> tuple[TrainingEngine, TrainingEngine]:
     return plain, nesterov
 
 
-def test_a_plain_step_keeps_no_momentum_and_its_checkpoints_cross_codecs(tmp_path) -> None:
+def test_a_plain_step_keeps_no_momentum_and_its_checkpoints_cross_codecs(tmp_path, caplog) -> None:
     """A sparse DiLoCo peer keeps and saves no outer momentum (one fp32 vector of the model
     less); a peer that keeps one restores its checkpoint with zero momentum, and the other way
     round the saved momentum is ignored. A checkpoint missing only part of it is refused."""
@@ -287,8 +288,10 @@ def test_a_plain_step_keeps_no_momentum_and_its_checkpoints_cross_codecs(tmp_pat
     state = plain.state_dict(None)
     assert not any(k.startswith("momentum.") for k in state["outer"]), list(state["outer"])
     write_checkpoint(tmp_path / "plain", state)
-    nesterov.load_state_dict(read_checkpoint(tmp_path / "plain"))
+    with caplog.at_level(logging.INFO, logger="swarm.training.outer"):
+        nesterov.load_state_dict(read_checkpoint(tmp_path / "plain"))
     assert all(not m.any() for m in nesterov.outer.momentum)
+    assert "no outer momentum" in caplog.text
     for a, b in zip(nesterov.outer.anchor, plain.outer.anchor, strict=True):
         assert torch.equal(a, b)
     for m in nesterov.outer.momentum:

@@ -335,7 +335,8 @@ class OuterState:
         pairs = [("anchor", self.tensors.names, self.anchor + self.buffer_anchor)]
         if has_momentum(state):
             pairs.append(("momentum", self.tensors.param_names, self.momentum))
-        else:
+        elif self.momentum:
+            logger.info("the saved state holds no outer momentum (a plain step's): it starts at 0")
             for m in self.momentum:
                 m.zero_()
         for prefix, names, targets in pairs:
