@@ -152,7 +152,7 @@ def parse_args() -> argparse.Namespace:
         "--codec",
         type=codec_spec,
         default="int8",
-        help="compression: none, fp16, bf16, int8, topk:0.01, 1bit, ...",
+        help="compression: none, fp16, bf16, int8, sparse (home uplinks), topk:0.01, 1bit, ...",
     )
     p.add_argument(
         "--checkpoint",

@@ -119,7 +119,10 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=count, default=25, help="local steps per round")
     parser.add_argument("--batch", type=count, default=32, help="samples per step and peer")
     parser.add_argument(
-        "--codec", type=codec_spec, default="int8", help="none, fp16, int8, topk:0.1, 1bit, ..."
+        "--codec",
+        type=codec_spec,
+        default="int8",
+        help="none, fp16, int8, sparse (home uplinks), topk:0.1, 1bit, ...",
     )
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
     parser.add_argument(
