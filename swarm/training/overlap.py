@@ -114,8 +114,9 @@ class Overlap:
 
     def __init__(self, outer: OuterState, keeps_unsent: bool = False):
         self.outer = outer
-        # error feedback in the model (OuterState.keep_unsent): the eager step then guesses
-        # no averaged change, and the model keeps its own progress on top of the guess
+        # error feedback in the model (OuterState.keep_unsent, whose plain step keeps no
+        # momentum): the eager step then guesses no averaged change, and the model keeps its
+        # own progress on top of the guess
         self.keeps_unsent = keeps_unsent
         self._held = False  # the model holds Δ_local beyond the eager anchor
         self._local: list[torch.Tensor] = []  # Δ_local of the round in flight
@@ -157,11 +158,12 @@ class Overlap:
 
         With error feedback in the model, ``Δ_local`` is mostly what earlier rounds left out
         (a sparse round delivers a few percent of it), a poor guess of ``Δ̄``: the step then
-        guesses no change (the momentum alone moves the anchor) and the model keeps all its
-        local progress on top, ``θ_eager - Δ_local``. :meth:`land` gives ``Δ_local`` back by
-        the share the model follows of the anchor's correction, and the engine takes out what
-        the round left out by the same share (:meth:`OuterState.keep_unsent`): the model keeps
-        what it did not deliver and follows the group for what it did.
+        guesses no change (the anchor stays; its plain step keeps no momentum to move it) and
+        the model keeps all its local progress on top, ``θ_anchor - Δ_local``. :meth:`land`
+        gives ``Δ_local`` back by the share the model follows of the anchor's correction, and
+        the engine takes out what the round left out by the same share
+        (:meth:`OuterState.keep_unsent`): the model keeps what it did not deliver and follows
+        the group for what it did.
         """
         outer, n, local = self.outer, len(self.outer.anchor), self._local
         params = zip(outer.anchor, local[:n], outer.tensors.params, strict=True)
@@ -170,17 +172,10 @@ class Overlap:
             if step.solitary:
                 anchor.sub_(delta)  # the model as it is: plain local training
                 continue
-            m = outer.momentum[i] if outer.momentum else None  # none: a plain step
-            if self._held:
-                if m is not None:
-                    m.mul_(step.beta)
-                    anchor.sub_(m, alpha=step.lr * step.beta if nesterov else step.lr)
+            if self._held:  # the anchor stays where it is
                 p.copy_(anchor).sub_(delta.to(p.device, non_blocking=True))
                 continue
-            if m is None:
-                anchor.sub_(delta, alpha=step.lr)
-                p.copy_(anchor)
-                continue
+            m = outer.momentum[i]
             m.mul_(step.beta).add_(delta)
             anchor.sub_(delta if nesterov else m, alpha=step.lr)
             if nesterov:
