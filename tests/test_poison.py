@@ -304,6 +304,7 @@ def test_scoring_syncs_dense_anchors_twice_as_often() -> None:
     assert SwarmConfig.build(score_updates=True, anchor_sync_every=5).anchor_sync_period == 5
 
 
+@pytest.mark.flaky(reruns=1)  # 6 peers in one loop on 2 shared cores (see the comment below)
 @pytest.mark.parametrize("fault", [Fault.IPM, Fault.FREE_RIDE, Fault.INSIDE_RADIUS, Fault.ALIE])
 def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault) -> None:
     """1 of 6 through real sockets: in the median view of the honest peers that scored it, the
