@@ -129,9 +129,13 @@ def run_peer(rank: int, args, text, held_out, peers: list[str], ready, out: list
             report = swarm.step(samples=args.batch * args.accumulate)
             optimizer.zero_grad(set_to_none=True)
             sent += report.bytes_sent  # a round that failed may have sent some too
-            if report.round_due and rank == 0:
+            if report.round_due:
+                # every peer measures, not only the one that prints: with rounds every
+                # --inner-steps steps, a peer that did less work per round ran ahead until the
+                # other missed a round (2-4 of 120 rounds at --steps 3000)
                 held = held_out_loss(model, held_out, device)
-                print(f"peer 0 {report.line(held)} ({held / math.log(2):.2f} bits/byte)")
+                if rank == 0:
+                    print(f"peer 0 {report.line(held)} ({held / math.log(2):.2f} bits/byte)")
         last = swarm.wait_round()  # land the last round before leaving
         sent += last.bytes_sent if last is not None else 0
         own = held_out_loss(model, held_out, device)
