@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import resource
+import math
 import sys
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set so far, in MiB (Linux: ``ru_maxrss`` counts KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident set so far, in MiB; NaN where unknown (Windows)."""
+    if resource is None:
+        return math.nan
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # macOS: bytes, Linux: KiB
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def proc_status_mb(field: str) -> float | None:

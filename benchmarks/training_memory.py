@@ -11,7 +11,8 @@ residuals and each round's buffers. Each codec runs in a process of its own (the
 the process's). Prints one JSON object per codec: ``codec``, ``peers``, ``parameters``,
 ``rounds`` (each peer's), ``outer_momentum`` (tensors kept), ``model_mb``, ``rss_before_mb``
 (models built and their gradients allocated), ``peak_rss_mb`` and ``vectors_per_peer``
-(``(peak - before) / peers / model``). Linux and macOS (``ru_maxrss``); elsewhere no figures.
+(``(peak - before) / peers / model``). Linux and macOS (``ru_maxrss``); elsewhere the memory
+figures are NaN.
 """
 
 from __future__ import annotations
@@ -82,26 +83,34 @@ async def measure(args: argparse.Namespace, codec: str) -> dict:
         await asyncio.gather(*(s.close() for s in swarms), return_exceptions=True)
 
 
+def at_least(low: int):
+    """An argparse type: an integer of at least ``low``, else a one-line usage error."""
+
+    def integer(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return integer
+
+
+SETTINGS = ("size", "peers", "steps", "inner_steps", "anchor_sync_every")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--codecs", nargs="+", default=["sparse", "int8"])
-    p.add_argument("--size", type=int, default=5000, help="the layer is size x size")
-    p.add_argument("--peers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--inner-steps", type=int, default=3)
-    p.add_argument("--anchor-sync-every", type=int, default=0)
+    p.add_argument("--size", type=at_least(1), default=5000, help="the layer is size x size")
+    p.add_argument("--peers", type=at_least(1), default=2)
+    p.add_argument("--steps", type=at_least(1), default=12)
+    p.add_argument("--inner-steps", type=at_least(1), default=3)
+    p.add_argument("--anchor-sync-every", type=at_least(0), default=0)
     args = p.parse_args()
     if len(args.codecs) > 1:  # one process per codec: the peak RSS is the process's
-        settings = ["--size", args.size, "--peers", args.peers, "--steps", args.steps]
-        settings += [
-            "--inner-steps",
-            args.inner_steps,
-            "--anchor-sync-every",
-            args.anchor_sync_every,
-        ]
+        settings = [x for k in SETTINGS for x in (f"--{k.replace('_', '-')}", str(vars(args)[k]))]
         for codec in args.codecs:
-            command = [sys.executable, __file__, "--codecs", codec, *map(str, settings)]
-            subprocess.run(command, check=True)
+            subprocess.run([sys.executable, __file__, "--codecs", codec, *settings], check=True)
         return
     print(json.dumps(asyncio.run(measure(args, args.codecs[0]))), flush=True)
 
