@@ -21,11 +21,13 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
 
     Each peer encodes its vector with error feedback, the part owners average the decoded
     values and encode the mean with their own error feedback (as the butterfly all-reduce
-    does); bytes per peer per round are 2(N-1)/N x the payload. Where the engine keeps what
-    its payloads leave out in its model (sparse codecs), each sender's residual restarts at
-    zero every round and goes back to the engine, as the butterfly's does. No network, no
-    overlap.
+    does; a pair under a sparse codec applies the mean of the two payloads as it is, as a
+    pair's round does: ``swarm.averaging.butterfly.pairs``); bytes per peer per round are
+    2(N-1)/N x the payload. Where the engine keeps what its payloads leave out in its model
+    (sparse codecs), each sender's residual restarts at zero every round and goes back to the
+    engine, as the butterfly's does. No network, no overlap.
     """
+    from swarm.averaging.butterfly.pairs import is_pairwise
     from swarm.compression import get_codec
     from swarm.compression.feedback import ErrorFeedback
     from swarm.config import SwarmConfig
@@ -54,7 +56,10 @@ def run_simulated(mode: str, codec: str, seed: int, args: argparse.Namespace, te
                 f.reset()
         senders = [f.encode for f in feedback[:n]]
         weights = [p.weight for p in plans]
-        sent = exact_butterfly([p.tensors for p in plans], weights, senders, feedback[n].encode)
+        # a pair exchanges its members' own payloads: the mean is not encoded again
+        pair = is_pairwise(True, feedback[n].codec, n)
+        owner = None if pair else feedback[n].encode
+        sent = exact_butterfly([p.tensors for p in plans], weights, senders, owner)
         for r in range(n):
             rec.bytes[r] += int(2 * (n - 1) / n * sent)
         return [
@@ -98,14 +103,17 @@ def final_average(engines: list, rec: Recorder) -> None:
     """``average_parameters()`` of every engine in memory: each plan's codec without residuals
     (rounds of values keep none), skipped where ``unless_equal`` and the values agree, the
     anchors averaged too where the plan syncs them and they differ; then the buffers' round."""
+    from swarm.averaging.butterfly.pairs import is_pairwise
     from swarm.compression import get_codec
     from swarm.training.final_average import average_values
     from swarm.training.rounds import RoundOutcome
 
     def average(lists: list, codec: str | None) -> int:
-        """Average the lists of tensors in place, encoded without residual; payload bytes."""
-        encode = get_codec(codec or "none").encode
-        return exact_butterfly(lists, [1.0] * len(lists), [encode] * len(lists), encode)
+        """Average the lists of tensors in place, encoded without residual (the mean not
+        encoded again in a pair, as for training rounds); payload bytes."""
+        c = get_codec(codec or "none")
+        owner = None if is_pairwise(True, c, len(lists)) else c.encode
+        return exact_butterfly(lists, [1.0] * len(lists), [c.encode] * len(lists), owner)
 
     def run_round(plans: list) -> int:
         """One round of ``plans`` (and their syncs), as the averager would run it: bytes."""
@@ -144,12 +152,14 @@ def flat(tensors: list) -> torch.Tensor:
 def exact_butterfly(lists: list, weights: list, senders: list, owner) -> int:
     """What a butterfly round leaves every member with, in memory: each list of tensors encoded
     by its sender (``senders[i]``), the weighted mean of the decoded vectors encoded by the
-    owner, decoded into every list in place. Returns the largest payload's bytes."""
+    owner (as it is where ``owner`` is None: a pair), decoded into every list in place.
+    Returns the largest payload's bytes."""
     from swarm.compression import decode
 
     payloads = [encode(flat(ts)) for encode, ts in zip(senders, lists, strict=True)]
     mean = sum(w * decode(b).float() for w, b in zip(weights, payloads, strict=True))
-    values = decode(owner(mean / sum(weights))).float()
+    mean = mean / sum(weights)
+    values = mean if owner is None else decode(owner(mean)).float()
     for ts in lists:
         offset = 0
         for t in ts:

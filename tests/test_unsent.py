@@ -10,7 +10,7 @@ import torch
 from loopback_peers import fixed_group_config, start_peers
 
 from swarm.api import AsyncSwarm
-from swarm.averaging import Averager, Fault
+from swarm.averaging import Averager, Fault, PartPlan
 from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.compression import get_codec
 
@@ -111,7 +111,7 @@ async def test_a_round_that_keeps_unsent_values_adds_back_none_of_the_last() -> 
                 )
                 assert all(r.averaged for r in results), results
             for r, x in zip(results, inputs, strict=True):
-                # own part: never encoded as a sender; the other: the value where unsent
+                # where a payload (the own part's too: a pair's reply) left the value out
                 fresh = (r.unsent == (x * decay).bfloat16()) | (r.unsent == 0)
                 share = float(fresh.float().mean())
                 assert share > 0.95 if keep else share < 0.6, (keep, share)
@@ -135,8 +135,14 @@ async def test_a_part_that_kept_own_values_owes_nothing() -> None:
             *(a.average([x], updates=True) for a, x in zip(averagers, inputs, strict=True))
         )
         honest = results[0]
-        assert list(honest.parts) == [honest.members.index(peers[0].peer_id)], honest
-        assert honest.unsent is not None and not honest.unsent.any()
+        mine = honest.members.index(peers[0].peer_id)
+        assert list(honest.parts) == [mine], honest
+        ranges = PartPlan.create(numel, [1.0, 1.0], 1).ranges
+        (start, end), (own_start, own_end) = ranges[1 - mine], ranges[mine]
+        assert honest.unsent is not None and not honest.unsent[start:end].any()
+        # in a pair the own part goes out as a payload of its own (its owner's reply): what
+        # that left out is owed like any sender's
+        assert honest.unsent[own_start:own_end].any()
     finally:
         await asyncio.gather(*(a.close() for a in averagers))
         await asyncio.gather(*(p.close() for p in peers))

@@ -140,6 +140,14 @@ class FaultInjector:
         self.triggered.set()
         return payload[:-4] + struct.pack("<f", float("nan"))
 
+    def shares(self, shares: tuple[float, float]) -> tuple[float, float]:
+        """Owner side, in a pair (:mod:`~swarm.averaging.butterfly.pairs`): the shares of the
+        mean to announce, the owner's first; a liar claims all of it."""
+        if self.fault in _LIARS:
+            self.triggered.set()
+            return 1.0, 0.0
+        return shares
+
     def averaged(self, values: torch.Tensor) -> None:
         """Owner side: tamper with an averaged chunk (in place) before it is encoded."""
         if self.fault in _LIARS:

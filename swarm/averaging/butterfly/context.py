@@ -53,6 +53,9 @@ class RoundContext:
     gone: set[int] = field(default_factory=set)
     suspected: dict[int, float] = field(default_factory=dict)  # member -> when last checked
     refused_us: set[int] = field(default_factory=set)  # owners that excluded this member (403)
+    # a group of two averaging updates in a sparse codec: owners send back their own payloads
+    # and the shares of the mean (see swarm.averaging.butterfly.pairs)
+    pairwise: bool = False
 
     def mark_gone(self, index: int) -> None:
         """Member ``index``'s address refused our connection."""

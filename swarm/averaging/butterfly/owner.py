@@ -7,6 +7,9 @@ compressed with the owner's error feedback, and written back on the reply of eve
 later chunks still arrive (:class:`~swarm.averaging.butterfly.replies.PartReplies`, which also ends
 each reply with the attempt's :class:`PartOutcome`).
 
+In a pair under a sparse codec the owner sends back its own payload of each chunk instead, and
+the shares of the mean in its answer's header (:mod:`~swarm.averaging.butterfly.pairs`).
+
 A dropped sender whose chunks were already added *taints* the part: the owner stops, resets the
 part and answers ``retry`` to the complete senders, which send again (once).
 """
@@ -24,6 +27,7 @@ import torch
 from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.intake import PartIntake
 from swarm.averaging.butterfly.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
+from swarm.averaging.butterfly.pairs import Shares
 from swarm.averaging.butterfly.reducer import PartReducer
 from swarm.averaging.butterfly.replies import PartReplies
 from swarm.averaging.butterfly.scoring import PartScores, part_scores
@@ -62,8 +66,19 @@ class PartOwner:
         senders = [i for i in range(len(ctx.group.members)) if i != ctx.me]
         senders = [i for i in senders if i not in ctx.excluded]
         self.reducer = PartReducer(
-            acc, chunks, senders, ctx.aggregator, ctx.weight_cap, ctx.trust, score=ctx.score
+            acc,
+            chunks,
+            senders,
+            ctx.aggregator,
+            ctx.weight_cap,
+            ctx.trust,
+            score=ctx.score,
+            pairwise=ctx.pairwise,
         )
+        # pairwise: the sender's shares of the mean, and this owner's own payload of each chunk
+        # (encoded once: a retry sends the same bytes, and its error feedback moved once)
+        self._shares: Shares = (1.0, 0.0)
+        self._own_payloads: dict[int, bytes] = {}
         if self.faults.active:
             self.reducer.observe_radius = self.faults.observe_radius
         self.intake = PartIntake(ctx, self.reducer)
@@ -126,11 +141,15 @@ class PartOwner:
             raise TransportError(f"wrong part or attempt {attempt}", status=409)
         await self._begun.wait()
         self.intake.accept(sender, header.get("w"))
+        answer: dict[str, Any] = {"ok": True}
+        if self.ctx.pairwise:  # before any chunk: the sender stages what both will apply
+            self._shares = self.reducer.pair_shares(sender)
+            answer["b"] = list(self.faults.shares(self._shares))
         writer: asyncio.Task[bool] | None = None
         receiving = asyncio.ensure_future(self.intake.receive(request, sender))
         try:
             if not self.faults.owner_silent:
-                await reply.prepare({"ok": True})
+                await reply.prepare(answer)
                 writer = self.replies.start(reply)
             await receiving
         except BaseException:
@@ -226,7 +245,20 @@ class PartOwner:
                 await asyncio.wait_for(intake.changed.wait(), _TICK_S)
 
     def _finish_chunk(self, index: int, total: float) -> bytes:
+        if self.ctx.pairwise:
+            return self._finish_pair_chunk(index)
         values = self.reducer.finish_chunk(index, total)
         self.faults.averaged(values)
         payload = self.feedback.encode_owned(values, self.reducer.chunks[index][0])
+        return self.faults.averaged_payload(payload)
+
+    def _finish_pair_chunk(self, index: int) -> bytes:
+        """Pairwise: this owner's own payload of chunk ``index`` (sent back in place of an
+        average) and the chunk as both members apply it, in the accumulator."""
+        payload = self._own_payloads.get(index)
+        if payload is None:
+            start, end = self.reducer.chunks[index]
+            payload = self.feedback.encode(self.values[start:end], self.start + start)
+            self._own_payloads[index] = payload
+        self.reducer.finish_pair_chunk(index, payload, self._shares)
         return self.faults.averaged_payload(payload)

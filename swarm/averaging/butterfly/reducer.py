@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.averaging.butterfly.flat import ScratchRows
+from swarm.averaging.butterfly.pairs import Shares, compose, pair_shares
 from swarm.averaging.butterfly.robust import cap_weights, centered_clip
 from swarm.averaging.butterfly.scoring import PartAlignment
 from swarm.compression import decode_into, read_header
@@ -88,6 +89,9 @@ class PartReducer:
             (this peer's record of it; missing: 1.0).
         score: with ``centered_clip``, measure every contribution's alignment with the robust
             mean (:attr:`alignment`; the owner's own under the key ``-1``): the part is an update.
+        pairwise: the group is a pair exchanging its members' own payloads
+            (:mod:`~swarm.averaging.butterfly.pairs`): the sender's payloads are kept as they
+            came, for :meth:`finish_pair_chunk`.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class PartReducer:
         weight_cap: float = 2.0,
         trust: Mapping[int, float] | None = None,
         score: bool = False,
+        pairwise: bool = False,
     ):
         if aggregator not in AGGREGATORS:
             raise AveragingError(f"aggregator must be one of {AGGREGATORS}, not {aggregator!r}")
@@ -109,6 +114,8 @@ class PartReducer:
         self.weight_cap = weight_cap
         self.trust = dict(trust or {})
         self.alignment = PartAlignment() if score and self.robust else None
+        self.pairwise = pairwise
+        self._payloads: dict[int, bytes] = {}  # pairwise: chunk -> the sender's payload
         # (radius, values) of every clipped chunk, for a test's attacker (see faults)
         self.observe_radius: Callable[[float, int], None] | None = None
         self._slots = {s: i + 1 for i, s in enumerate(self.expected)}
@@ -150,7 +157,11 @@ class PartReducer:
         if header.numel != end - start:
             raise CompressionError(f"chunk {index} holds {header.numel}, expected {end - start}")
         with self._locks[index]:
-            if self.robust:
+            if self.pairwise:  # checked as it came, applied by finish_pair_chunk()
+                decode_into(payload, self._scratch.row(end - start), accumulate=False)
+                if not self.tainted:
+                    self._payloads[index] = bytes(payload)
+            elif self.robust:
                 if self.tainted:
                     # the attempt is over, but a sender whose payload is refused must still be
                     # dropped from the retry: checked into a scratch row, kept nowhere (rows
@@ -177,6 +188,28 @@ class PartReducer:
             elif self._own is not None:
                 self.acc[start:end].copy_(self._own[start:end])
         return self.acc[start:end]
+
+    def pair_shares(self, sender: int) -> Shares:
+        """Pairwise: the owner's and ``sender``'s shares of the mean, from their weights
+        (``sender``'s by this owner's record of it, both capped under ``centered_clip``)."""
+        claimed = self._senders[sender].weight
+        if not self.robust:
+            return pair_shares(self.own_weight, claimed)
+        trusted = claimed * self.trust.get(sender, 1.0)
+        own, theirs = cap_weights([self.own_weight, trusted], self.weight_cap)
+        if theirs < trusted:
+            self.capped[sender] = claimed
+        return pair_shares(own, theirs)
+
+    def finish_pair_chunk(self, index: int, own_payload: bytes, shares: Shares) -> torch.Tensor:
+        """Pairwise: chunk ``index`` as both members apply it, from the owner's own payload
+        and the sender's (:func:`~swarm.averaging.butterfly.pairs.compose`); returns the chunk."""
+        start, end = self.chunks[index]
+        out = self.acc[start:end]
+        with self._locks[index]:
+            theirs = self._payloads.pop(index, None) if self.delivered(index) else None
+            compose(out, own_payload, theirs, shares)
+        return out
 
     def _chunk_rows(self, index: int) -> torch.Tensor:
         """The row buffer of chunk ``index`` (call under its lock)."""
@@ -250,6 +283,7 @@ class PartReducer:
             torch.mul(self._own, self.own_weight, out=self.acc)
         self.expected = self.contributors()
         self._senders = {}
+        self._payloads = {}
         for index in list(self._rows):  # chunks the tainted attempt left unreduced
             self._release_rows(index)
         self.own_clipped = False  # judged again from the new attempt's rows

@@ -25,6 +25,7 @@ from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.exclusions import Exclusions
 from swarm.averaging.butterfly.flat import FlatStaging
 from swarm.averaging.butterfly.kept import KeptRanges
+from swarm.averaging.butterfly.pairs import is_pairwise
 from swarm.averaging.butterfly.parts import (
     PartPlan,
     chunk_bytes_for,
@@ -141,11 +142,12 @@ class ButterflyRunner:
         weight = self.faults.weight(weight)
         started = time.monotonic()
         layout = (kind.fragment, numel)
+        feedback = self.feedback_for(numel, flat.device, kind, codec)
         ctx = RoundContext(
             group=group,
             me=me,
             weight=weight,
-            feedback=self.feedback_for(numel, flat.device, kind, codec),
+            feedback=feedback,
             workers=Workers.for_chunks(self._pool, plan.largest_chunk(), flat.device),
             stall=self.stall,
             deadline=deadline,
@@ -162,6 +164,7 @@ class ButterflyRunner:
             accused=frozenset(
                 i for i, m in enumerate(group.members) if self.excluded.accused(m.peer_id)
             ),
+            pairwise=is_pairwise(updates, codec, len(group.members)),
         )
         into = staging.result(numel, flat.device) if stage_decoded(codec) else None
         staged = StagedAverages(flat, ctx.kept, ctx.accused, into, codec.name)
@@ -169,7 +172,12 @@ class ButterflyRunner:
         if owes and keep_unsent:
             await loop.run_in_executor(self._pool, ctx.feedback.drop_sent, [(0, numel)])
         outcome = await self._run(ctx, plan, flat, staged)
-        kept = [plan.ranges[j] for j in range(len(plan)) if j != me and j not in outcome.parts]
+        # (the own part too where this peer sent it as a payload of its own: in a pair)
+        kept = [
+            plan.ranges[j]
+            for j in range(len(plan))
+            if (j != me or ctx.pairwise) and j not in outcome.parts
+        ]
         if owes and kept:  # where this peer keeps its own values, nothing left out is owed
             await loop.run_in_executor(self._pool, ctx.feedback.drop_sent, kept)
         repair = Repair.plan(group, plan, me, set(outcome.parts))

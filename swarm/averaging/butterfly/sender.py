@@ -6,7 +6,9 @@ part ``j`` chunk by chunk (with its error feedback). The averaged chunks come ba
 while later chunks still go out; they are staged compressed
 (:class:`~swarm.averaging.butterfly.staged.StagedAverages`), and the part counts as averaged
 only after the owner's ``ok`` trailer, with every chunk received and a valid contributor list.
-A ``retry`` trailer starts the part again with the same payloads (once).
+A ``retry`` trailer starts the part again with the same payloads (once). In a pair under a
+sparse codec the owner's chunks are its own payloads, each staged with this member's payload
+of the chunk and the shares of the mean (:mod:`~swarm.averaging.butterfly.pairs`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from swarm.averaging.butterfly.context import RoundContext
 from swarm.averaging.butterfly.outcome import FAILURES, MAX_ATTEMPTS, SentPart
+from swarm.averaging.butterfly.pairs import Shares, check_shares
 from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import AveragingError, CompressionError, TransportError
@@ -72,7 +75,9 @@ class PartSender:
         self.deadline, self.faults = ctx.deadline, ctx.faults
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._stored: list[bytes] | None = [] if ctx.feedback.enabled else None
+        # kept for a retry (error feedback moves once) and, in a pair, to compose the average
+        keep = ctx.feedback.enabled or ctx.pairwise
+        self._stored: list[bytes] | None = [] if keep else None
         self._progress: list[float] = [time.monotonic()]  # when chunks went out or came back
 
     def _remaining(self) -> float:
@@ -186,13 +191,19 @@ class PartSender:
         ) as s:
             if s.header.get("ok") is not True:
                 raise AveragingError(f"owner refused: {s.header.get('why')!s:.200}")
+            shares = self._shares(s.header)
             received = 0
             self.staged.begin_part(self.part)  # a retry's chunks replace the last attempt's
             async for payload in s:  # staged; applied after an ok trailer only
                 if received >= len(chunks):
                     raise AveragingError("owner sent more chunks than the part has")
                 cs, ce = chunks[received]
-                await self.workers.run(self._stage_chunk, payload, cs, ce)
+                pair = None
+                if shares is not None and self._stored is not None:
+                    if received >= len(self._stored):
+                        raise OwnerLied("sent a chunk back before it had this member's")
+                    pair = (self._stored[received], shares)
+                await self.workers.run(self._stage_chunk, payload, cs, ce, pair)
                 self.bytes_received += len(payload)
                 received += 1
                 self._progress.append(time.monotonic())
@@ -218,8 +229,28 @@ class PartSender:
             raise AveragingError("owner sent an invalid contributor list")
         return tuple(sorted(value))
 
-    def _stage_chunk(self, payload: bytes, start: int, end: int) -> None:
+    def _shares(self, header: dict[str, Any]) -> Shares | None:
+        """In a pair, the shares of the mean the owner's answer gives (else None).
+
+        Raises:
+            OwnerLied: missing, malformed, or more than the owner's due.
+            AveragingError: an owner of a pair gave shares where this member expects none.
+        """
+        if not self.ctx.pairwise:
+            if "b" in header:
+                raise AveragingError("owner answered as in a pair")
+            return None
         try:
-            self.staged.stage(self.part, start, end, payload)
+            return check_shares(
+                header.get("b"), self.ctx.aggregator == "centered_clip", self.ctx.weight_cap
+            )
+        except AveragingError as e:
+            raise OwnerLied(str(e)) from e
+
+    def _stage_chunk(
+        self, payload: bytes, start: int, end: int, pair: tuple[bytes, Shares] | None
+    ) -> None:
+        try:
+            self.staged.stage(self.part, start, end, payload, pair)
         except CompressionError as e:
             raise OwnerLied(f"sent an averaged chunk that does not decode: {e}") from e

@@ -22,10 +22,12 @@ import torch
 
 from swarm.averaging.butterfly.flat import ScratchRows, write_at
 from swarm.averaging.butterfly.kept import split
+from swarm.averaging.butterfly.pairs import Shares, compose
 from swarm.compression import Codec, decode_into, read_header
 from swarm.errors import CompressionError
 
 Range = tuple[int, int]
+Pair = tuple[bytes, Shares]  # in a pair: this member's own payload of a chunk, and the shares
 
 _SPAN = 1 << 20  # torch.dist allocates its operands' difference: 4 MiB at most, not a part
 
@@ -57,7 +59,7 @@ class StagedAverages:
         self.kept, self.whole = kept, frozenset(whole)
         self.into, self.codec = into, codec
         self._decoded: dict[int, list[Range]] = {}  # with ``into``: the chunks decoded there
-        self._payloads: dict[int, list[tuple[int, int, bytes]]] = {}
+        self._payloads: dict[int, list[tuple[int, int, bytes, Pair | None]]] = {}
         self._values: dict[int, tuple[int, torch.Tensor]] = {}
         self._unmeasured: set[int] = set()  # parts staged as values, distances not taken yet
         self._outside: dict[int, _Distance] = {}
@@ -67,7 +69,7 @@ class StagedAverages:
     @property
     def staged_bytes(self) -> int:
         """Memory the staged averages hold: payload bytes plus float32 values."""
-        payloads = sum(len(p) for chunks in self._payloads.values() for _, _, p in chunks)
+        payloads = sum(len(c[2]) for chunks in self._payloads.values() for c in chunks)
         decoded = sum(4 * (e - s) for chunks in self._decoded.values() for s, e in chunks)
         return payloads + decoded + sum(4 * v.numel() for _, v in self._values.values())
 
@@ -80,8 +82,12 @@ class StagedAverages:
         self._outside.pop(part, None)
         self._inside.pop(part, None)
 
-    def stage(self, part: int, start: int, end: int, payload: bytes) -> None:
-        """Stage the averaged chunk ``[start, end)`` of ``part`` (a worker thread's work).
+    def stage(
+        self, part: int, start: int, end: int, payload: bytes, pair: Pair | None = None
+    ) -> None:
+        """Stage the averaged chunk ``[start, end)`` of ``part`` (a worker thread's work); in
+        a pair (:mod:`~swarm.averaging.butterfly.pairs`), ``payload`` is the owner's own and
+        ``pair`` this member's payload of the chunk and the shares of the mean.
 
         Raises:
             CompressionError: it does not decode to ``end - start`` values of the round's codec.
@@ -92,13 +98,13 @@ class StagedAverages:
         if self.codec is not None and header.codec != self.codec:
             raise CompressionError(f"chunk is {header.codec}, the round's codec is {self.codec}")
         if self.into is not None:
-            got = decode_into(payload, self.into[start:end], accumulate=False)
+            got = _decode(payload, pair, self.into[start:end])
             self._measure(part, start, end, got)
             self._decoded.setdefault(part, []).append((start, end))
             return
-        got = decode_into(payload, self._scratch.row(end - start), accumulate=False)
+        got = _decode(payload, pair, self._scratch.row(end - start))
         self._measure(part, start, end, got)
-        self._payloads.setdefault(part, []).append((start, end, payload))
+        self._payloads.setdefault(part, []).append((start, end, payload, pair))
 
     def stage_values(self, part: int, start: int, values: torch.Tensor) -> None:
         """Stage ``part`` as float32 ``values`` from ``start`` (in place of any chunks)."""
@@ -136,12 +142,11 @@ class StagedAverages:
                 continue
             for start, end in self._decoded.get(part, ()):
                 write_at(tensors, start, self.into[start:end])
-            for start, end, payload in self._payloads.get(part, ()):
+            for start, end, payload, pair in self._payloads.get(part, ()):
                 if direct:
-                    decode_into(payload, single.detach().view(-1)[start:end], accumulate=False)
+                    _decode(payload, pair, single.detach().view(-1)[start:end])
                 else:
-                    got = decode_into(payload, self._scratch.row(end - start), accumulate=False)
-                    write_at(tensors, start, got)
+                    write_at(tensors, start, _decode(payload, pair, self._scratch.row(end - start)))
 
     def _measure(self, part: int, start: int, end: int, got: torch.Tensor) -> None:
         """Add ``got`` (the average of ``[start, end)``) to ``part``'s distances."""
@@ -158,6 +163,15 @@ class StagedAverages:
             # slice left between kept ranges (a bias near 0) read 0.38-0.98 from its own small
             # values where the other parts read 0.01-0.05, and an honest owner was accused
             outside.size2 += inside.add(self.flat[s:e], got[s - start : e - start])
+
+
+def _decode(payload: bytes, pair: Pair | None, out: torch.Tensor) -> torch.Tensor:
+    """An owner's chunk as this member applies it: decoded, or in a pair composed with this
+    member's own payload (as the owner composed it)."""
+    if pair is None:
+        return decode_into(payload, out, accumulate=False)
+    mine, shares = pair
+    return compose(out, payload, mine, shares)
 
 
 def stage_decoded(codec: Codec) -> bool:
