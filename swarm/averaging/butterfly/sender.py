@@ -199,10 +199,11 @@ class PartSender:
                     raise AveragingError("owner sent more chunks than the part has")
                 cs, ce = chunks[received]
                 pair = None
-                if shares is not None and self._stored is not None:
-                    if received >= len(self._stored):
+                if shares is not None:  # a pair stores its payloads (see __init__)
+                    stored = self._stored or []
+                    if received >= len(stored):
                         raise OwnerLied("sent a chunk back before it had this member's")
-                    pair = (self._stored[received], shares)
+                    pair = (stored[received], shares)
                 await self.workers.run(self._stage_chunk, payload, cs, ce, pair)
                 self.bytes_received += len(payload)
                 received += 1
