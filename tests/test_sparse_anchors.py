@@ -1,7 +1,8 @@
 """Sparse rounds on loopback: every member applies the same bits, anchors stay together.
 
 A sparse round's owner re-sparsifies its part's average with its own error feedback and sends
-the same bytes to every member, applying to its own part exactly what it sends; so a group's
+the same bytes to every member, applying to its own part exactly what it sends (a pair's
+members exchange their own payloads and both apply the same shares of the two); so a group's
 members apply one averaged pseudo-gradient, bit for bit. Groups smaller than the swarm still
 apply different ones, so the anchors are synced in a dense codec (``anchor_sync_codec``, int8
 by default) by about one group in ``anchor_sync_every``, whose members also restart their outer
@@ -34,10 +35,11 @@ from swarm.config import (
 from swarm.errors import ConfigError
 
 # max over peers of ||anchor - mean anchor|| / ||mean anchor|| on this file's task over 20
-# rounds, groups of 2 of 4 peers, every group syncing (measured with the sparse codec's default
-# plain outer step: 0.043-0.082 at most in 14 runs, 5 of them beside a CPU hog, and 0.124 once
-# in a full suite; without syncs 0.145-0.161 after 20 rounds in 9 runs, and growing)
-SPREAD_BOUND = 0.13
+# rounds, groups of 2 of 4 peers, every group syncing: with a pair's plain outer step (2.1 with
+# the defaults) 0.075-0.114 at most in 6 runs and 0.136 once in a full suite; without syncs
+# 0.216-0.245 after 20 rounds in 6 runs, and growing (with the step of 1.4 before: 0.043-0.124
+# and 0.145-0.161)
+SPREAD_BOUND = 0.18
 
 
 def test_sparse_codecs_sync_anchors_rarely_and_in_a_dense_codec() -> None:
