@@ -138,7 +138,7 @@ def run(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dic
                 inner_steps=inner,
                 codec=codec,
                 min_group_size=2,
-                target_group_size=n,
+                target_group_size=n if mode == "gradients" else args.group_size or n,
                 matchmaking_timeout_s=10.0,
                 round_timeout_s=60.0,
                 **outer_options(args),
@@ -271,6 +271,7 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
         "mode": mode,
         "codec": codec,
         "peers": args.peers,
+        "group_size": args.peers if mode == "gradients" else args.group_size or args.peers,
         "steps": args.steps,
         "inner_steps": 1 if mode == "gradients" else args.inner_steps,
         "seeds": len(runs),
@@ -316,12 +317,22 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=60)
     p.add_argument("--last-evals", type=int, default=3, help="evaluations the final loss averages")
     p.add_argument("--test-size", type=int, default=2048)
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help="DiLoCo's target group size (default: --peers, one group); the reference's "
+        "gradients are always averaged over every peer",
+    )
     p.add_argument("--codecs", nargs="+", default=["none", "int8", "topk:0.01", "1bit", "sparse"])
     p.add_argument("--plot-dir", default=".")
     p.add_argument("--backend", choices=["swarm", "sim"], default="swarm")
     args = p.parse_args()
     if args.quick:
         args.steps, args.seeds = 300, 1
+    if args.group_size is not None and not (
+        2 <= args.group_size <= args.peers and args.backend == "swarm"
+    ):
+        p.error("--group-size takes 2 to --peers, with --backend swarm")
     if args.steps % args.inner_steps or args.steps % args.eval_every:
         p.error("--steps must be a multiple of --inner-steps and of --eval-every")
     logging.basicConfig(level=logging.ERROR)
