@@ -124,7 +124,7 @@ async def test_honest_peers_stay_near_the_honest_mean(n: int, attackers: int, fa
 # what they applied). A 4-bit spec keeping 3/4 of each chunk gets there in a few rounds; the
 # default spec (1.6% of the values, 2 bits) needs about 150 honest rounds to come within 0.5 of
 # its own honest mean, so with it each round is checked for refusals and bounded values.
-SPARSE_ATTACKS = [Fault.HUGE_VALUES, Fault.LYING_OWNER]
+SPARSE_ATTACKS = [Fault.HUGE_VALUES, Fault.LYING_OWNER, Fault.NAN, Fault.NAN_OWNER]
 SPARSE_FAST = "sparse:64:48:4"
 SPARSE_ROUNDS = 3  # measured: 0.18 (huge values) and 0.26 (a lying owner) after 3 rounds
 

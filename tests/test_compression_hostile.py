@@ -392,3 +392,31 @@ def test_memoryview_and_bytearray_payloads():
     assert torch.equal(decode(bytearray(payload)), expected)
     framed = b"xyz" + payload + b"tail"
     assert torch.equal(decode(memoryview(framed)[3 : 3 + len(payload)]), expected)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "none",
+        "fp16",
+        "bf16",
+        "int8",
+        "1bit",
+        "topk:0.01",
+        "topk:0.01:int8",
+        "sparse",
+        "sparse:64:48:4",
+    ],
+)
+def test_the_nan_faults_crafted_payloads_are_refused_by_every_codec(spec: str) -> None:
+    """The ``nan`` and ``nan-owner`` faults write a NaN where the codec reads a float (a scale,
+    or a raw value): every codec refuses it, so those faults test a NaN under every codec (they
+    wrote into the last 4 bytes before, which under a compressing codec are codes or positions)."""
+    from swarm.averaging.faults import with_nan
+
+    payload = get_codec(spec).encode(torch.randn(5000, generator=torch.Generator().manual_seed(0)))
+    crafted = with_nan(payload)
+    assert len(crafted) == len(payload) and crafted != payload
+    with pytest.raises(CompressionError, match=r"non-finite|not finite"):
+        decode(crafted)
+    assert with_nan(b"") == b"" and with_nan(b"not a payload") == b"not a payload"

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import struct
 
 import torch
 
 from swarm.averaging import poison
+from swarm.compression.header import Header
+from swarm.errors import CompressionError
 
 _FAULT_SLEEP_S = 3600.0
 HUGE = 1e30
@@ -135,10 +136,10 @@ class FaultInjector:
         return self._nan(payload) if self.fault is Fault.NAN_OWNER else payload
 
     def _nan(self, payload: bytes) -> bytes:
-        if len(payload) < 4:
-            return payload
-        self.triggered.set()
-        return payload[:-4] + struct.pack("<f", float("nan"))
+        crafted = with_nan(payload)
+        if crafted is not payload:
+            self.triggered.set()
+        return crafted
 
     def shares(self, shares: tuple[float, float]) -> tuple[float, float]:
         """Owner side, in a pair (:mod:`~swarm.averaging.butterfly.pairs`): the shares of the
@@ -182,3 +183,37 @@ class FaultInjector:
     async def _hang(self) -> None:
         self.triggered.set()
         await asyncio.sleep(_FAULT_SLEEP_S)
+
+
+# Where a NaN goes in a payload: a float field the codec reads as one (the last value of a
+# codec of raw values, else the first of its scales), and the width of its floats.
+_NAN_FIELD = {
+    "none": ("last", None),
+    "fp16": ("last", torch.float16),
+    "bf16": ("last", torch.bfloat16),
+    "int8": ("scale", torch.float32),
+    "1bit": ("scale", torch.float32),
+    "topk": ("scale", torch.float32),
+    "sparse": ("scale", torch.bfloat16),
+}
+
+
+def with_nan(payload: bytes) -> bytes:
+    """``payload`` with a NaN written into one of its float fields (a crafted payload: no codec
+    encodes one); ``payload`` itself where it has no such field (empty, or not a payload)."""
+    try:
+        header, sections = Header.parse(payload)
+    except CompressionError:
+        return payload
+    where, dtype = _NAN_FIELD[header.codec]
+    offset = header.size
+    if where == "last":
+        dtype = dtype or header.dtype
+        offset = len(payload) - dtype.itemsize
+    elif header.codec == "topk" and not len(sections[0]):
+        # no scales: the values, in 16 bits (bfloat16's NaN is a NaN in float16 too)
+        dtype = torch.bfloat16
+    if offset < header.size or offset + dtype.itemsize > len(payload):
+        return payload
+    nan = torch.tensor([float("nan")], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    return payload[:offset] + nan + payload[offset + len(nan) :]
