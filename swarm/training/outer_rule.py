@@ -22,9 +22,9 @@ one peer. :func:`outer_rule` adapts it (see the README's "Fidelity to the papers
   ago drove the honest peers' loss up round after round (see :data:`RESTART_BELOW`). An
   overlapped round decides it at its landing, from ``Δ̄``; its eager step never restarts;
 - where the model keeps the error feedback (sparse codecs in ``diloco``), there is no momentum:
-  a plain step of ``lr / (1 - β)``, the step a momentum gives a steady pseudo-gradient, with β
-  capped at ``1 - 1/(k + 1)`` (one member more than the group's) and :data:`PLAIN_BETA_CAP`
-  (see :func:`plain_beta`).
+  a plain step of ``lr / (1 - β)``, the step the capped momentum gives a steady pseudo-gradient
+  (see :data:`PLAIN_BETA_CAP`); in a pair, whose members apply each other's payloads whole,
+  with β capped at :data:`PAIR_PLAIN_BETA` instead of 1/2.
 """
 
 from __future__ import annotations
@@ -88,6 +88,17 @@ updates of 10 rounds ago (``Fault.STALE``), the cosine fell to -0.4 as the ancho
 and the honest peers' worst final loss was 0.20-2.59 (mean 0.70, seeds 0-5) without restarts
 and 0.18-0.29 (mean 0.20) with them."""
 
+PAIR_PLAIN_BETA = 2 / 3
+"""The momentum a pair's plain step folds in (3x the learning rate, a group of three's step).
+
+A pair's members apply each other's payloads whole (:mod:`swarm.averaging.butterfly.pairs`),
+where owners re-sparsifying the mean sent what they left out rounds later, which a larger step
+turned into oscillation. With pairs, final loss of ``sparse`` by plain step: the convergence
+benchmark's CNN (simulation, 2 peers, 3 seeds) 0.6068 at 1.4, 0.6036 at 1.8, 0.5985 at 2.1
+(int8 DiLoCo 0.5984); the language-model example (held-out bits per byte, seeds 0 and 1)
+2.354 at 1.4, 2.316 at 1.6, 2.300 at 1.8, 2.281 at 2.0 (int8 DiLoCo 2.277), and 2.328 at 2.4
+(seed 0, where 2.0 gave 2.274)."""
+
 PLAIN_BETA_CAP = 0.875
 """The largest momentum a plain step folds in (8x the learning rate; see :func:`outer_rule`):
 the largest group measured.
@@ -103,24 +114,6 @@ has to follow the group's size."""
 NORM_BOUND = 3.0  # an averaged pseudo-gradient is scaled down to this x the recent median norm
 NORM_HISTORY = 8  # rounds whose norms make that median
 NORM_MIN_HISTORY = 3  # no bound until this many rounds were seen (a joiner has no history)
-
-
-def plain_beta(group_size: int, beta: float) -> float:
-    """The momentum a plain step of ``k`` members folds in: ``1 - 1/(k + 1)``, capped at
-    ``beta`` and :data:`PLAIN_BETA_CAP` (2 members: 2/3, 3x the learning rate; 4: 0.8, 5x).
-
-    The step of a group one member larger than the capped momentum's ``1 - 1/k``, which the
-    plain step took before, measured best with error feedback in the model. A pair's members
-    apply each other's payloads whole (:mod:`swarm.averaging.butterfly.pairs`); final loss of
-    ``sparse`` by plain step there: the convergence benchmark's CNN (simulation, 2 peers, 3
-    seeds) 0.6068 at 1.4, 0.6036 at 1.8, 0.5985 at 2.1 (int8 DiLoCo 0.5984); the
-    language-model example (held-out bits per byte, seeds 0 and 1) 2.354 at 1.4, 2.316 at 1.6,
-    2.300 at 1.8, 2.281 at 2.0 (int8 DiLoCo 2.277), and 2.328 at 2.4 (seed 0, where 2.0 gave
-    2.274). In a group of 4 (the CNN, simulation, 4 peers, the same 3 seeds; per-step
-    gradients 0.5835): 0.5953 at 2.33, 0.5961 at 2.8 (``1 - 1/k``), 0.5892 at 3.5 (now),
-    0.5915 at 4.2 and 0.5913 at 4.9.
-    """
-    return min(beta, 1.0 - 1.0 / (group_size + 1), PLAIN_BETA_CAP)
 
 
 @dataclass(frozen=True)
@@ -141,13 +134,17 @@ def outer_rule(group_size: int, *, lr: float, beta: float, plain: bool = False) 
     the momentum is capped at ``1 - 1/k`` (see the module docstring).
 
     ``plain`` (error feedback kept in the model, see :meth:`OuterState.keep_unsent`): the
-    momentum is folded into the step size, a plain step of ``lr / (1 - β)`` with ``β`` from
-    :func:`plain_beta`: the step a steady pseudo-gradient gets from a momentum, without the
-    momentum's memory of earlier rounds, which the model's error feedback already carries
-    (see the README's "Fidelity to the papers: training").
+    momentum is folded into the step size, a plain step of ``lr / (1 - β)`` with ``β`` capped
+    as above and at :data:`PLAIN_BETA_CAP` (in a pair at :data:`PAIR_PLAIN_BETA` instead):
+    the step a steady pseudo-gradient gets from the momentum, without the momentum's memory
+    of earlier rounds, which the model's error feedback already carries (see the README's
+    "Fidelity to the papers: training").
     """
     if group_size <= 1:
         return OuterStep(0.0, 0.0 if plain else beta, solitary=True)
+    capped = min(beta, 1.0 - 1.0 / group_size)
     if plain:
-        return OuterStep(lr / (1.0 - plain_beta(group_size, beta)), 0.0, solitary=False)
-    return OuterStep(lr, min(beta, 1.0 - 1.0 / group_size), solitary=False)
+        # a pair's members apply each other's payloads whole (swarm.averaging.butterfly.pairs)
+        folded = min(beta, PAIR_PLAIN_BETA) if group_size == 2 else min(capped, PLAIN_BETA_CAP)
+        return OuterStep(lr / (1.0 - folded), 0.0, solitary=False)
+    return OuterStep(lr, capped, solitary=False)
