@@ -226,8 +226,8 @@ class SwarmConfig:
             with a sparse codec (``sparse``, ``topk``, ``1bit``: their error feedback lives in
             the model, see :meth:`swarm.training.outer.OuterState.keep_unsent`) the momentum
             is folded into the step size instead: a plain step of ``outer_lr / (1 - β)``, β
-            capped as above and at 0.875 (2 peers: 1.4, 4: 2.8, 8 or more: 5.6 with the
-            defaults).
+            capped as above and at 0.875, and in a pair at 2/3 (2 peers: 2.1, 4: 2.8, 8 or
+            more: 5.6 with the defaults).
         nesterov: use Nesterov momentum in the outer step; False gives heavy-ball momentum.
         anchor_sync_every: ``diloco``: about one group in this many also averages the
             members' anchors (the shared weights the outer step moves), after the
