@@ -137,7 +137,12 @@ def _mutations() -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("data", _mutations())
+MUTATIONS = _mutations()
+
+
+# ids by position: the records hold a fresh key's signature, and test workers must collect
+# the same test ids
+@pytest.mark.parametrize("data", MUTATIONS, ids=[f"mutation{i}" for i in range(len(MUTATIONS))])
 def test_record_hostile_bytes(data: bytes) -> None:
     with pytest.raises((TransportError, AuthError)):
         PeerRecord.parse(data)
