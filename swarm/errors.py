@@ -45,6 +45,8 @@ class TransportError(SwarmError):
     ``refused`` is True when nothing listens at the peer's address (the connection was refused):
     the peer is gone, not merely slow. ``unanswered`` is True when the connection failed before
     any reply came (reset, closed, unreachable): the peer may never have seen the request.
+    ``lost`` is True when an established connection broke mid-exchange (reset or closed by the
+    other side): the peer died, hung up or gave up, which says nothing about what it sent.
     """
 
     def __init__(
@@ -55,12 +57,14 @@ class TransportError(SwarmError):
         status: int | None = None,
         refused: bool = False,
         unanswered: bool = False,
+        lost: bool = False,
     ):
         super().__init__(message)
         self.peer = peer
         self.status = status
         self.refused = refused
         self.unanswered = unanswered
+        self.lost = lost
 
     def __str__(self) -> str:
         parts = [super().__str__()]

@@ -44,7 +44,10 @@ class Life:
     lines: list[str] = field(default_factory=list)
 
     def events(self, kind: str) -> list[dict]:
-        return [json.loads(x[len(kind) + 1 :]) for x in self.lines if x.startswith(kind + " ")]
+        # raw_decode: an event's line once carried more text behind its JSON (stdout and stderr
+        # share the pipe; 8 workers, 240 s): the event is read, the rest left
+        decode = json.JSONDecoder().raw_decode
+        return [decode(x[len(kind) + 1 :])[0] for x in self.lines if x.startswith(kind + " ")]
 
 
 def start_peer(slot: int, seed: int, peers: list[str], stop_at: float, args: list[str]) -> Life:

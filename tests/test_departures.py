@@ -8,14 +8,18 @@ which is what a SIGKILLed process leaves behind.
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import random
 
 import pytest
 import torch
-from loopback_peers import start_peers
+from averaging_worker import make_tensor
+from loopback_peers import fixed_group_config, start_peers
 
-from swarm.averaging import Averager, AveragingConfig
+from swarm.averaging import Averager, AveragingConfig, Fault
 from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.replies import PartReplies
 from swarm.averaging.groups.group import GroupInfo, NoGroup
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.matchmaking import Matchmaker
@@ -26,6 +30,8 @@ from swarm.averaging.groups.prober import (
     MAX_REPORT_CHECKS,
     Prober,
 )
+from swarm.averaging.result import RefusalAction
+from swarm.errors import TransportError
 from swarm.identity import Identity
 from swarm.net.record import PeerRecord
 
@@ -287,3 +293,87 @@ async def test_rounds_of_different_purposes_never_group() -> None:
         for avg in averagers:
             await avg.close()
         await asyncio.gather(a.close(), b.close())
+
+
+@pytest.mark.timeout(90)
+async def test_a_sender_that_dies_mid_stream_is_dropped_not_refused(caplog) -> None:
+    """A member that dies halfway through its streams (its connections break) is dropped from
+    the parts it was sending to, like a stalled one, not refused: a broken connection says
+    nothing about what came through it. Nothing above INFO names it, and the owners' replies
+    to it, which could not be written, leave no task whose failure nobody read."""
+    caplog.set_level(logging.INFO)
+    n, numel = 3, 8 << 20  # 8 chunks of 1 MiB per part: the victim stops after 4
+    peers = await start_peers([134, 135, 136])
+    config = fixed_group_config(n, "dies-mid-stream", aggregator="mean", stall_timeout_min_s=30.0)
+    faults = [Fault.NONE, Fault.NONE, Fault.STALL_MID_STREAM]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    victim = peers[2].peer_id
+    try:
+        tensors = [make_tensor(i + 1, numel) for i in range(n)]
+        rounds = [
+            asyncio.create_task(a.average([t])) for a, t in zip(averagers, tensors, strict=True)
+        ]
+        await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
+        await asyncio.sleep(0.5)  # the others' streams and replies run meanwhile
+        rounds[2].cancel()  # the process dies: its streams end with its connections
+        await asyncio.gather(rounds[2], return_exceptions=True)
+        await peers[2].close()
+        results = await asyncio.gather(*rounds[:2])
+        for peer, result in zip(peers[:2], results, strict=True):
+            about = [r for r in result.refusals if r.peer == victim]
+            own = [r for r in about if r.part == result.members.index(peer.peer_id)]
+            assert own and all(r.action is RefusalAction.DROPPED for r in own), result.refusals
+            assert not [r for r in about if r.action is RefusalAction.REFUSED], result.refusals
+        gc.collect()  # a task whose failure nobody read is reported when it is collected
+        loud = [r for r in caplog.records if r.levelno > logging.INFO]
+        assert not [r for r in loud if victim.short in r.getMessage()], loud
+        assert not [r for r in loud if r.levelno >= logging.ERROR], loud
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers[:2]))
+
+
+class _HungUpReply:
+    """The reply stream of a sender that hung up: every write finds the connection gone."""
+
+    async def write(self, payload: bytes) -> None:
+        raise TransportError("connection lost: ConnectionResetError()", lost=True)
+
+
+async def _hold() -> None:
+    await asyncio.sleep(3600)
+
+
+async def _cancel_while_waiting(replies: PartReplies, writer: asyncio.Task[bool]) -> None:
+    """The owner's handler waits for the verdict of a reply written by ``writer``; the server
+    cancels it (its caller hung up)."""
+    waiting = asyncio.create_task(replies.finish(_HungUpReply(), writer, 0))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await asyncio.sleep(0)
+
+
+async def _a_reply_that_failed(replies: PartReplies) -> None:
+    replies.new_attempt()
+    failed = replies.start(_HungUpReply())
+    replies.publish(0, b"chunk")  # its write finds the connection gone
+    await _cancel_while_waiting(replies, failed)
+    assert failed.done()
+
+
+async def test_an_owners_reply_to_a_sender_that_hung_up_leaves_no_unread_failure(caplog) -> None:
+    """The server cancels the handler of a sender that hung up while the owner waits for the
+    part's verdict. The reply's writer, which failed or still waits for chunks, is stopped and
+    its failure read: before, asyncio logged "Task exception was never retrieved" at ERROR."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    replies = PartReplies(chunks=2, hold=_hold)
+    await _a_reply_that_failed(replies)
+    gc.collect()  # a task whose failure nobody read is reported when it is collected
+    assert "never retrieved" not in caplog.text
+
+    replies.new_attempt()
+    stalled = replies.start(_HungUpReply())  # no chunk averaged yet: it waits for one
+    await _cancel_while_waiting(replies, stalled)
+    assert stalled.cancelled()  # not left waiting for chunks of a reply nobody reads

@@ -102,7 +102,7 @@ class FrameReader:
                 "timed out waiting for the peer", peer=self._peer, status=408
             ) from e
         except (aiohttp.ClientError, ConnectionError) as e:
-            raise TransportError(f"connection lost: {e!r}", peer=self._peer) from e
+            raise TransportError(f"connection lost: {e!r}", peer=self._peer, lost=True) from e
 
     async def _read_large(self, kind: int, length: int) -> bytes:
         """Read a frame above ``BUFFERED_FRAME_BYTES`` and open it: above ``POOLED_FRAME_BYTES``

@@ -277,6 +277,10 @@ class Server:
             await handler(inbound, reply)
         except (AuthError, TransportError) as e:
             status = 401 if isinstance(e, AuthError) else (e.status or 400)
+            if isinstance(e, TransportError) and e.lost:
+                # the sender died, hung up or gave up: nothing it sent was wrong
+                logger.info("stream %s from %s ended early: %s", name, label, e)
+                return await self._ended(reply)
             if not reply.prepared:
                 return self._refuse(request, status, e)
             self._refusals.warn(
@@ -294,10 +298,24 @@ class Server:
                 return web.Response(status=500, text=f"handler failed: {type(e).__name__}")
             await reply.abort(e)
             return reply.response  # type: ignore[return-value]
-        await reply.finish()
+        try:
+            await reply.finish()
+        except TransportError as e:  # the connection broke as the reply ended
+            logger.info("stream %s from %s: the reply could not end: %s", name, label, e)
+            return await self._ended(reply)
         if reader.ended:
             await _body_end(request, BODY_END_WAIT_S)
         return reply.response  # type: ignore[return-value]
+
+    @staticmethod
+    async def _ended(reply: ReplyStream) -> web.StreamResponse:
+        """The response of a stream whose connection broke: nobody is left to read it."""
+        if reply.response is None:
+            response = web.Response(status=400, text="connection lost")
+            response.force_close()
+            return response
+        reply.response.force_close()
+        return reply.response
 
 
 async def _body_end(request: web.Request, timeout: float) -> None:

@@ -127,19 +127,27 @@ class ReplyStream:
         """Send the HTTP status and the sealed reply header.
 
         Raises:
-            TransportError: called twice, or the header is not a small msgpack-able dict.
+            TransportError: called twice, the header is not a small msgpack-able dict, or the
+                connection broke (``lost``).
         """
         if self.response is not None:
             raise TransportError("reply already prepared")
         payload = _pack_header(header)
         response = web.StreamResponse(status=200)
         response.content_type = "application/octet-stream"
-        await response.prepare(self._request)
+        try:
+            await response.prepare(self._request)
+        except ConnectionError as e:
+            raise _lost(e) from e
         self.response = response
         await self._send(HEADER, payload)
 
     async def write(self, chunk: bytes | bytearray | memoryview) -> None:
-        """Seal and send ``chunk`` (split into frames of at most the maximum chunk size)."""
+        """Seal and send ``chunk`` (split into frames of at most the maximum chunk size).
+
+        Raises:
+            TransportError: not prepared, or the connection broke (``lost``).
+        """
         if self.response is None:
             raise TransportError("reply.prepare(header) must come before reply.write()")
         if len(chunk):
@@ -147,8 +155,11 @@ class ReplyStream:
 
     async def _send(self, kind: int, data: bytes | bytearray | memoryview) -> None:
         response = self._prepared_response()
-        for piece in self._writer.frames(kind, data):
-            await response.write(piece)
+        try:
+            for piece in self._writer.frames(kind, data):
+                await response.write(piece)
+        except ConnectionError as e:  # aiohttp raises its ConnectionResetError subclass
+            raise _lost(e) from e
 
     def _prepared_response(self) -> web.StreamResponse:
         if self.response is None:
@@ -160,7 +171,10 @@ class ReplyStream:
         if self.response is None:
             await self.prepare({})
         await self._send(END, self._trailer)
-        await self._prepared_response().write_eof()
+        try:
+            await self._prepared_response().write_eof()
+        except ConnectionError as e:
+            raise _lost(e) from e
 
     async def abort(self, exc: BaseException) -> None:
         """Abort a prepared reply with an ERROR frame (framework use, after the handler raised).
@@ -171,8 +185,13 @@ class ReplyStream:
             if not self._writer.sealer.closed:
                 await self._send(ERROR, error_reason(exc))
             await self._prepared_response().write_eof()
-        except ConnectionError as e:  # aiohttp raises its ConnectionResetError subclass
+        except (ConnectionError, TransportError) as e:
             logger.debug("could not send the error reply: %r", e)
+
+
+def _lost(e: ConnectionError) -> TransportError:
+    """The error of a reply whose connection broke (the client died, hung up or gave up)."""
+    return TransportError(f"connection lost: {e!r}", lost=True)
 
 
 def _pack_header(header: dict[str, Any]) -> bytes:

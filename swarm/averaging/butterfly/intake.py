@@ -96,7 +96,7 @@ class PartIntake:
         try:
             self.reducer.accept(sender, weight)  # type: ignore[arg-type]
         except AveragingError as e:
-            self._refused(sender, str(e))
+            self._record(sender, RefusalAction.REFUSED, str(e))
             raise TransportError(str(e), status=409) from e
         self._activity[sender] = time.monotonic()
 
@@ -121,7 +121,10 @@ class PartIntake:
             raise
         except FAILURES as e:
             logger.info("part %d: stream from member %d failed: %s", self.ctx.me, sender, e)
-            self._refused(sender, str(e))
+            # a connection that broke says nothing of what came through it: the sender died,
+            # hung up or gave up (dropped, like a stall); bytes that failed a check are refused
+            lost = isinstance(e, TransportError) and e.lost
+            self._record(sender, RefusalAction.DROPPED if lost else RefusalAction.REFUSED, str(e))
             self.fail(sender)
             if isinstance(e, (AuthError, TransportError)):
                 raise
@@ -164,9 +167,9 @@ class PartIntake:
         for sender, why in drops:
             self._drop(sender, why)
 
-    def _refused(self, sender: int, why: str) -> None:
+    def _record(self, sender: int, action: RefusalAction, why: str) -> None:
         peer_id = self.ctx.group.members[sender].peer_id
-        self.refusals.append(Refusal(peer_id, RefusalAction.REFUSED, self.ctx.me, why[:200]))
+        self.refusals.append(Refusal(peer_id, action, self.ctx.me, why[:200]))
 
     def _drop(self, sender: int, why: str) -> None:
         group = self.ctx.group

@@ -55,8 +55,13 @@ class PartReplies:
             fut.set_result((outcome, value))
 
     def start(self, reply: ReplyStream) -> asyncio.Task[bool]:
-        """Write the current attempt's chunks on ``reply`` as they come (True: all of them)."""
-        return asyncio.create_task(self._write_chunks(reply, self._averaged))
+        """Write the current attempt's chunks on ``reply`` as they come (True: all of them).
+        The task's failure (the connection broke) is raised where :meth:`finish` awaits it."""
+        writer = asyncio.create_task(self._write_chunks(reply, self._averaged))
+        # a reply whose verdict never came (the round ended, the handler was cancelled) is not
+        # awaited: its failure is then retrieved here, not reported as never retrieved
+        writer.add_done_callback(_retrieve)
+        return writer
 
     async def finish(
         self, reply: ReplyStream, writer: asyncio.Task[bool] | None, attempt: int
@@ -71,6 +76,8 @@ class PartReplies:
         finally:
             if task is not None:
                 self._waiting.discard(task)
+            if writer is not None and not writer.done():  # no verdict came: stop writing
+                writer.cancel()
 
     async def close(self, deadline: float) -> None:
         """Unanswered attempts fail, writers stop; replies still ending get until ``deadline``."""
@@ -118,3 +125,8 @@ class PartReplies:
             reply.set_trailer({"ok": False, "why": "the round ended before the part was sent"})
         else:
             reply.set_trailer({"ok": False, "why": str(value)})
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
