@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import struct
 
 import msgpack
@@ -27,6 +28,7 @@ from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import arun_step, run_step
 from swarm.training.engine import TrainingEngine
 from swarm.training.outer_rule import outer_step
+from swarm.training.report import FAILED_ROUNDS_TO_WARN, RoundFailures
 from swarm.training.rounds import RoundOutcome, RoundPlan
 from swarm.training.sharding import assign_shards, shard_indices
 from swarm.training.snapshot import snapshot_size, unpack_snapshot
@@ -414,3 +416,29 @@ def test_rounds_offer_the_anchors_to_sync_in_a_dense_codec(kw: dict, every: int,
         assert [t.data_ptr() for t in plan.sync] == [a.data_ptr() for a in e.outer.anchor]
     else:
         assert plan.sync is None
+
+
+def test_a_round_that_fails_now_and_then_is_no_warning_but_a_peer_alone_is(caplog) -> None:
+    """Honest swarms fail a round now and then (a planned member went elsewhere): INFO. Rounds
+    failing in a row are a peer training alone: one WARNING, then INFO when it averages again."""
+    caplog.set_level(logging.DEBUG, logger="swarm.training.report")
+    failures = RoundFailures()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    failures.log(1, False, 0, "no planned member came")
+    failures.log(2, True, 4, "")
+    failures.log(3, False, 0, "no planned member came")
+    assert warnings() == [] and "round 3 not averaged" in caplog.text
+    for rnd in range(4, 4 + FAILED_ROUNDS_TO_WARN + 3):
+        failures.log(rnd, False, 0, "no group formed")
+    last = 2 + FAILED_ROUNDS_TO_WARN  # the streak began at round 3
+    assert warnings() == [
+        f"rounds 3-{last} not averaged (the last: no group formed); training on alone"
+    ], warnings()
+    failures.log(20, True, 3, "")
+    assert "round 20 averaged with 2 peers after" in caplog.text
+    for rnd in range(21, 21 + FAILED_ROUNDS_TO_WARN):
+        failures.log(rnd, False, 0, "no group formed")
+    assert len(warnings()) == 2, warnings()

@@ -41,7 +41,7 @@ from swarm.training.outer import OuterState
 from swarm.training.outer_rule import OuterStep, outer_rule
 from swarm.training.overlap import Flight, Overlap, RoundHandle, RoundWait, landing_share
 from swarm.training.persistence import PersistentState
-from swarm.training.report import StepReport, Utilization
+from swarm.training.report import RoundFailures, StepReport, Utilization
 from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
 from swarm.training.tensors import ModelTensors
 
@@ -117,7 +117,7 @@ class TrainingEngine(PersistentState):
         # Held while the model/anchor change, so a snapshot for a joiner is never torn.
         self.lock = threading.Lock()
         self._landed = threading.Condition(self.lock)  # notified when a round in flight lands
-        self._last_failure = ""
+        self.failures = RoundFailures()
         self._last_group_size = 1  # of the last round (its outer rule guesses the next eager step)
         self.divergence = DivergenceMonitor()
         self._diverging = False  # the last round was flagged (log once per episode)
@@ -373,15 +373,7 @@ class TrainingEngine(PersistentState):
         ``scale`` the factor the norm bound cut it by (1.0: not cut; 0.0: not finite).
         """
         self.cadence.round_ended(round_s)  # "auto": the steps until the next rounds
-        if outcome.averaged:
-            self._last_failure = ""
-            logger.debug("round %d averaged with %d peers", self.round, outcome.group_size - 1)
-        elif outcome.reason != self._last_failure:
-            # One WARNING per kind of failure, not one per round while alone.
-            logger.warning(
-                "round %d not averaged: %s; training on alone", self.round, outcome.reason
-            )
-            self._last_failure = outcome.reason
+        self.failures.log(self.round, outcome.averaged, outcome.group_size, outcome.reason)
         loss, divergence = self.divergence.end_round()
         divergence = with_outer_step(divergence, norm, scale)
         if divergence and not self._diverging:
