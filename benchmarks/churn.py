@@ -17,6 +17,8 @@ The final losses compare the runs at the same wall time, so they include what ch
 throughput (and the machine's own swings in it). ``equal_round``, ``final_loss_max_equal_round``
 and ``calm_final_loss_mean_equal_round`` compare them at the last round both reached instead
 (the same samples per peer; tests/churn_run.py ``losses_at_equal_rounds``).
+``calm_loud_lines`` and ``loud_lines`` count what the peers logged above INFO before the end
+(the calm run's goal: none).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def main() -> None:
         "equal_round": at_round,
         "final_loss_max_equal_round": round(max(churned_at_round), 4),
         "calm_final_loss_mean_equal_round": round(calm_at_round, 4),
+        "calm_loud_lines": len(calm["loud_lines"]),
+        "loud_lines": len(churn["loud_lines"]),
     }
     print(json.dumps(row), flush=True)
 

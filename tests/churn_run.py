@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 from processes import OutputProcess
 
 WORKER = str(Path(__file__).resolve().parent / "churn_worker.py")
+LOUD = re.compile(r"^(\d+\.\d+) (WARNING|ERROR|CRITICAL) ")  # churn_worker.LOG_FORMAT
 
 
 @dataclass
@@ -42,6 +44,16 @@ class Life:
     restarted: bool
     killed_at: float | None = None
     lines: list[str] = field(default_factory=list)
+
+    def loud_lines(self, until: float) -> list[str]:
+        """What it logged above INFO before ``until`` (time.time()): the run's end kills every
+        process one after another, and the last ones see the first ones go."""
+        loud = []
+        for line in self.lines:
+            m = LOUD.match(line)
+            if m and float(m.group(1)) <= until:
+                loud.append(line)
+        return loud
 
     def events(self, kind: str) -> list[dict]:
         # raw_decode: an event's line once carried more text behind its JSON (stdout and stderr
@@ -219,6 +231,9 @@ def metrics(
         "final_loss_mean": statistics.fmean(finals) if finals else math.nan,
         "final_loss_max": max(finals, default=math.nan),
         "join_to_first_average_s_max": max(joins) if joins else None,
+        # logged above INFO by any peer before the end (honest peers, all of them: a calm run
+        # should log none; with churn the killed peers' partners may)
+        "loud_lines": [f"peer {life.slot}: {x}" for life in lives for x in life.loud_lines(end)],
     }
 
 

@@ -27,6 +27,7 @@ from swarm.averaging import Fault
 from swarm.errors import SwarmError
 
 ROOT = Path(__file__).resolve().parent.parent
+LOG_FORMAT = "%(created).3f %(levelname)s %(name)s: %(message)s"
 SMALL_DIM, SMALL_CLASSES = 32, 8
 
 
@@ -96,7 +97,8 @@ def main() -> None:
         help="a warm standby: wait for this file, then join through the addresses it lists",
     )
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # the time first: tests/churn_run.py counts what was logged before the run's end
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT)
     for name in os.environ.get("SWARM_TEST_INFO", "").split(","):  # loggers to hear at INFO
         if name:
             logging.getLogger(name).setLevel(logging.INFO)

@@ -46,6 +46,17 @@ def test_churn_keeps_every_peer_training_and_averaging(runs: dict[str, dict]) ->
     assert churn["final_loss_max"] < 0.6 * 2.1, both
 
 
+def test_a_calm_run_logs_nothing_above_info_about_honest_peers(runs: dict[str, dict]) -> None:
+    """Honest peers left alone: no part refused, no owner accused or dropped, no streak of
+    failed rounds, no task failure unread. Before, a member whose connection broke was refused
+    at WARNING, and a round that failed now and then warned (2 of 3,537 rounds of 8 calm
+    peers in 240 s). A peer's warning about its own loss is not about its peers: it came once
+    in 5 such runs (18,465 rounds; the round's mean training loss 1.51x the recent median, its
+    test loss as before), so it is left out here."""
+    loud = [x for x in runs["calm"]["loud_lines"] if "looks divergent" not in x]
+    assert loud == [], loud
+
+
 def _cost_check(runs: dict[str, dict]) -> str | None:
     """None when every churned peer is within 5% of the calm mean at equal rounds, else why."""
     calm_mean, churned, at_round = losses_at_equal_rounds(runs["calm"], runs["churn"])
