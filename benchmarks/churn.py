@@ -18,7 +18,7 @@ throughput (and the machine's own swings in it). ``equal_round``, ``final_loss_m
 and ``calm_final_loss_mean_equal_round`` compare them at the last round both reached instead
 (the same samples per peer; tests/churn_run.py ``losses_at_equal_rounds``).
 ``calm_loud_lines`` and ``loud_lines`` count what the peers logged above INFO before the end
-(the calm run's goal: none).
+(the calm run's goal: none); the lines themselves go to stderr.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ def main() -> None:
         "calm_loud_lines": len(calm["loud_lines"]),
         "loud_lines": len(churn["loud_lines"]),
     }
+    for name, run in (("calm", calm), ("churn", churn)):
+        for line in run["loud_lines"]:
+            print(f"{name} run: {line}", file=sys.stderr)
     print(json.dumps(row), flush=True)
 
 
