@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 
 import pytest
 import torch
@@ -176,6 +177,24 @@ def test_loss_rise_is_flagged_once_and_recovers(caplog) -> None:
     assert caplog.text.count("looks divergent") == 1
     e.count(1, float("nan"))
     assert e.local_report().diverging
+
+
+def test_a_short_round_of_noisy_batches_is_no_rise_but_a_long_one_is() -> None:
+    """Batches whose loss swings by +-0.2 around 0.6 (10% random labels): an overlapped round
+    that lands two steps after the one before, at 1.5x the usual, is noise; 16 steps at the
+    same mean are a rise."""
+    rng = random.Random(0)
+    m = DivergenceMonitor()
+    for _ in range(8):
+        for _ in range(16):
+            m.add(rng.gauss(0.6, 0.2))
+        assert m.end_round()[1] == ""
+    m.add(0.85)
+    m.add(0.95)
+    assert m.end_round()[1] == ""
+    for _ in range(16):
+        m.add(rng.gauss(0.9, 0.2))
+    assert "a mean of 16 steps" in m.end_round()[1]
 
 
 def test_loss_values_are_checked() -> None:
