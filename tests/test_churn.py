@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -19,13 +20,20 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[str, dict]:
-    """One calm run and one with churn, shared by the tests below (each takes a minute)."""
+@functools.cache
+def _shared_runs() -> dict[str, dict]:
     return {
         "calm": run_swarm(kill_fraction=0.0, **SETTINGS),
         "churn": run_swarm(kill_fraction=0.2, warm_restarts=True, **SETTINGS),
     }
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
+    """One calm run and one with churn, shared by the tests below (each takes a minute). Kept
+    for the process: a pytest-xdist worker that ran out of queued tests between two of them
+    tears the module's fixtures down, and the runs were made twice (130-150 s each time)."""
+    return _shared_runs()
 
 
 def _figures(run: dict) -> dict:
