@@ -96,7 +96,9 @@ class PartSender:
                     return SentPart(self.part, contributors, "")
             raise AveragingError("owner asked for too many retries")
         except OwnerStalled as e:
-            logger.warning("part %d: dropping owner %s: %s", self.part, owner.peer_id.short, e)
+            # INFO, as an owner drops a stalled sender: a busy honest owner stalls too, and the
+            # part only keeps this member's values (the round's report names it)
+            logger.info("part %d: dropping owner %s: %s", self.part, owner.peer_id.short, e)
             refusal = Refusal(owner.peer_id, RefusalAction.DROPPED, self.part, str(e))
             return SentPart(self.part, None, f"part {self.part}: owner {e}", (refusal,))
         except OwnerLied as e:
