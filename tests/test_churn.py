@@ -58,9 +58,10 @@ def test_a_calm_run_logs_nothing_above_info_about_honest_peers(runs: dict[str, d
     """Honest peers left alone: no part refused, no owner accused or dropped, no streak of
     failed rounds, no task failure unread. Before, a member whose connection broke was refused
     at WARNING, and a round that failed now and then warned (2 of 3,537 rounds of 8 calm
-    peers in 240 s). A peer's warning about its own loss is not about its peers: it came once
-    in 5 such runs (18,465 rounds; the round's mean training loss 1.51x the recent median, its
-    test loss as before), so it is left out here."""
+    peers in 240 s). A peer's warning about its own loss is not about its peers, so it is left
+    out here: it came once in 5 such runs (18,465 rounds; a short round's mean training loss
+    1.51x the recent median, its test loss as before), before a rise had to stand out from the
+    noise of the round's steps."""
     loud = [x for x in runs["calm"]["loud_lines"] if "looks divergent" not in x]
     assert loud == [], loud
 
