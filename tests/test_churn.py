@@ -9,7 +9,7 @@ import math
 import pytest
 from churn_run import losses_at_equal_rounds, run_swarm
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("heavy")]
+pytestmark = pytest.mark.slow
 ROUND_TIMEOUT_S = 8.0
 SETTINGS = {
     "peers": 6,

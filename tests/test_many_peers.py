@@ -27,7 +27,6 @@ CONSENSUS_BOUND = 0.01  # after the finishing rounds (issue 32's goal)
 # all 16 peers share one event loop: when it cannot keep the fast peers at half their emulated
 # speed (seen once on a loaded CI machine: a quarter), the run measures the machine, not the swarm
 MIN_SPEED_KEPT = 0.5
-pytestmark = pytest.mark.xdist_group("heavy")  # never beside another heavy test
 
 
 async def test_sixteen_unequal_peers_average_without_waiting_for_each_other() -> None:

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 PEER = [sys.executable, "-m", "swarm.cli", "--heartbeat", "1", "--log-level", "INFO"]
 WORKER = [sys.executable, str(HERE / "averaging_worker.py")]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("heavy")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _skip_unless(upnp: bool = False) -> None:

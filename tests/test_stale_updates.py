@@ -25,7 +25,6 @@ def test_stale_updates_are_ten_rounds_old() -> None:
 # rerun for the tail of parted anchors on a loaded machine (see the docstring)
 @pytest.mark.timeout(900)
 @pytest.mark.flaky(reruns=1)
-@pytest.mark.xdist_group("heavy")
 def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> None:
     """2 of 8 send their update of 10 rounds ago, every round, unnamed by scoring: with the
     anchors synced in one group of 2 (scoring's default) the worst honest peer of the median
