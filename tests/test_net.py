@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import gc
 import hashlib
+import logging
 import os
 import struct
 import weakref
@@ -189,6 +190,37 @@ async def test_reply_flows_before_the_request_ends_and_its_trailer_comes_last(
     assert got == [b"FIRST", b"SECOND"] and s.trailer == {"count": 2}
     with pytest.raises(TransportError):
         ReplyStream(None, None).set_trailer({"big": b"x" * (MAX_HEADER_BYTES + 1)})  # type: ignore[arg-type]
+
+
+async def test_a_reply_to_a_client_that_hung_up_fails_as_a_lost_connection(
+    pair: tuple[Transport, Transport], caplog
+) -> None:
+    """Writes to a reply whose client left raise TransportError with ``lost`` (aiohttp's own
+    ConnectionResetError reached the server's catch-all before, with a traceback at WARNING)."""
+    a, b = pair
+    failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def keep_writing(reply: ReplyStream) -> None:
+        try:
+            while True:
+                await reply.write(b"x" * 65536)
+                await asyncio.sleep(0.01)
+        except BaseException as e:  # what the test inspects
+            failed.set_result(e)
+
+    async def talker(request: InboundStream, reply: ReplyStream) -> None:
+        await reply.prepare({})
+        writer = asyncio.create_task(keep_writing(reply))
+        await asyncio.shield(writer)  # the server cancels this handler when the client leaves
+
+    b.add_stream("talker", talker)
+    caplog.set_level(logging.INFO, logger="swarm.net")
+    async with a.stream(b.record(), "talker", {}, _nothing(), timeout=30) as s:
+        async for _ in s:
+            break  # one chunk read, then the client hangs up
+    error = await asyncio.wait_for(failed, 10)
+    assert isinstance(error, TransportError) and error.lost, repr(error)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 @pytest.mark.parametrize("trailer", [wire.pack([1, 2]), b"\xc1", wire.pack({"x": b"y" * 70_000})])

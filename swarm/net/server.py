@@ -280,7 +280,7 @@ class Server:
             if isinstance(e, TransportError) and e.lost:
                 # the sender died, hung up or gave up: nothing it sent was wrong
                 logger.info("stream %s from %s ended early: %s", name, label, e)
-                return await self._ended(reply)
+                return self._ended(reply)
             if not reply.prepared:
                 return self._refuse(request, status, e)
             self._refusals.warn(
@@ -302,13 +302,13 @@ class Server:
             await reply.finish()
         except TransportError as e:  # the connection broke as the reply ended
             logger.info("stream %s from %s: the reply could not end: %s", name, label, e)
-            return await self._ended(reply)
+            return self._ended(reply)
         if reader.ended:
             await _body_end(request, BODY_END_WAIT_S)
         return reply.response  # type: ignore[return-value]
 
     @staticmethod
-    async def _ended(reply: ReplyStream) -> web.StreamResponse:
+    def _ended(reply: ReplyStream) -> web.StreamResponse:
         """The response of a stream whose connection broke: nobody is left to read it."""
         if reply.response is None:
             response = web.Response(status=400, text="connection lost")

@@ -8,8 +8,9 @@ aiohttp stops reading a socket whose buffer is full, so a slow consumer slows it
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,10 +136,8 @@ class ReplyStream:
         payload = _pack_header(header)
         response = web.StreamResponse(status=200)
         response.content_type = "application/octet-stream"
-        try:
+        with _breaks_as_lost():
             await response.prepare(self._request)
-        except ConnectionError as e:
-            raise _lost(e) from e
         self.response = response
         await self._send(HEADER, payload)
 
@@ -155,11 +154,9 @@ class ReplyStream:
 
     async def _send(self, kind: int, data: bytes | bytearray | memoryview) -> None:
         response = self._prepared_response()
-        try:
+        with _breaks_as_lost():
             for piece in self._writer.frames(kind, data):
                 await response.write(piece)
-        except ConnectionError as e:  # aiohttp raises its ConnectionResetError subclass
-            raise _lost(e) from e
 
     def _prepared_response(self) -> web.StreamResponse:
         if self.response is None:
@@ -171,10 +168,8 @@ class ReplyStream:
         if self.response is None:
             await self.prepare({})
         await self._send(END, self._trailer)
-        try:
+        with _breaks_as_lost():
             await self._prepared_response().write_eof()
-        except ConnectionError as e:
-            raise _lost(e) from e
 
     async def abort(self, exc: BaseException) -> None:
         """Abort a prepared reply with an ERROR frame (framework use, after the handler raised).
@@ -189,9 +184,14 @@ class ReplyStream:
             logger.debug("could not send the error reply: %r", e)
 
 
-def _lost(e: ConnectionError) -> TransportError:
-    """The error of a reply whose connection broke (the client died, hung up or gave up)."""
-    return TransportError(f"connection lost: {e!r}", lost=True)
+@contextlib.contextmanager
+def _breaks_as_lost() -> Iterator[None]:
+    """A reply's write whose connection broke (the client died, hung up or gave up) raises
+    TransportError with ``lost`` (aiohttp raises its ConnectionResetError subclass)."""
+    try:
+        yield
+    except ConnectionError as e:
+        raise TransportError(f"connection lost: {e!r}", lost=True) from e
 
 
 def _pack_header(header: dict[str, Any]) -> bytes:
