@@ -32,7 +32,9 @@ from pathlib import Path
 from processes import OutputProcess
 
 WORKER = str(Path(__file__).resolve().parent / "churn_worker.py")
-LOUD = re.compile(r"^(\d+\.\d+) (WARNING|ERROR|CRITICAL) ")  # churn_worker.LOG_FORMAT
+# the workers' log lines, the time first, and those above INFO among them (see Life.loud_lines)
+LOG_FORMAT = "%(created).3f %(levelname)s %(name)s: %(message)s"
+LOUD = re.compile(r"^(\d+\.\d+) (WARNING|ERROR|CRITICAL) ")
 
 
 @dataclass

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from churn_run import LOG_FORMAT  # beside this script: sys.path[0]
 from torch import nn
 
 from swarm.api import Swarm
@@ -27,7 +28,6 @@ from swarm.averaging import Fault
 from swarm.errors import SwarmError
 
 ROOT = Path(__file__).resolve().parent.parent
-LOG_FORMAT = "%(created).3f %(levelname)s %(name)s: %(message)s"
 SMALL_DIM, SMALL_CLASSES = 32, 8
 
 

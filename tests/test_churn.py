@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 
 import pytest
-from churn_run import losses_at_equal_rounds, run_swarm
+from churn_run import LOG_FORMAT, Life, losses_at_equal_rounds, run_swarm
 
 pytestmark = pytest.mark.slow
 ROUND_TIMEOUT_S = 8.0
@@ -64,6 +65,25 @@ def test_a_calm_run_logs_nothing_above_info_about_honest_peers(runs: dict[str, d
     noise of the round's steps."""
     loud = [x for x in runs["calm"]["loud_lines"] if "looks divergent" not in x]
     assert loud == [], loud
+
+
+def test_loud_lines_are_the_workers_lines_above_info_before_the_end() -> None:
+    """What the calm-run check reads: lines in the workers' format, above INFO, up to the end."""
+
+    def line(level: int, created: float) -> str:
+        record = logging.LogRecord("swarm.x", level, __file__, 1, "said", None, None)
+        record.created = created
+        return logging.Formatter(LOG_FORMAT).format(record)
+
+    life = Life(proc=None, slot=3, restarted=False)  # type: ignore[arg-type]
+    life.lines = [
+        line(logging.INFO, 10.0),
+        line(logging.WARNING, 11.0),
+        'ROUND {"t": 12.0}',
+        line(logging.ERROR, 13.0),
+        line(logging.WARNING, 21.0),  # after the end: the run's kills
+    ]
+    assert life.loud_lines(until=20.0) == [life.lines[1], life.lines[3]]
 
 
 def _cost_check(runs: dict[str, dict]) -> str | None:
