@@ -74,6 +74,14 @@ class FlatFeedback:
         r = self._sender_residual()[start : start + values.numel()]
         return _encode_with(self.codec, values, r)
 
+    def encode_again(self, values: torch.Tensor, start: int) -> bytes:
+        """Encode a sender chunk whose earlier payload its owner discarded (a retry), as if
+        this were its first: what the residual held there before is lost (a small, one-off
+        loss of compensation), and the discarded payload's error is not counted twice."""
+        if self.enabled:
+            self._sender_residual()[start : start + values.numel()].zero_()
+        return self.encode(values, start)
+
     def _sender_residual(self) -> torch.Tensor:
         # the first chunks of several parts encode at once, in worker threads: without the
         # lock each made a residual of its own (one more vector of memory for a moment, and the

@@ -6,7 +6,7 @@ part ``j`` chunk by chunk (with its error feedback). The averaged chunks come ba
 while later chunks still go out; they are staged compressed
 (:class:`~swarm.averaging.butterfly.staged.StagedAverages`), and the part counts as averaged
 only after the owner's ``ok`` trailer, with every chunk received and a valid contributor list.
-A ``retry`` trailer starts the part again with the same payloads (once). In a pair under a
+A ``retry`` trailer starts the part again (once), its chunks encoded afresh. In a pair under a
 sparse codec the owner's chunks are its own payloads, each staged with this member's payload
 of the chunk and the shares of the mean (:mod:`~swarm.averaging.butterfly.pairs`).
 """
@@ -26,6 +26,7 @@ from swarm.averaging.butterfly.outcome import FAILURES, MAX_ATTEMPTS, SentPart
 from swarm.averaging.butterfly.pairs import Shares, check_shares
 from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.result import Refusal, RefusalAction
+from swarm.compression import Codec
 from swarm.errors import AveragingError, CompressionError, TransportError
 from swarm.protocols import StreamTransport
 
@@ -75,9 +76,13 @@ class PartSender:
         self.deadline, self.faults = ctx.deadline, ctx.faults
         self.bytes_sent = 0
         self.bytes_received = 0
-        # kept for a retry (error feedback moves once) and, in a pair, to compose the average
-        keep = ctx.feedback.enabled or ctx.pairwise
+        # kept for a retry, so that it sends what its error feedback counted as sent, and in a
+        # pair to compose the average; but payloads of a byte or more per value (int8: in a
+        # group of 4, 0.19 of the vector's float32 size per round) leave a residual of a
+        # rounding's size, and a retry encodes those afresh (see FlatFeedback.encode_again)
+        keep = ctx.pairwise or (ctx.feedback.enabled and not _dense(ctx.feedback.codec))
         self._stored: list[bytes] | None = [] if keep else None
+        self._encoded = 0  # chunks whose encoding moved the error feedback (in any attempt)
         self._progress: list[float] = [time.monotonic()]  # when chunks went out or came back
 
     def _remaining(self) -> float:
@@ -166,15 +171,19 @@ class PartSender:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _body(self) -> AsyncIterator[bytes]:
-        """The part's payloads: encoded once (error feedback moves with each encoding), then
-        sent again from the stored copies by a retry."""
+        """The part's payloads. A retry (the owner discarded what it had) sends a chunk
+        encoded before from its stored copy, or encodes it afresh where payloads are not kept
+        (:meth:`~swarm.averaging.butterfly.residuals.FlatFeedback.encode_again`)."""
         stored = self._stored
         for i, (s, e) in enumerate(self.chunks):
             await self.faults.before_chunk(i, len(self.chunks))
             if stored is not None and i < len(stored):
                 payload = stored[i]
+            elif i < self._encoded:
+                payload = await self.workers.run(self.feedback.encode_again, self.flat[s:e], s)
             else:
                 payload = await self.workers.run(self.feedback.encode, self.flat[s:e], s)
+                self._encoded = i + 1
                 if stored is not None:
                     stored.append(payload)
             payload = self.faults.payload(payload)
@@ -257,3 +266,8 @@ class PartSender:
             self.staged.stage(self.part, start, end, payload, pair)
         except CompressionError as e:
             raise OwnerLied(f"sent an averaged chunk that does not decode: {e}") from e
+
+
+def _dense(codec: Codec) -> bool:
+    """Whether ``codec``'s payloads take a byte or more per value (``int8``, ``fp16``)."""
+    return codec.estimate_size(1 << 20) >= 1 << 20
