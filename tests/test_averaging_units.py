@@ -285,7 +285,7 @@ def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
     acc = torch.empty(n)
     chunks = _chunks(n, chunk)
     senders = list(range(1, len(weights)))
-    r = PartReducer(acc, chunks, senders, "mean")
+    r = PartReducer(chunks, senders, "mean")
     r.begin(values[0], weights[0])
     for s in senders:
         r.accept(s, weights[s])
@@ -305,7 +305,7 @@ def test_reducer_weighted_mean_in_any_arrival_order(n, chunk, weights, seed):
     for s in senders:
         r.complete(s)
     assert r.settled()
-    assert finish(r) == tuple(senders)
+    assert finish(r, acc) == tuple(senders)
     expected = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
     torch.testing.assert_close(acc, expected, rtol=1e-5, atol=1e-5)
 
@@ -330,7 +330,7 @@ def test_reducer_centered_clip_chunk_by_chunk_in_any_arrival_order(n, chunk, sen
     acc = torch.empty(n)
     chunks = _chunks(n, chunk)
     expected = list(range(1, senders + 1))
-    r = PartReducer(acc, chunks, expected)
+    r = PartReducer(chunks, expected)
     r.begin(values[0], 1.0)
     quitter = expected[-1] if len(chunks) > 1 else None
     for attempt in range(2):
@@ -354,7 +354,9 @@ def test_reducer_centered_clip_chunk_by_chunk_in_any_arrival_order(n, chunk, sen
                 elif progress[s] == len(chunks):
                     r.complete(s)
             if not r.tainted and finished < len(chunks) and r.chunk_ready(finished):
-                r.finish_chunk(finished, r.chunk_total(finished))  # as the owner: at once
+                a, b = chunks[finished]  # as the owner: at once
+                acc[a:b] = r.finish_chunk(finished, r.chunk_total(finished))
+                r.release(finished)
                 finished += 1
         if not r.tainted:
             break
@@ -366,11 +368,14 @@ def test_reducer_centered_clip_chunk_by_chunk_in_any_arrival_order(n, chunk, sen
         torch.testing.assert_close(acc[a:b], want.float(), rtol=1e-5, atol=1e-5)
 
 
-def finish(r: PartReducer) -> tuple[int, ...]:
-    """Average every chunk, as the owner does once each is ready; returns the contributors."""
+def finish(r: PartReducer, acc: torch.Tensor) -> tuple[int, ...]:
+    """Average every chunk into ``acc``, as the owner does once each is ready; returns the
+    contributors."""
     for index in range(len(r.chunks)):
         assert r.chunk_ready(index)
-        r.finish_chunk(index, r.chunk_total(index))
+        start, end = r.chunks[index]
+        acc[start:end] = r.finish_chunk(index, r.chunk_total(index))
+        r.release(index)
     return r.contributors()
 
 
@@ -378,8 +383,7 @@ def test_reducer_chunks_are_ready_in_order_as_every_sender_delivers_them():
     codec = get_codec("none")
     n, chunks = 90, _chunks(90, 30)
     own, a, b = torch.full((n,), 1.0), torch.full((n,), 4.0), torch.full((n,), 10.0)
-    acc = torch.empty(n)
-    r = PartReducer(acc, chunks, [1, 2, 3], "mean")
+    r = PartReducer(chunks, [1, 2, 3], "mean")
     r.begin(own, 1.0)
     r.accept(1, 1.0)
     r.accept(2, 2.0)
@@ -401,7 +405,7 @@ def test_reducer_taint_and_restart_excludes_partial_sender():
     n, chunks = 100, _chunks(100, 30)
     own, a, b = torch.full((n,), 1.0), torch.full((n,), 3.0), torch.full((n,), 100.0)
     acc = torch.empty(n)
-    r = PartReducer(acc, chunks, [1, 2], "mean")
+    r = PartReducer(chunks, [1, 2], "mean")
     r.begin(own, 1.0)
     r.accept(1, 1.0)
     r.accept(2, 1.0)
@@ -420,14 +424,13 @@ def test_reducer_taint_and_restart_excludes_partial_sender():
         r.add_chunk(1, i, codec.encode(a[s:e]))
         r.chunk_added(1)
     r.complete(1)
-    assert finish(r) == (1,)
+    assert finish(r, acc) == (1,)
     torch.testing.assert_close(acc, torch.full((n,), 2.0))
 
 
 def test_reducer_refuses_protocol_violations():
     codec = get_codec("none")
-    acc = torch.empty(10)
-    r = PartReducer(acc, _chunks(10, 5), [1, 2])
+    r = PartReducer(_chunks(10, 5), [1, 2])
     r.begin(torch.zeros(10), 1.0)
     with pytest.raises(AveragingError):
         r.accept(3, 1.0)  # not expected
@@ -453,13 +456,13 @@ def test_reducer_refuses_protocol_violations():
 def test_reducer_zero_total_weight_keeps_own_values():
     acc = torch.empty(4)
     own = torch.arange(4.0)
-    r = PartReducer(acc, _chunks(4, 4), [1])
+    r = PartReducer(_chunks(4, 4), [1])
     r.begin(own, 0.0)
     r.accept(1, 0.0)
     r.add_chunk(1, 0, get_codec("none").encode(torch.ones(4)))
     r.chunk_added(1)
     r.complete(1)
-    finish(r)
+    finish(r, acc)
     torch.testing.assert_close(acc, own)
 
 
@@ -889,7 +892,7 @@ def test_reducer_centered_clip_refuses_to_be_dragged():
     honest = [torch.full((n,), v) + 0.01 * torch.randn(n) for v in (1.0, 1.1, 0.9)]
     attacker = torch.full((n,), 1e30)
     acc = torch.empty(n)
-    r = PartReducer(acc, chunks, [1, 2, 3])
+    r = PartReducer(chunks, [1, 2, 3])
     r.begin(honest[0], 1.0)
     r.accept(3, 1e30)  # a huge weight, capped at twice the median; streams start in any order
     r.accept(1, 1.0)
@@ -900,7 +903,7 @@ def test_reducer_centered_clip_refuses_to_be_dragged():
             r.chunk_added(sender)
     for sender in (1, 2, 3):
         r.complete(sender)
-    assert finish(r) == (1, 2, 3)
+    assert finish(r, acc) == (1, 2, 3)
     assert torch.isfinite(acc).all() and (acc - 1.0).abs().max() < 0.5
     assert set(r.clipped) == {3} and r.capped == {3: 1e30}
 
@@ -1116,7 +1119,7 @@ async def test_a_refused_chunk_is_never_ready_with_its_sender_live(records):
         deadline=time.monotonic() + 30.0,
         faults=FaultInjector(),
     )
-    reducer = PartReducer(torch.zeros(8), ((0, 8),), [1, 2])
+    reducer = PartReducer(((0, 8),), [1, 2])
     reducer.begin(torch.ones(8), 1.0)
     intake = PartIntake(ctx, reducer)
     wakes: list[tuple[bool, tuple[int, ...]]] = []  # (chunk ready, its live senders) per wake

@@ -83,13 +83,8 @@ class AllReduce:
         self.owner: PartOwner | None = None
         if end > start:
             rel = tuple((s - start, e - start) for s, e in plan.chunks(ctx.me))
-            # the own part is reduced in a buffer of its own size (or in its range of the
-            # buffer the averages are decoded into), staged once it is settled
-            if staged.into is not None:
-                acc = staged.into[start:end]
-            else:
-                acc = torch.empty(end - start, dtype=torch.float32, device=flat.device)
-            self.owner = PartOwner(ctx, flat[start:end], acc, rel, start)
+            # the own part is staged chunk by chunk as it goes out, like the others' averages
+            self.owner = PartOwner(ctx, flat[start:end], rel, start, staged)
         # an owner this member accused gets nothing from it, and its average is not applied;
         # the plan is the group's, the same for every member (the part is repaired instead)
         self.senders = [
@@ -128,8 +123,6 @@ class AllReduce:
             part = outcome.part if isinstance(outcome, SentPart) else self.me
             if outcome.contributors is not None:
                 parts[part] = outcome.contributors
-                if isinstance(outcome, OwnedPart) and self.owner is not None:
-                    self.staged.stage_values(part, self.plan.ranges[part][0], self.owner.acc)
             if outcome.note:
                 notes.append(outcome.note)
             refusals.extend(outcome.refusals)

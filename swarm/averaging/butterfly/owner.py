@@ -31,6 +31,7 @@ from swarm.averaging.butterfly.pairs import Shares
 from swarm.averaging.butterfly.reducer import PartReducer
 from swarm.averaging.butterfly.replies import PartReplies
 from swarm.averaging.butterfly.scoring import PartScores, part_scores
+from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
@@ -46,27 +47,26 @@ class PartOwner:
     Args:
         ctx: the round; this member owns part ``ctx.me``.
         values: this member's values of the part (read-only during the round).
-        acc: a buffer of the part's size (receives the average: what the senders apply).
         chunks: ``(start, end)`` of every chunk, relative to the part.
         start: the part's offset in the flat vector (for the error feedback).
+        staged: where the average waits for the round's verdict, as the senders stage it.
     """
 
     def __init__(
         self,
         ctx: RoundContext,
         values: torch.Tensor,
-        acc: torch.Tensor,
         chunks: tuple[tuple[int, int], ...],
         start: int,
+        staged: StagedAverages,
     ):
         self.ctx = ctx
         self.group, self.me = ctx.group, ctx.me
         self.feedback, self.workers, self.faults = ctx.feedback, ctx.workers, ctx.faults
-        self.values, self.acc, self.start = values, acc, start
+        self.values, self.start, self.staged = values, start, staged
         senders = [i for i in range(len(ctx.group.members)) if i != ctx.me]
         senders = [i for i in senders if i not in ctx.excluded]
         self.reducer = PartReducer(
-            acc,
             chunks,
             senders,
             ctx.aggregator,
@@ -74,6 +74,7 @@ class PartOwner:
             ctx.trust,
             score=ctx.score,
             pairwise=ctx.pairwise,
+            device=values.device,
         )
         # pairwise: the sender's shares of the mean, and this owner's own payload of each chunk
         # (encoded once: a retry sends the same bytes, and its error feedback moved once)
@@ -174,6 +175,7 @@ class PartOwner:
         self.intake.expect_by(when)
 
     def _new_attempt(self) -> None:
+        self.staged.begin_part(self.me)  # what an attempt before staged is not the average
         self.intake.new_attempt()
         self.replies.new_attempt()
 
@@ -245,20 +247,28 @@ class PartOwner:
                 await asyncio.wait_for(intake.changed.wait(), _TICK_S)
 
     def _finish_chunk(self, index: int, total: float) -> bytes:
-        if self.ctx.pairwise:
-            return self._finish_pair_chunk(index)
-        values = self.reducer.finish_chunk(index, total)
-        self.faults.averaged(values)
-        payload = self.feedback.encode_owned(values, self.reducer.chunks[index][0])
+        """Average chunk ``index``, encode it and stage what it decodes to; the payload."""
+        start = self.reducer.chunks[index][0]
+        try:
+            if self.ctx.pairwise:
+                return self._finish_pair_chunk(index)
+            values = self.reducer.finish_chunk(index, total)
+            self.faults.averaged(values)
+            payload = self.feedback.encode_owned(values, start)  # values := what it decodes to
+            self.staged.stage_own(self.me, self.start + start, payload, values)
+        finally:
+            self.reducer.release(index)
         return self.faults.averaged_payload(payload)
 
     def _finish_pair_chunk(self, index: int) -> bytes:
         """Pairwise: this owner's own payload of chunk ``index`` (sent back in place of an
-        average) and the chunk as both members apply it, in the accumulator."""
+        average), with the chunk staged as both members apply it."""
+        start, end = self.reducer.chunks[index]
         payload = self._own_payloads.get(index)
         if payload is None:
-            start, end = self.reducer.chunks[index]
             payload = self.feedback.encode(self.values[start:end], self.start + start)
             self._own_payloads[index] = payload
-        self.reducer.finish_pair_chunk(index, payload, self._shares)
+        values, theirs = self.reducer.finish_pair_chunk(index, payload, self._shares)
+        pair = None if theirs is None else (theirs, self._shares)
+        self.staged.stage_own(self.me, self.start + start, payload, values, pair)
         return self.faults.averaged_payload(payload)

@@ -1,22 +1,22 @@
 """Reduction of one part (sans-I/O): weighted contributions accumulated chunk by chunk.
 
-The owner of a part starts from its own weighted values, adds every sender's decoded chunks as
-they arrive (``acc += w * D(chunk)``, no temporary), and divides each chunk by the sum of the
-weights of the senders that delivered it as soon as every sender has delivered it or been dropped
-(:meth:`PartReducer.chunk_ready`), so the averaged chunk can go back while later chunks still
-arrive. A sender whose stream breaks after some of its chunks were added *taints* the part: its
-partial contribution cannot be taken back, so the owner resets the part and asks the complete
-senders for their values again (:meth:`PartReducer.restart`); receivers stage averaged chunks
-and apply a part only once its owner confirmed it, so nothing half-received reaches the result.
+The owner of a part starts each chunk from its own weighted values, adds every sender's decoded
+chunk as it arrives (``acc += w * D(chunk)``, no temporary), and divides the chunk by the sum of
+the weights of the senders that delivered it as soon as every sender has delivered it or been
+dropped (:meth:`PartReducer.chunk_ready`), so the averaged chunk can go back while later chunks
+still arrive. A sender whose stream breaks after some of its chunks were added *taints* the part:
+its partial contribution cannot be taken back, so the owner resets the part and asks the complete
+senders for their values again (:meth:`PartReducer.restart`); receivers stage averaged chunks and
+apply a part only once its owner confirmed it, so nothing half-received reaches the result.
 
 With ``aggregator="centered_clip"`` (the default) the senders' chunks are decoded into one row
 each instead of being added, and a chunk is reduced by :func:`~swarm.averaging.butterfly.robust.
 centered_clip` with weights capped at ``weight_cap`` times the group's median once every sender
 delivered it (or was dropped); ``aggregator="mean"`` is the plain weighted mean above, for
-swarms whose peers are all trusted. The rows of a chunk live in a buffer of their own, taken
-from a pool when its first row arrives and given back once the chunk is reduced: memory holds
-the chunks in flight, not the whole part once per sender, and reused buffers cost no fresh
-pages.
+swarms whose peers are all trusted. The rows of a chunk (one, the sum, under the mean) live in a
+buffer of their own, taken from a pool when its first row arrives and given back once the
+owner is done with the chunk's average (:meth:`PartReducer.release`): memory holds the chunks
+in flight, not the part, and reused buffers cost no fresh pages.
 
 The tensor work (:meth:`PartReducer.begin`, :meth:`add_chunk`, :meth:`finish_chunk`) is meant
 for a worker thread; the bookkeeping methods are cheap and belong to the event loop. Work on one
@@ -79,8 +79,7 @@ class PartReducer:
     """Accumulates one part's weighted mean.
 
     Args:
-        acc: the part's accumulator (a contiguous float32 view; it receives the result).
-        chunks: ``(start, end)`` of every chunk, relative to ``acc``.
+        chunks: ``(start, end)`` of every chunk, relative to the part.
         senders: the members expected to contribute (not the owner itself).
         aggregator: ``centered_clip`` or ``mean``.
         weight_cap: with ``centered_clip``, no weight counts for more than this times the median
@@ -92,11 +91,11 @@ class PartReducer:
         pairwise: the group is a pair exchanging its members' own payloads
             (:mod:`~swarm.averaging.butterfly.pairs`): the sender's payloads are kept as they
             came, for :meth:`finish_pair_chunk`.
+        device: where the rows live (the owner's values').
     """
 
     def __init__(
         self,
-        acc: torch.Tensor,
         chunks: tuple[tuple[int, int], ...],
         senders: Iterable[int],
         aggregator: str = "centered_clip",
@@ -104,10 +103,11 @@ class PartReducer:
         trust: Mapping[int, float] | None = None,
         score: bool = False,
         pairwise: bool = False,
+        device: torch.device | str = "cpu",
     ):
         if aggregator not in AGGREGATORS:
             raise AveragingError(f"aggregator must be one of {AGGREGATORS}, not {aggregator!r}")
-        self.acc = acc
+        self.device = torch.device(device)
         self.chunks = chunks
         self.expected = tuple(senders)
         self.robust = aggregator == "centered_clip"
@@ -119,11 +119,12 @@ class PartReducer:
         # (radius, values) of every clipped chunk, for a test's attacker (see faults)
         self.observe_radius: Callable[[float, int], None] | None = None
         self._slots = {s: i + 1 for i, s in enumerate(self.expected)}
-        # centered_clip, per chunk in flight: row 0 the owner's values, row slot(s) sender s's
+        # per chunk in flight: under centered_clip row 0 the owner's values, row slot(s) sender
+        # s's; under the mean one row, the weighted sum; row 0 receives the average
         self._rows: dict[int, torch.Tensor] = {}
         self._spare: list[torch.Tensor] = []  # buffers of reduced chunks, for the next ones
         self._pool_lock = threading.Lock()
-        self._scratch = ScratchRows(acc.device)  # for the chunks of a tainted attempt
+        self._scratch = ScratchRows(self.device)  # for the chunks of a tainted attempt
         self.clipped: dict[int, float] = {}  # sender -> smallest scale its offset got
         self.own_clipped = False  # the owner's own values were clipped: it is the odd one out
         self.capped: dict[int, float] = {}  # sender -> the weight it claimed, when capped
@@ -137,10 +138,8 @@ class PartReducer:
     # ---- tensor work (worker thread)
 
     def begin(self, own: torch.Tensor, own_weight: float) -> None:
-        """Start from the owner's own values: ``acc = own_weight * own``."""
+        """Start from the owner's own values (the part's, read-only until the part ends)."""
         self._own, self.own_weight = own, check_weight(own_weight)
-        if not self.robust:
-            torch.mul(own, self.own_weight, out=self.acc)
 
     def claimed_weights(self) -> dict[int, float]:
         """The weight each contributor claimed (the owner's own under the key ``-1``)."""
@@ -161,21 +160,22 @@ class PartReducer:
                 decode_into(payload, self._scratch.row(end - start), accumulate=False)
                 if not self.tainted:
                     self._payloads[index] = bytes(payload)
+            elif self.tainted:
+                # the attempt is over, but a sender whose payload is refused must still be
+                # dropped from the retry: checked into a scratch row, kept nowhere (rows
+                # taken now would outlive the window, which no longer holds anyone back)
+                decode_into(payload, self._scratch.row(end - start), accumulate=False)
             elif self.robust:
-                if self.tainted:
-                    # the attempt is over, but a sender whose payload is refused must still be
-                    # dropped from the retry: checked into a scratch row, kept nowhere (rows
-                    # taken now would outlive the window, which no longer holds anyone back)
-                    row = self._scratch.row(end - start)
-                else:
-                    row = self._chunk_rows(index)[self._slots[sender], : end - start]
+                row = self._chunk_rows(index)[self._slots[sender], : end - start]
                 decode_into(payload, row, accumulate=False)
             else:
-                decode_into(payload, self.acc[start:end], self._senders[sender].weight)
+                row = self._chunk_rows(index)[0, : end - start]
+                decode_into(payload, row, self._senders[sender].weight)
 
     def finish_chunk(self, index: int, total: float) -> torch.Tensor:
-        """Reduce chunk ``index``; returns the chunk. ``total`` (:meth:`chunk_total`) is the
-        weight it holds under the plain mean (unused by CenteredClip).
+        """Reduce chunk ``index``; returns its average, in the chunk's rows until
+        :meth:`release`. ``total`` (:meth:`chunk_total`) is the weight it holds under the plain
+        mean (unused by CenteredClip).
 
         When the weights sum to 0 the owner's own values are restored (nothing to average).
         """
@@ -183,11 +183,22 @@ class PartReducer:
         if self.robust:
             return self._clip_chunk(index, start, end)
         with self._locks[index]:
+            out = self._chunk_rows(index)[0, : end - start]
             if total > 0:
-                self.acc[start:end].div_(total)
-            elif self._own is not None:
-                self.acc[start:end].copy_(self._own[start:end])
-        return self.acc[start:end]
+                out.div_(total)
+            else:
+                out.copy_(self._own_values()[start:end])
+        return out
+
+    def release(self, index: int) -> None:
+        """The owner is done with chunk ``index``'s average: its rows go back to the pool."""
+        with self._locks[index]:
+            self._release_rows(index)
+
+    def _own_values(self) -> torch.Tensor:
+        if self._own is None:
+            raise AveragingError("a chunk reduced before begin()")
+        return self._own
 
     def pair_shares(self, sender: int) -> Shares:
         """Pairwise: the owner's and ``sender``'s shares of the mean, from their weights
@@ -201,15 +212,18 @@ class PartReducer:
             self.capped[sender] = claimed
         return pair_shares(own, theirs)
 
-    def finish_pair_chunk(self, index: int, own_payload: bytes, shares: Shares) -> torch.Tensor:
+    def finish_pair_chunk(
+        self, index: int, own_payload: bytes, shares: Shares
+    ) -> tuple[torch.Tensor, bytes | None]:
         """Pairwise: chunk ``index`` as both members apply it, from the owner's own payload
-        and the sender's (:func:`~swarm.averaging.butterfly.pairs.compose`); returns the chunk."""
+        and the sender's (:func:`~swarm.averaging.butterfly.pairs.compose`), in its rows until
+        :meth:`release`; and the sender's payload (None: it did not deliver the chunk)."""
         start, end = self.chunks[index]
-        out = self.acc[start:end]
         with self._locks[index]:
+            out = self._chunk_rows(index)[0, : end - start]
             theirs = self._payloads.pop(index, None) if self.delivered(index) else None
             compose(out, own_payload, theirs, shares)
-        return out
+        return out, theirs
 
     def _chunk_rows(self, index: int) -> torch.Tensor:
         """The row buffer of chunk ``index`` (call under its lock)."""
@@ -220,8 +234,13 @@ class PartReducer:
                     rows = self._spare.pop()
                 else:
                     width = max(e - s for s, e in self.chunks)
-                    shape = (1 + len(self._slots), width)
-                    rows = torch.empty(shape, dtype=torch.float32, device=self.acc.device)
+                    shape = (1 + len(self._slots) if self.robust else 1, width)
+                    rows = torch.empty(shape, dtype=torch.float32, device=self.device)
+            if not self.robust:  # the weighted sum starts from the owner's values
+                start, end = self.chunks[index]
+                torch.mul(
+                    self._own_values()[start:end], self.own_weight, out=rows[0, : end - start]
+                )
             self._rows[index] = rows
         return rows
 
@@ -232,19 +251,16 @@ class PartReducer:
                 self._spare.append(rows)
 
     def _clip_chunk(self, index: int, start: int, end: int) -> torch.Tensor:
-        if self._own is None:
-            raise AveragingError("finish_chunk() before begin()")
+        own = self._own_values()
         live = sorted(self.delivered(index), key=self._slots.__getitem__)  # row order
         trusted = [self._senders[s].weight * self.trust.get(s, 1.0) for s in live]
         weights = cap_weights([self.own_weight, *trusted])
-        out = self.acc[start:end]
         with self._locks[index]:
-            if not live or sum(weights) <= 0:
-                out.copy_(self._own[start:end])
-                self._release_rows(index)
-                return out
             buffer = self._chunk_rows(index)
-            buffer[0, : end - start].copy_(self._own[start:end])
+            out = buffer[0, : end - start]
+            if not live or sum(weights) <= 0:
+                return out.copy_(own[start:end])
+            buffer[0, : end - start].copy_(own[start:end])
             slots = [0, *(self._slots[s] for s in live)]
             if len(slots) == buffer.shape[0]:  # everyone delivered: a view, no copy
                 rows = buffer[:, : end - start]
@@ -254,8 +270,7 @@ class PartReducer:
                 clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
             else:
                 clip = centered_clip(rows, weights, overwrite=True, score=True)
-            out.copy_(clip.center)
-            self._release_rows(index)
+            out.copy_(clip.center)  # row 0 is scratch once the clip is done
         if self.observe_radius is not None and clip.radius > 0:
             self.observe_radius(clip.radius, end - start)
         if self.alignment is not None and clip.dots:
@@ -279,8 +294,6 @@ class PartReducer:
         """
         if self._own is None:
             raise AveragingError("restart() before begin()")
-        if not self.robust:
-            torch.mul(self._own, self.own_weight, out=self.acc)
         self.expected = self.contributors()
         self._senders = {}
         self._payloads = {}

@@ -9,8 +9,9 @@ owner at once), to measure its distance from this member's values, and once more
 applies it. A codec whose payloads are as large as the values (``none``) saves nothing so: its
 chunks are decoded once, into a float32 buffer the size of the vector (``into``), as before
 (holding a vector of frames instead cost 22% of a 250M-value round in fresh pages). The
-member's own part, reduced in a buffer of the part's size, and parts that a repair averaged are
-staged as float32 values.
+member's own part is staged the same way, chunk by chunk as it sends the averages out
+(:meth:`StagedAverages.stage_own`, no buffer of the part's size); parts that a repair averaged
+are staged as float32 values.
 """
 
 from __future__ import annotations
@@ -105,6 +106,27 @@ class StagedAverages:
         got = _decode(payload, pair, self._scratch.row(end - start))
         self._measure(part, start, end, got)
         self._payloads.setdefault(part, []).append((start, end, payload, pair))
+
+    def stage_own(
+        self,
+        part: int,
+        start: int,
+        payload: bytes,
+        decoded: torch.Tensor,
+        pair: Pair | None = None,
+    ) -> None:
+        """Stage a chunk of this member's own part from ``start``: ``payload`` as it went out
+        and ``decoded``, what it decodes to (chunk-sized, reused once this returns); in a pair
+        whose sender delivered the chunk, ``pair`` holds the sender's payload and the shares,
+        as :meth:`~swarm.averaging.butterfly.reducer.PartReducer.finish_pair_chunk` composed
+        them. The same bits apply as from a member's staged chunk of the same payload."""
+        end = start + decoded.numel()
+        self._measure(part, start, end, decoded)
+        if self.into is not None:
+            self.into[start:end].copy_(decoded)
+            self._decoded.setdefault(part, []).append((start, end))
+        else:
+            self._payloads.setdefault(part, []).append((start, end, payload, pair))
 
     def stage_values(self, part: int, start: int, values: torch.Tensor) -> None:
         """Stage ``part`` as float32 ``values`` from ``start`` (in place of any chunks)."""
