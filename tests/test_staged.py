@@ -306,3 +306,29 @@ def test_a_slice_left_between_kept_ranges_is_measured_against_its_whole_part():
     assert set(implausible_parts(outside, lenient=inside)) == {0}
     # a part wholly kept has no rest to measure
     assert 0 not in deviations(flat, average, ranges, ((0, 2000),))[0]
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "sparse:64:8:2"])
+@pytest.mark.parametrize("decoded_on_arrival", [False, True])
+def test_an_owners_own_chunks_apply_the_bits_its_members_apply(codec, decoded_on_arrival):
+    """The owner stages its own part from the payloads it sends and what they decode to, in a
+    chunk-sized row it reuses at once: the values it applies are the members' to the bit, it
+    holds what a member holds (payloads, or the decoded buffer), and its distances are theirs."""
+    from swarm.compression.feedback import encode_keeping_error
+
+    flat, average = own_and_average()
+    into = (lambda: torch.full_like(flat, math.nan)) if decoded_on_arrival else (lambda: None)
+    owner, member = StagedAverages(flat, into=into()), StagedAverages(flat, into=into())
+    row = torch.empty(CHUNK)
+    for start in range(0, average.numel(), CHUNK):
+        row.copy_(average[start : start + CHUNK])
+        payload = encode_keeping_error(get_codec(codec), row.clone(), decoded=row)
+        owner.stage_own(2, start, payload, row)
+        member.stage(2, start, start + CHUNK, payload)
+        row.fill_(math.nan)  # the owner's rows go back to its pool
+    applied = [torch.full_like(flat, math.nan) for _ in range(2)]
+    owner.apply([applied[0]], [2])
+    member.apply([applied[1]], [2])
+    assert torch.equal(applied[0], applied[1]) and not applied[0].isnan().any()
+    assert owner.staged_bytes == member.staged_bytes
+    assert owner.deviations([2]) == member.deviations([2])
