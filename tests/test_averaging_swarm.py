@@ -658,11 +658,13 @@ SLOW_CHUNK_S = 0.4
 
 
 @pytest.mark.timeout(90)
-async def test_senders_ahead_of_a_slow_one_wait_within_the_window(monkeypatch) -> None:
+@pytest.mark.parametrize("aggregator", ["centered_clip", "mean"])
+async def test_senders_ahead_of_a_slow_one_wait_within_the_window(monkeypatch, aggregator) -> None:
     """Under CenteredClip each chunk in flight holds one row per sender: three senders ahead
     of a slow one (SLOW_CHUNK_S per chunk) filled rows for all 16 chunks of every part. They
     now wait within WINDOW_CHUNKS of the chunks averaged, every part still averages all four,
-    and the owners still measure the fast senders' uploads as fast."""
+    and the owners still measure the fast senders' uploads as fast. Under the plain mean each
+    chunk in flight holds one row, its sum, within the same window (the part's buffer before)."""
     from swarm.averaging import faults as fault_module
     from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
 
@@ -670,7 +672,7 @@ async def test_senders_ahead_of_a_slow_one_wait_within_the_window(monkeypatch) -
     most = _count_chunk_rows(monkeypatch)
     n, numel = 4, 16 << 20  # 16 chunks of 1 MiB per part
     peers = await start_peers([81, 82, 83, 84])
-    config = fixed_group_config(n, "window", aggregator="centered_clip")
+    config = fixed_group_config(n, f"window-{aggregator}", aggregator=aggregator)
     faults = [Fault.NONE] * (n - 1) + [Fault.OVERCLAIM]  # a slow uplink, honest values
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     try:
