@@ -358,7 +358,7 @@ async def _cancel_while_waiting(replies: PartReplies, writer: asyncio.Task[bool]
 async def _a_reply_that_failed(replies: PartReplies) -> None:
     replies.new_attempt()
     failed = replies.start(_HungUpReply())
-    replies.publish(0, b"chunk")  # its write finds the connection gone
+    replies.publish(0, b"chunk", 1)  # its write finds the connection gone
     await _cancel_while_waiting(replies, failed)
     assert failed.done()
 

@@ -236,7 +236,7 @@ class PartOwner:
                 except CompressionError as e:
                     logger.warning("part %d: cannot encode the average: %s", self.me, e)
                     return sent
-                self.replies.publish(sent, payload)
+                self.replies.publish(sent, payload, len(reducer.delivered(sent)))
                 sent += 1
                 intake.chunk_averaged(sent)
             if reducer.settled() and (reducer.tainted or sent == n):

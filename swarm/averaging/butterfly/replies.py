@@ -4,6 +4,10 @@ Every sender's reply carries the same averaged chunks of the current attempt, wr
 owner encodes them, and ends with a trailer that gives the attempt's :class:`PartOutcome`:
 ``{"ok": true, "c": [member indices averaged]}``, ``{"retry": true}`` or
 ``{"ok": false, "why": ...}``. Receivers apply a part only after an ``ok`` trailer.
+
+A chunk's payload is let go once every reply that will carry it has written it: the senders
+that delivered the chunk, the only ones averaged into it (an owner kept every payload of its
+part until the round's end: with ``none``, a quarter of the vector in a group of 4).
 """
 
 from __future__ import annotations
@@ -30,23 +34,21 @@ class PartReplies:
         self._chunks = chunks
         self._hold = hold
         self._outcomes: dict[int, asyncio.Future[tuple[PartOutcome, Any]]] = {}
-        self._averaged: list[asyncio.Future[bytes | None]] = []  # None: the attempt stopped
+        self._averaged = _Chunks(0)  # the current attempt's
         self._waiting: set[asyncio.Task[Any]] = set()  # replies waiting for their verdict
 
     def new_attempt(self) -> None:
         """Later writers get the chunks of a new attempt (earlier ones keep theirs)."""
-        loop = asyncio.get_running_loop()
-        self._averaged = [loop.create_future() for _ in range(self._chunks)]
+        self._averaged = _Chunks(self._chunks)
 
-    def publish(self, index: int, payload: bytes) -> None:
-        """Chunk ``index`` of the current attempt is averaged and encoded: send it."""
-        self._averaged[index].set_result(payload)
+    def publish(self, index: int, payload: bytes, readers: int) -> None:
+        """Chunk ``index`` of the current attempt is averaged and encoded: send it on the
+        replies of the ``readers`` senders that delivered it (it is let go once they have)."""
+        self._averaged.publish(index, payload, readers)
 
     def stop(self) -> None:
         """Writers waiting for chunks of the current attempt stop (they get None)."""
-        for chunk in self._averaged:
-            if not chunk.done():
-                chunk.set_result(None)
+        self._averaged.stop()
 
     def resolve(self, attempt: int, outcome: PartOutcome, value: Any) -> None:
         """Give ``attempt``'s verdict: the contributors (OK), the reason (FAILED) or None."""
@@ -98,15 +100,15 @@ class PartReplies:
             fut = self._outcomes[attempt] = asyncio.get_running_loop().create_future()
         return fut
 
-    async def _write_chunks(
-        self, reply: ReplyStream, averaged: list[asyncio.Future[bytes | None]]
-    ) -> bool:
-        for chunk in averaged:
-            payload = await asyncio.shield(chunk)  # shared by every writer: never cancel it
-            if payload is None:
+    async def _write_chunks(self, reply: ReplyStream, averaged: _Chunks) -> bool:
+        for index, chunk in enumerate(averaged.ready):
+            # shared by every writer: never cancel it
+            payload = averaged.payload(index) if await asyncio.shield(chunk) else None
+            if payload is None:  # stopped, or a writer of a sender dropped before the chunk
                 return False
             await reply.write(payload)
             self.bytes_sent += len(payload)
+            averaged.written(index)
         return True
 
     async def _finish(
@@ -125,6 +127,35 @@ class PartReplies:
             reply.set_trailer({"ok": False, "why": "the round ended before the part was sent"})
         else:
             reply.set_trailer({"ok": False, "why": str(value)})
+
+
+class _Chunks:
+    """One attempt's averaged chunks, published in order, each held until its readers wrote it."""
+
+    def __init__(self, count: int):
+        loop = asyncio.get_running_loop() if count else None
+        # True: published; False: the attempt stopped first
+        self.ready: list[asyncio.Future[bool]] = [loop.create_future() for _ in range(count)]
+        self._payloads: list[bytes | None] = [None] * count
+        self._readers = [0] * count
+
+    def publish(self, index: int, payload: bytes, readers: int) -> None:
+        if readers > 0:
+            self._payloads[index], self._readers[index] = payload, readers
+        self.ready[index].set_result(True)
+
+    def stop(self) -> None:
+        for chunk in self.ready:
+            if not chunk.done():
+                chunk.set_result(False)
+
+    def payload(self, index: int) -> bytes | None:
+        return self._payloads[index]
+
+    def written(self, index: int) -> None:
+        self._readers[index] -= 1
+        if self._readers[index] <= 0:
+            self._payloads[index] = None
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
