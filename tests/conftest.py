@@ -26,6 +26,9 @@ torch.set_num_threads(1)
 # one after another, never beside each other (nodeid prefixes, relative to the project root).
 HEAVY = (
     "tests/test_many_peers.py::",  # 16 peers on one event loop
+    # 16 peers on one event loop too: beside another heavy test, a late heartbeat left a member
+    # out of a view and a round found "no planned member came" (once in 4 suites of one day)
+    "tests/test_converge.py::test_sixteen_real_peers_end_with_one_model_after_two_values_rounds",
     "tests/test_churn.py::",  # two swarms of 6 processes
     "tests/test_nat.py::",  # routers and peers in network namespaces
     "tests/test_stale_updates.py::test_stale_updates_leave_the_honest_peers_where_they_would_be_alone",
