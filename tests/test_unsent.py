@@ -125,7 +125,10 @@ async def test_a_part_that_kept_own_values_owes_nothing() -> None:
     """A frozen owner: the other member applies its own values to that part, so what its
     payloads to that owner left out is not owed to a later round (it would count twice)."""
     peers = await start_peers(range(244, 246), run_id="unsent-frozen")
-    config = fixed_group_config(2, "frozen", codec="sparse", round_timeout_s=20.0)
+    # the honest member waits out the round for the frozen owner's reply: 8 s of 40k values
+    config = fixed_group_config(
+        2, "frozen", codec="sparse", matchmaking_timeout_s=4.0, round_timeout_s=8.0
+    )
     averagers = [Averager(p, config) for p in peers]
     averagers[1].faults.fault = Fault.SKIP_REPLY
     try:
