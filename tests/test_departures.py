@@ -357,8 +357,8 @@ async def _cancel_while_waiting(replies: PartReplies, writer: asyncio.Task[bool]
 
 async def _a_reply_that_failed(replies: PartReplies) -> None:
     replies.new_attempt()
-    failed = replies.start(_HungUpReply())
-    replies.publish(0, b"chunk", 1)  # its write finds the connection gone
+    failed = replies.start(_HungUpReply(), 0)
+    replies.publish(0, b"chunk", (0,))  # its write finds the connection gone
     await _cancel_while_waiting(replies, failed)
     assert failed.done()
 
@@ -374,6 +374,6 @@ async def test_an_owners_reply_to_a_sender_that_hung_up_leaves_no_unread_failure
     assert "never retrieved" not in caplog.text
 
     replies.new_attempt()
-    stalled = replies.start(_HungUpReply())  # no chunk averaged yet: it waits for one
+    stalled = replies.start(_HungUpReply(), 0)  # no chunk averaged yet: it waits for one
     await _cancel_while_waiting(replies, stalled)
     assert stalled.cancelled()  # not left waiting for chunks of a reply nobody reads

@@ -25,6 +25,13 @@ class _Reply:
         self.trailer = trailer
 
 
+class _BufferedReply(_Reply):
+    """A reply whose writes go into the socket's buffer at once (no wait on the loop)."""
+
+    async def write(self, payload: memoryview) -> None:
+        self.written.append(bytes(payload))
+
+
 async def _hold() -> None:
     await asyncio.sleep(3600)
 
@@ -33,17 +40,17 @@ async def test_each_chunk_is_let_go_once_every_reply_that_carries_it_wrote_it() 
     replies = PartReplies(chunks=3, hold=_hold)
     replies.new_attempt()
     early, late = _Reply(), _Reply()
-    writers = [replies.start(early)]
+    writers = [replies.start(early, 0)]
     payloads = [memoryview(bytes([i]) * 8) for i in range(3)]  # a weak reference follows them
     refs = [weakref.ref(p) for p in payloads]
-    replies.publish(0, payloads[0], readers=2)
+    replies.publish(0, payloads[0], readers=(0, 1))
     await asyncio.sleep(0.01)
     assert early.written == [bytes(payloads[0])]
     # a sender whose reply started after the chunk went out (it delivered the chunk while its
     # reply was being prepared) still gets it: it was counted as a reader
-    writers.append(replies.start(late))
+    writers.append(replies.start(late, 1))
     for i in (1, 2):
-        replies.publish(i, payloads[i], readers=2)
+        replies.publish(i, payloads[i], readers=(0, 1))
     del payloads
     replies.resolve(0, PartOutcome.OK, (0, 1, 2))
     await asyncio.gather(
@@ -53,3 +60,19 @@ async def test_each_chunk_is_let_go_once_every_reply_that_carries_it_wrote_it() 
     assert early.trailer == late.trailer == {"ok": True, "c": [0, 1, 2]}
     assert early.written == late.written == [bytes([i]) * 8 for i in range(3)]
     assert all(ref() is None for ref in refs)  # the owner no longer holds them
+
+
+async def test_a_dropped_senders_writer_gets_no_chunk_and_takes_none_from_the_others() -> None:
+    """Sender 2 was dropped as chunk 0 was averaged without it, but its writer woke before it
+    was stopped: it gets nothing, and senders 0 and 1, the chunk's readers, still get it. A
+    count of readers let the dropped writer take a slot, and the last honest reply ended
+    without the chunk (its member kept its own values for the part)."""
+    replies = PartReplies(chunks=1, hold=_hold)
+    replies.new_attempt()
+    dropped, first, second = _BufferedReply(), _BufferedReply(), _BufferedReply()
+    # the dropped writer first: it is the one that would take the chunk from the last reader
+    writers = [replies.start(dropped, 2), replies.start(first, 0), replies.start(second, 1)]
+    replies.publish(0, b"average", readers=(0, 1))
+    done = await asyncio.gather(*writers)
+    assert done == [False, True, True]
+    assert dropped.written == [] and first.written == second.written == [b"average"]

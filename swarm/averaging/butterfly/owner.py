@@ -151,7 +151,7 @@ class PartOwner:
         try:
             if not self.faults.owner_silent:
                 await reply.prepare(answer)
-                writer = self.replies.start(reply)
+                writer = self.replies.start(reply, sender)
             await receiving
         except BaseException:
             for task in (writer, receiving):
@@ -236,7 +236,7 @@ class PartOwner:
                 except CompressionError as e:
                     logger.warning("part %d: cannot encode the average: %s", self.me, e)
                     return sent
-                self.replies.publish(sent, payload, len(reducer.delivered(sent)))
+                self.replies.publish(sent, payload, reducer.delivered(sent))
                 sent += 1
                 intake.chunk_averaged(sent)
             if reducer.settled() and (reducer.tainted or sent == n):

@@ -5,16 +5,18 @@ owner encodes them, and ends with a trailer that gives the attempt's :class:`Par
 ``{"ok": true, "c": [member indices averaged]}``, ``{"retry": true}`` or
 ``{"ok": false, "why": ...}``. Receivers apply a part only after an ``ok`` trailer.
 
-A chunk's payload is let go once every reply that will carry it has written it: the senders
-that delivered the chunk, the only ones averaged into it (an owner kept every payload of its
-part until the round's end: with ``none``, a quarter of the vector in a group of 4).
+A chunk goes on the replies of the senders that delivered it, the only ones averaged into it,
+and its payload is let go once each of them wrote it (an owner kept every payload of its part
+until the round's end: with ``none``, a quarter of the vector in a group of 4). A reply is
+matched to its sender, not counted: a dropped sender's writer that woke before it was stopped
+must neither get the chunk nor take it from a sender that delivered it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from swarm.averaging.butterfly.outcome import PartOutcome
@@ -41,9 +43,9 @@ class PartReplies:
         """Later writers get the chunks of a new attempt (earlier ones keep theirs)."""
         self._averaged = _Chunks(self._chunks)
 
-    def publish(self, index: int, payload: bytes, readers: int) -> None:
+    def publish(self, index: int, payload: bytes, readers: Collection[int]) -> None:
         """Chunk ``index`` of the current attempt is averaged and encoded: send it on the
-        replies of the ``readers`` senders that delivered it (it is let go once they have)."""
+        replies of ``readers``, the senders that delivered it (let go once they wrote it)."""
         self._averaged.publish(index, payload, readers)
 
     def stop(self) -> None:
@@ -56,10 +58,11 @@ class PartReplies:
         if not fut.done():
             fut.set_result((outcome, value))
 
-    def start(self, reply: ReplyStream) -> asyncio.Task[bool]:
-        """Write the current attempt's chunks on ``reply`` as they come (True: all of them).
-        The task's failure (the connection broke) is raised where :meth:`finish` awaits it."""
-        writer = asyncio.create_task(self._write_chunks(reply, self._averaged))
+    def start(self, reply: ReplyStream, sender: int) -> asyncio.Task[bool]:
+        """Write the current attempt's chunks on ``sender``'s ``reply`` as they come (True: all
+        of them; False at the first it did not deliver). The task's failure (the connection
+        broke) is raised where :meth:`finish` awaits it."""
+        writer = asyncio.create_task(self._write_chunks(reply, self._averaged, sender))
         # a reply whose verdict never came (the round ended, the handler was cancelled) is not
         # awaited: its failure is then retrieved here, not reported as never retrieved
         writer.add_done_callback(_retrieve)
@@ -100,15 +103,15 @@ class PartReplies:
             fut = self._outcomes[attempt] = asyncio.get_running_loop().create_future()
         return fut
 
-    async def _write_chunks(self, reply: ReplyStream, averaged: _Chunks) -> bool:
+    async def _write_chunks(self, reply: ReplyStream, averaged: _Chunks, sender: int) -> bool:
         for index, chunk in enumerate(averaged.ready):
             # shared by every writer: never cancel it
-            payload = averaged.payload(index) if await asyncio.shield(chunk) else None
-            if payload is None:  # stopped, or a writer of a sender dropped before the chunk
+            payload = averaged.payload(index, sender) if await asyncio.shield(chunk) else None
+            if payload is None:  # stopped, or the sender did not deliver the chunk (dropped)
                 return False
             await reply.write(payload)
             self.bytes_sent += len(payload)
-            averaged.written(index)
+            averaged.written(index, sender)
         return True
 
     async def _finish(
@@ -130,18 +133,19 @@ class PartReplies:
 
 
 class _Chunks:
-    """One attempt's averaged chunks, published in order, each held until its readers wrote it."""
+    """One attempt's averaged chunks, published in order, each held until its readers (the
+    senders that delivered it) wrote it."""
 
     def __init__(self, count: int):
         loop = asyncio.get_running_loop() if count else None
         # True: published; False: the attempt stopped first
         self.ready: list[asyncio.Future[bool]] = [loop.create_future() for _ in range(count)]
         self._payloads: list[bytes | None] = [None] * count
-        self._readers = [0] * count
+        self._readers: list[set[int]] = [set() for _ in range(count)]
 
-    def publish(self, index: int, payload: bytes, readers: int) -> None:
-        if readers > 0:
-            self._payloads[index], self._readers[index] = payload, readers
+    def publish(self, index: int, payload: bytes, readers: Collection[int]) -> None:
+        if readers:
+            self._payloads[index], self._readers[index] = payload, set(readers)
         self.ready[index].set_result(True)
 
     def stop(self) -> None:
@@ -149,12 +153,14 @@ class _Chunks:
             if not chunk.done():
                 chunk.set_result(False)
 
-    def payload(self, index: int) -> bytes | None:
-        return self._payloads[index]
+    def payload(self, index: int, sender: int) -> bytes | None:
+        """Chunk ``index`` for ``sender``'s reply: None unless it is one of its readers."""
+        return self._payloads[index] if sender in self._readers[index] else None
 
-    def written(self, index: int) -> None:
-        self._readers[index] -= 1
-        if self._readers[index] <= 0:
+    def written(self, index: int, sender: int) -> None:
+        readers = self._readers[index]
+        readers.discard(sender)
+        if not readers:
             self._payloads[index] = None
 
 
