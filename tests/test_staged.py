@@ -332,3 +332,33 @@ def test_an_owners_own_chunks_apply_the_bits_its_members_apply(codec, decoded_on
     assert torch.equal(applied[0], applied[1]) and not applied[0].isnan().any()
     assert owner.staged_bytes == member.staged_bytes
     assert owner.deviations([2]) == member.deviations([2])
+
+
+def test_a_kept_sliver_is_measured_against_its_parts_size_over_as_many_values():
+    """Plans cut the vector a little differently from round to round, so a range kept in one
+    round may overlap the next round's part by one value. Alone, that value's honest average
+    lay 2.7-4.0 times its own small size from it (8 peers, colluders refusing one member), and
+    the member accused honest owners. Against the part's size over one value it reads 0.06-0.17;
+    a huge value there still reads far."""
+    from swarm.averaging.butterfly.checks import implausible_parts
+
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.randn(4 * 691, generator=gen)
+    average = flat + 0.02 * torch.randn(flat.numel(), generator=gen)
+    flat[690] = 0.002  # the sliver: one small value kept lately, at the end of part 0
+    average[690] = 0.011  # the others' average there: 4.5 times its size away
+    ranges = {p: (691 * p, 691 * (p + 1)) for p in range(4)}
+    kept = ((690, 691),)
+    outside, inside = deviations(flat, average, ranges, kept)
+    assert inside[0] < 0.05 and implausible_parts(outside, lenient=inside) == {}
+    # measured against its own size alone, the sliver read as an outright lie
+    assert abs(0.011 - 0.002) / 0.002 > 1
+    lie = average.clone()
+    lie[690] = 500.0
+    outside, inside = deviations(flat, lie, ranges, kept)
+    assert set(implausible_parts(outside, lenient=inside)) == {0}
+    # a range as large as its part is measured against its own values, as before
+    shifted = average + 0.3
+    outside, inside = deviations(flat, shifted, ranges, ((0, 691),))
+    want = (shifted[:691] - flat[:691]).double().norm() / flat[:691].double().norm()
+    assert 0 not in outside and inside[0] == pytest.approx(float(want), rel=1e-4)

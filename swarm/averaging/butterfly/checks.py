@@ -54,7 +54,10 @@ In a round of values, the ranges where the member kept its own values in its rec
 averages are held to the ``r > 1`` bound only (``lenient``), or to the usual rule's where that
 is looser (rounds of updates, whose honest parts read about 1.6), and the rest of each part to
 the rule above, measured against the size of the whole part's values (a slice left between kept
-ranges may be a bias near 0, far from its own small values for no fault of its owner).
+ranges may be a bias near 0, far from its own small values for no fault of its owner). A kept
+range's ``r`` takes its own values' size as at least the whole part's over as many values: plans
+cut the vector a little differently each round, so a range kept in one round may overlap the
+next one's part by a single small value, whose honest average read 2.7-4.0 times its size away.
 
 This is cheaper than BTARD's validators (no re-download, no recomputation: one pass over the
 vector) and needs no agreement; what it cannot see is a lie smaller than ``factor`` times the

@@ -15,10 +15,11 @@ values there.
 
 So a member remembers, per vector layout, the ranges it kept during its last
 :data:`KEPT_ROUNDS` rounds of that layout, and in rounds of values the check holds the averages
-of those ranges only to the blatant bound (no farther from the own values than their size:
-huge, flipped or unrelated values), and the rest of each part to the usual rule. A round where
-every part kept its own values (nothing averaged) moves the member's values away everywhere
-alike, which the usual rule, relative to the other parts, already allows: it is not recorded.
+of those ranges only to the blatant bound (no farther from the own values than their size, or
+the whole part's over as many values where that is larger: huge, flipped or unrelated values),
+and the rest of each part to the usual rule. A round where every part kept its own values
+(nothing averaged) moves the member's values away everywhere, which the usual rule, relative to
+the other parts, mostly allows: it is not recorded (it would loosen every part).
 
 What it costs: an owner of such a range may shift the average there by less than the values'
 own size without being accused, in the rounds of the members that kept it. An owner that makes
