@@ -350,9 +350,8 @@ def test_a_kept_sliver_is_measured_against_its_parts_size_over_as_many_values():
     ranges = {p: (691 * p, 691 * (p + 1)) for p in range(4)}
     kept = ((690, 691),)
     outside, inside = deviations(flat, average, ranges, kept)
+    # (against its own size alone, the sliver reads 4.5: refused as an outright lie)
     assert inside[0] < 0.05 and implausible_parts(outside, lenient=inside) == {}
-    # measured against its own size alone, the sliver read as an outright lie
-    assert abs(0.011 - 0.002) / 0.002 > 1
     lie = average.clone()
     lie[690] = 500.0
     outside, inside = deviations(flat, lie, ranges, kept)
