@@ -22,12 +22,12 @@ and the rest of each part to the usual rule. A round where every part kept its o
 the other parts, mostly allows: it is not recorded (it would loosen every part).
 
 What it costs: an owner of such a range may shift the average there by less than the values'
-own size (or the whole part's over as many values, where larger) without being accused, in the rounds of the members that kept it. An owner that makes
-its own part fail on purpose (every member then keeps that range) earns that slack in the
-following rounds of values for the range it owned; the members that averaged a range still
-judge it by the usual rule. An owner the member accused before gets no slack: a liar refused
-once (the member then keeps its own values of that part) cannot lie there again under the
-looser bound.
+own size (or the whole part's over as many values, where larger) without being accused, in
+the rounds of the members that kept it. An owner that makes its own part fail on purpose
+(every member then keeps that range) earns that slack in the following rounds of values for
+the range it owned; the members that averaged a range still judge it by the usual rule. An
+owner the member accused before gets no slack: a liar refused once (the member then keeps its
+own values of that part) cannot lie there again under the looser bound.
 """
 
 from __future__ import annotations
