@@ -469,6 +469,22 @@ def test_reducer_zero_total_weight_keeps_own_values():
     torch.testing.assert_close(acc, own)
 
 
+@pytest.mark.parametrize(("cap", "expected"), [(2.0, 0.6 / 3), (4.0, 0.9 / 4)])
+def test_reducer_caps_weights_at_the_configured_multiple_of_the_median(cap, expected):
+    # the sender claims 3 times the owner's weight: the configured cap (2 by default) decides
+    # how much counts (two rows: their capped weighted mean, no clip)
+    acc = torch.empty(4)
+    r = PartReducer(_chunks(4, 4), [1], weight_cap=cap)
+    r.begin(torch.zeros(4), 1.0)
+    r.accept(1, 3.0)
+    r.add_chunk(1, 0, get_codec("none").encode(torch.full((4,), 0.3)))
+    r.chunk_added(1)
+    r.complete(1)
+    finish(r, acc)
+    torch.testing.assert_close(acc, torch.full((4,), expected))
+    assert (1 in r.capped) == (cap < 3)
+
+
 @pytest.mark.parametrize("spec", ["int8", "topk:0.1", "1bit", "fp16"])
 def test_flat_feedback_conserves_mass(spec):
     # sum of what was sent == sum of inputs - final residual, chunk by chunk, up to the

@@ -254,7 +254,7 @@ class PartReducer:
         own = self._own_values()
         live = sorted(self.delivered(index), key=self._slots.__getitem__)  # row order
         trusted = [self._senders[s].weight * self.trust.get(s, 1.0) for s in live]
-        weights = cap_weights([self.own_weight, *trusted])
+        weights = cap_weights([self.own_weight, *trusted], self.weight_cap)
         with self._locks[index]:
             buffer = self._chunk_rows(index)
             out = buffer[0, : end - start]
