@@ -456,32 +456,33 @@ def test_reducer_refuses_protocol_violations():
     assert r.settled() and r.contributors() == ()
 
 
-def test_reducer_zero_total_weight_keeps_own_values():
-    acc = torch.empty(4)
-    own = torch.arange(4.0)
-    r = PartReducer(_chunks(4, 4), [1])
-    r.begin(own, 0.0)
-    r.accept(1, 0.0)
-    r.add_chunk(1, 0, get_codec("none").encode(torch.ones(4)))
+def _reduce_pair(
+    r: PartReducer, own: torch.Tensor, own_weight: float, theirs: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """``r``'s average of the owner's ``own`` and sender 1's ``theirs``, in one chunk."""
+    acc = torch.empty_like(own)
+    r.begin(own, own_weight)
+    r.accept(1, weight)
+    r.add_chunk(1, 0, get_codec("none").encode(theirs))
     r.chunk_added(1)
     r.complete(1)
     finish(r, acc)
-    torch.testing.assert_close(acc, own)
+    return acc
+
+
+def test_reducer_zero_total_weight_keeps_own_values():
+    own = torch.arange(4.0)
+    r = PartReducer(_chunks(4, 4), [1])
+    torch.testing.assert_close(_reduce_pair(r, own, 0.0, torch.ones(4), 0.0), own)
 
 
 @pytest.mark.parametrize(("cap", "expected"), [(2.0, 0.6 / 3), (4.0, 0.9 / 4)])
 def test_reducer_caps_weights_at_the_configured_multiple_of_the_median(cap, expected):
     # the sender claims 3 times the owner's weight: the configured cap (2 by default) decides
     # how much counts (two rows: their capped weighted mean, no clip)
-    acc = torch.empty(4)
     r = PartReducer(_chunks(4, 4), [1], weight_cap=cap)
-    r.begin(torch.zeros(4), 1.0)
-    r.accept(1, 3.0)
-    r.add_chunk(1, 0, get_codec("none").encode(torch.full((4,), 0.3)))
-    r.chunk_added(1)
-    r.complete(1)
-    finish(r, acc)
-    torch.testing.assert_close(acc, torch.full((4,), expected))
+    got = _reduce_pair(r, torch.zeros(4), 1.0, torch.full((4,), 0.3), 3.0)
+    torch.testing.assert_close(got, torch.full((4,), expected))
     assert (1 in r.capped) == (cap < 3)
 
 
