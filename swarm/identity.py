@@ -15,6 +15,7 @@ import base64
 import hashlib
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 PEER_ID_BYTES = 32
 _AGREEMENT_CONTEXT = b"swarm/x25519-binding/v1"
+_VERIFIED_CACHE = 8192  # digests of signatures that verified lately (32 B each)
+_VERIFIED: dict[bytes, None] = {}
+_VERIFIED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, order=True)
@@ -67,13 +71,27 @@ class PeerID:
 
 
 def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
-    """True when ``signature`` is a valid Ed25519 signature of ``message`` by ``public_key``."""
+    """True when ``signature`` is a valid Ed25519 signature of ``message`` by ``public_key``.
+
+    Signatures that verified lately are remembered (a digest of all three, never the signature
+    alone, which a liar can pair with another message): the same signed bytes come back many
+    times (one record from every node that holds it, a peer's key binding in each request), and
+    a check costs 50-250 us. A flood of fresh valid signatures only evicts entries; a bad
+    signature is checked every time.
+    """
     if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
         return False
+    seen = hashlib.blake2b(public_key + signature + message, digest_size=32).digest()
+    if seen in _VERIFIED:
+        return True
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
+    with _VERIFIED_LOCK:  # worker threads verify too
+        if len(_VERIFIED) >= _VERIFIED_CACHE:
+            del _VERIFIED[next(iter(_VERIFIED))]  # the oldest
+        _VERIFIED[seen] = None
     return True
 
 

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from swarm import identity
 from swarm.errors import IdentityError
 from swarm.identity import Identity, PeerID, verify_signature
 
@@ -73,3 +74,26 @@ def test_signatures_and_agreement():
     assert not verify_signature(a.public_key, sig, b"hellO")
     assert not verify_signature(a.public_key, sig[:10], b"hello")
     assert a.agree(b.agreement_key) == b.agree(a.agreement_key)
+
+
+def test_remembered_signatures_still_bind_their_key_and_message():
+    """A signature that verified is remembered, but only with its own key and message: paired
+    with another message or key, or flipped, it is checked again and refused, every time."""
+    a, b = Identity.generate(), Identity.generate()
+    sig = a.sign(b"record v1")
+    for _ in range(2):  # the second pass answers from what the first remembered
+        assert verify_signature(a.public_key, sig, b"record v1")
+        assert not verify_signature(a.public_key, sig, b"record v2")
+        assert not verify_signature(b.public_key, sig, b"record v1")
+        assert not verify_signature(a.public_key, bytes([sig[0] ^ 1]) + sig[1:], b"record v1")
+
+
+def test_remembered_signatures_are_bounded(monkeypatch):
+    monkeypatch.setattr(identity, "_VERIFIED", {})
+    monkeypatch.setattr(identity, "_VERIFIED_CACHE", 4)
+    a = Identity.generate()
+    signed = [(a.sign(m), m) for m in (b"%d" % i for i in range(10))]
+    for sig, m in signed:
+        assert verify_signature(a.public_key, sig, m)
+    assert len(identity._VERIFIED) == 4
+    assert all(verify_signature(a.public_key, sig, m) for sig, m in signed)  # checked again

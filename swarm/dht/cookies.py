@@ -9,7 +9,6 @@ the previous one is still accepted, so a cookie lives between one and two period
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import time
@@ -49,4 +48,4 @@ class Cookies:
     @staticmethod
     def _mac(secret: bytes, address: tuple[str, int], sender: bytes) -> bytes:
         message = _COOKIE_CONTEXT + f"{address[0]}|{address[1]}|".encode() + sender
-        return hmac.new(secret, message, hashlib.sha256).digest()[:COOKIE_BYTES]
+        return hmac.digest(secret, message, "sha256")[:COOKIE_BYTES]

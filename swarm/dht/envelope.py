@@ -164,7 +164,7 @@ class DatagramAuth:
             use_bin_type=True,
         )
         if target is not None:
-            tag = hmac.new(self._pair_key(target), signed, hashlib.sha256).digest()
+            tag = hmac.digest(self._pair_key(target), signed, "sha256")
         else:
             message = _SIG_CONTEXT + signed
             tag = i.sign(message) + self.membership.mac(_SIG_CONTEXT, signed)
@@ -227,7 +227,7 @@ class DatagramAuth:
                 raise AuthError("datagram is addressed to another node")
             if not self._knows(sender) and may_verify is not None and not may_verify():
                 raise AuthError("public-key work budget of this source is spent")
-            expected = hmac.new(self._pair_key(sender), signed, hashlib.sha256).digest()
+            expected = hmac.digest(self._pair_key(sender), signed, "sha256")
             if not hmac.compare_digest(tag, expected):
                 raise AuthError("bad datagram MAC (tampered, or wrong swarm key)")
         else:

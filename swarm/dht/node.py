@@ -46,7 +46,6 @@ RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024  # bursts of answers must not overflow th
 DEFAULT_KSIZE = 20
 DEFAULT_ALPHA = 3
 DEFAULT_GET_QUORUM = 5
-_VERIFIED_CACHE = 16384
 BOOTSTRAP_ATTEMPTS = 4
 BOOTSTRAP_BACKOFF_S = 0.5  # doubles with each retry
 REJOIN_CHECK_S = 5.0  # how often an empty routing table is noticed in the background
@@ -102,7 +101,6 @@ class DHTNode:
         self.targets = StoreTargets()  # where keys were stored lately (skips their lookups)
         self.protocol: SwarmProtocol | None = None
         self._refresh: asyncio.Task[None] | None = None
-        self._verified: dict[bytes, None] = {}  # fingerprints of entries checked lately
         self._seeds: list[PeerAddress] = []  # the initial peers, to rejoin through
         self._rejoin_lock = asyncio.Lock()
         self._rejoin_after = 0.0  # monotonic time before which no rejoin is tried again
@@ -377,17 +375,11 @@ class DHTNode:
         return merge_reads(candidates, reports, self._verify, now)
 
     def _verify(self, entry: DHTEntry) -> bool:
-        cache_key = entry.fingerprint()
-        if cache_key in self._verified:
-            return True
         try:
-            entry.verify()
+            entry.verify()  # signatures that verified lately are remembered (identity)
         except DHTError:
             logger.debug("dropping an entry with a bad signature from a DHT answer")
             return False
-        if len(self._verified) >= _VERIFIED_CACHE:
-            self._verified.pop(next(iter(self._verified)))
-        self._verified[cache_key] = None
         return True
 
     async def _refresh_loop(self) -> None:

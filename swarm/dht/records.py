@@ -86,15 +86,6 @@ class DHTEntry:
         if not verify_signature(self.public_key, self.signature, message):
             raise DHTError("entry signature does not match its owner")
 
-    def fingerprint(self) -> bytes:
-        """A digest of everything the signature covers and the signature itself: two entries
-        with one fingerprint verify alike (a cache of checked entries keys on this, never on
-        the signature alone, which a liar can pair with another value or expiration)."""
-        message = _signed_message(
-            self.key, self.subkey, self.value, self.expiration, self.public_key
-        )
-        return hashlib.blake2b(message + self.signature, digest_size=32).digest()
-
     def to_wire(self) -> list[Any]:
         """The msgpack-able form (the key travels beside it, once per request)."""
         return [self.subkey, self.value, self.expiration, self.public_key, self.signature]
