@@ -43,6 +43,10 @@ _BIND_ATTEMPTS = 16
 # flat as the swarm grows (1024 peers: one every 51 s instead of every 5 s, 1.9 instead of 19
 # MB per peer per minute). Planners still read once per round.
 READ_S_PER_RECORD = 0.05
+# a leave marker waits for its answers this many of the DHT's stall times (a few RTTs), at least
+# LEAVE_MIN_S: its datagrams are sent at once and stored where they land, and the last peer of
+# a swarm waited a whole request timeout (1 s) for neighbours that had left before it
+LEAVE_STALLS, LEAVE_MIN_S = 4, 0.1
 
 
 def peers_key(run_id: str) -> str:
@@ -366,8 +370,11 @@ class Peer:
         """Publish a leave marker in our record's slot (best effort, bounded in time)."""
         transport = self._transport
         record = transport.update_record(extra={**transport.record().extra, LEFT_FIELD: True})
+        wait = max(LEAVE_MIN_S, LEAVE_STALLS * self._dht.stall_after)
         try:
-            await asyncio.wait_for(self._store_record(record), self.config.dht_request_timeout_s)
+            await asyncio.wait_for(
+                self._store_record(record), min(wait, self.config.dht_request_timeout_s)
+            )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
             logger.debug("could not publish the leave marker: %s", e)
 

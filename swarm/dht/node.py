@@ -158,6 +158,11 @@ class DHTNode:
         return self._protocol.source_node.id
 
     @property
+    def stall_after(self) -> float:
+        """Seconds after which an unanswered request is likely lost (a few recent RTTs)."""
+        return self._protocol.stall_after
+
+    @property
     def _protocol(self) -> SwarmProtocol:
         if self.protocol is None or self.protocol.closed:
             raise DHTError("the DHT node is not running")
