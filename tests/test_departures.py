@@ -334,6 +334,40 @@ async def test_a_sender_that_dies_mid_stream_is_dropped_not_refused(caplog) -> N
         await asyncio.gather(*(p.close() for p in peers[:2]))
 
 
+@pytest.mark.timeout(90)
+async def test_a_cancelled_round_stops_its_streams_with_it() -> None:
+    """A round cancelled mid-stream (its peer closes, its caller gives up) cancels its senders
+    and its own part's owner: before, they went on after the round was gone (a stalled stream
+    until its timeout), and a loop closed under them left coroutines that raised "Event loop is
+    closed" when collected."""
+    n, numel = 3, 8 << 20  # 8 chunks of 1 MiB per part: the staller stops after 4
+    peers = await start_peers([137, 138, 139])
+    config = fixed_group_config(
+        n, "cancelled-mid-stream", aggregator="mean", stall_timeout_min_s=30.0
+    )
+    faults = [Fault.NONE, Fault.NONE, Fault.STALL_MID_STREAM]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        tensors = [make_tensor(i + 1, numel) for i in range(n)]
+        rounds = [
+            asyncio.create_task(a.average([t])) for a, t in zip(averagers, tensors, strict=True)
+        ]
+        await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
+        for r in rounds:
+            r.cancel()
+        await asyncio.gather(*rounds, return_exceptions=True)
+        left = [
+            t.get_name()
+            for t in asyncio.all_tasks()
+            if t.get_name().startswith(("swarm-send-", "swarm-own-part")) and not t.done()
+        ]
+        assert left == []
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
 class _HungUpReply:
     """The reply stream of a sender that hung up: every write finds the connection gone."""
 

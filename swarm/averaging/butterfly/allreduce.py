@@ -103,7 +103,12 @@ class AllReduce:
             idle = asyncio.create_task(self._idle_owner(self.owner, list(tasks)))
             tasks.append(asyncio.create_task(self.owner.run(), name="swarm-own-part"))
         remaining = max(0.0, self.deadline - time.monotonic())
-        done, pending = await asyncio.wait(tasks, timeout=remaining + 1.0)
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=remaining + 1.0)
+        except asyncio.CancelledError:
+            # the round is called off (its peer closes): its streams end with it, not after
+            await self._cancel([*tasks, *([idle] if idle is not None else [])])
+            raise
         if idle is not None:
             idle.cancel()
             await asyncio.gather(idle, return_exceptions=True)
@@ -139,6 +144,13 @@ class AllReduce:
             sum(s.bytes_received for s in sides),
             scores,
         )
+
+    async def _cancel(self, tasks: list[asyncio.Task[Any]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.owner is not None:
+            await self.owner.close(deadline=time.monotonic())
 
     def _measure(self, owner: PartOwner) -> None:
         """File the upload rate of every sender whose stream of our part was read whole."""

@@ -166,9 +166,10 @@ class PartOwner:
             raise TransportError("the reply broke before its verdict (fault injected)")
         await self.replies.finish(reply, writer, attempt)
 
-    async def close(self) -> None:
-        """End the part: unanswered replies fail, reply writers stop, finished replies close."""
-        await self.replies.close(self.ctx.deadline)
+    async def close(self, deadline: float | None = None) -> None:
+        """End the part: unanswered replies fail, reply writers stop, finished replies close
+        (replies still ending get until ``deadline``, by default the round's)."""
+        await self.replies.close(self.ctx.deadline if deadline is None else deadline)
 
     def expect_by(self, when: float) -> None:
         """See :meth:`PartIntake.expect_by`."""
