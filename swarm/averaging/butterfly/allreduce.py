@@ -151,6 +151,8 @@ class AllReduce:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.owner is not None:
             await self.owner.close(deadline=time.monotonic())
+        # chunks already in worker threads finish before the caller's buffers are reused
+        await self.workers.drain()
 
     def _measure(self, owner: PartOwner) -> None:
         """File the upload rate of every sender whose stream of our part was read whole."""
