@@ -39,6 +39,11 @@ class ReplayError(AuthError):
     """A nonce was seen before, or a timestamp is outside the accepted window."""
 
 
+# A TransportError's status for "over on this side" (a round that ended, an averager that
+# closed): the server logs it at INFO, since nothing the other peer did caused it.
+GONE = 410
+
+
 class TransportError(SwarmError):
     """An HTTP exchange with a peer failed: refused, cut, timed out or oversized.
 

@@ -11,7 +11,9 @@ Refusals: 401 (missing, malformed or bad signature, wrong swarm key, replay, add
 peer, tampered or truncated body before the reply started), 403 (authenticated but not on the
 allow-list), 413 (stream or frame too large), 429 (the source's host or subnet spent its
 authentication budget), 400 (malformed stream), 404 (unknown stream), 500 (the handler failed
-before replying). Each is logged at WARNING, rate-limited per source subnet.
+before replying). Each is logged at WARNING, rate-limited per source subnet. A handler that
+answers 410 (this peer ended the exchange: the round the stream feeds is over here) says
+nothing of the sender: logged at INFO.
 
 Authentication work is budgeted per host and per subnet (:class:`~swarm.hosts.HostBuckets`,
 never per address or port): every request costs one token, and a request that fails
@@ -34,7 +36,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from swarm.address import PeerAddress
 from swarm.auth import AUTH_HEADER, Membership, ReplayGuard, RequestAuth
-from swarm.errors import AuthError, ConfigError, SwarmError, TransportError
+from swarm.errors import GONE, AuthError, ConfigError, SwarmError, TransportError
 from swarm.hosts import HostBuckets, scope_of
 from swarm.identity import Identity, PeerID
 from swarm.net.confidential import seal_reply
@@ -281,6 +283,12 @@ class Server:
                 # the sender died, hung up or gave up: nothing it sent was wrong
                 logger.info("stream %s from %s ended early: %s", name, label, e)
                 return self._ended(reply)
+            if status == GONE:  # this peer ended the exchange (its round is over), not the sender
+                logger.info("stream %s from %s ended here: %s", name, label, e)
+                if not reply.prepared:
+                    return web.Response(status=GONE, text=str(e))
+                await reply.abort(e)
+                return reply.response  # type: ignore[return-value]
             if not reply.prepared:
                 return self._refuse(request, status, e)
             self._refusals.warn(

@@ -203,6 +203,11 @@ class AllReduce:
             accused.append(Refusal(owner, RefusalAction.ACCUSED, j, why))
         return accused
 
+    def stop_serving(self) -> None:
+        """This member's averager closes: its part's streams still read end now."""
+        if self.owner is not None:
+            self.owner.intake.stop()
+
     async def serve(
         self, request: InboundStream, reply: ReplyStream, sender: int, header: dict[str, object]
     ) -> None:

@@ -29,7 +29,7 @@ from swarm.averaging.butterfly.outcome import FAILURES
 from swarm.averaging.butterfly.reducer import PartReducer, SenderState
 from swarm.averaging.butterfly.stall import PartTiming, StreamTiming
 from swarm.averaging.result import Refusal, RefusalAction
-from swarm.errors import AuthError, AveragingError, TransportError
+from swarm.errors import GONE, AuthError, AveragingError, TransportError
 from swarm.net.streams import InboundStream
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class PartIntake:
         self.averaged = 0  # chunks of this attempt averaged so far (in order)
         self._moved = asyncio.Event()  # the window moved or the part was tainted
         self._held: set[int] = set()  # senders waiting for the window (not silent)
+        self._stopped = False  # the part is over here: streams still read end at once
 
     def new_attempt(self) -> None:
         self._timing = PartTiming(time.monotonic())
@@ -107,6 +108,9 @@ class PartIntake:
             TransportError / AuthError: the stream failed (the sender is dropped).
         """
         reducer = self.reducer
+        if self._stopped:
+            self.fail(sender)
+            raise TransportError("the round is over at its owner", status=GONE)
         reader = asyncio.create_task(self._consume(request, sender))
         self._readers[sender] = reader
         try:
@@ -118,6 +122,8 @@ class PartIntake:
             if sender in self._dropped and reader.cancelled():
                 raise TransportError("dropped: stopped sending", status=408) from None
             self.fail(sender)
+            if self._stopped and reader.cancelled():
+                raise TransportError("the round is over at its owner", status=GONE) from None
             raise
         except FAILURES as e:
             logger.info("part %d: stream from member %d failed: %s", self.ctx.me, sender, e)
@@ -133,6 +139,14 @@ class PartIntake:
             self._readers.pop(sender, None)
         self._timing.completed(time.monotonic())
         self.changed.set()
+
+    def stop(self) -> None:
+        """The part is over here (its round ended or was called off): streams still read end
+        now, refused with status 410, instead of feeding a reducer nobody reads (or a worker
+        pool that is shutting down)."""
+        self._stopped = True
+        for reader in self._readers.values():
+            reader.cancel()
 
     def fail(self, sender: int) -> None:
         """``sender``'s stream ended before it was read to its end (a complete one stays)."""
@@ -195,7 +209,11 @@ class PartIntake:
         wait is not the sender's: its stream's measured rate leaves it out."""
         reducer = self.reducer
         began = None
-        while not reducer.tainted and reducer.chunks_from(sender) >= self.averaged + WINDOW_CHUNKS:
+        while (
+            not reducer.tainted
+            and not self._stopped
+            and reducer.chunks_from(sender) >= self.averaged + WINDOW_CHUNKS
+        ):
             began = time.monotonic() if began is None else began
             self._held.add(sender)
             self._moved.clear()
@@ -221,6 +239,10 @@ class PartIntake:
                 payload = await anext(chunks)
             except StopAsyncIteration:
                 return
+            if self._stopped or sender in self._dropped:
+                # cancelled, but the cancellation was lost: before Python 3.12, wait_for
+                # returns instead when what it waits on finishes in the same step
+                raise asyncio.CancelledError
             index = reducer.next_index(sender)
             self.bytes_received += len(payload)
             now = time.monotonic()

@@ -167,8 +167,10 @@ class PartOwner:
         await self.replies.finish(reply, writer, attempt)
 
     async def close(self, deadline: float | None = None) -> None:
-        """End the part: unanswered replies fail, reply writers stop, finished replies close
-        (replies still ending get until ``deadline``, by default the round's)."""
+        """End the part: streams still read end, unanswered replies fail, reply writers stop,
+        finished replies close (replies still ending get until ``deadline``, by default the
+        round's)."""
+        self.intake.stop()
         await self.replies.close(self.ctx.deadline if deadline is None else deadline)
 
     def expect_by(self, when: float) -> None:

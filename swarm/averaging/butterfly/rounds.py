@@ -82,11 +82,13 @@ class RoundRegistry:
                     del self._children[parent]
 
     def close(self) -> None:
-        """Streams still waiting hear "over"; later ones too."""
+        """Streams still waiting hear "over"; later ones too; those still read end."""
         self.closed = True
         for fut in self._rounds.values():
             if not fut.done():
                 fut.set_result(None)
+            elif (round_ := fut.result()) is not None:
+                round_.stop_serving()
 
     def _future(self, group_id: bytes) -> asyncio.Future[AllReduce | None]:
         fut = self._rounds.get(group_id)

@@ -47,7 +47,7 @@ from swarm.averaging.groups.rates import PeerRates
 from swarm.averaging.result import Refusal, RefusalAction, RoundResult
 from swarm.compression import Codec
 from swarm.config import AveragingConfig
-from swarm.errors import AuthError, AveragingError, TransportError
+from swarm.errors import GONE, AuthError, AveragingError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.protocols import Peer
 
@@ -377,6 +377,8 @@ class ButterflyRunner:
             raise TransportError("part stream with an invalid parent group id", status=400)
         round_ = await self._rounds.find(group_id, parent)
         if round_ is None:
+            if self._rounds.closed:  # this peer is leaving: nothing the sender did
+                raise TransportError("this member's averager is closed", status=GONE)
             raise TransportError("unknown or finished group", status=404)
         try:
             sender = round_.group.index_of(request.sender.peer_id)

@@ -27,7 +27,7 @@ from swarm.averaging.butterfly.pairs import Shares, check_shares
 from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.compression import Codec
-from swarm.errors import AveragingError, CompressionError, TransportError
+from swarm.errors import GONE, AveragingError, CompressionError, TransportError
 from swarm.protocols import StreamTransport
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,10 @@ class PartSender:
         except (*FAILURES, asyncio.TimeoutError) as e:
             if isinstance(e, TransportError) and e.refused:
                 self.ctx.mark_gone(self.part)
-            elif isinstance(e, TransportError) and e.status in (403, 404):
-                # the group is not the owner's (404), or the owner excluded this member (403):
-                # either way it will not send to this member's part, so nobody waits for it
+            elif isinstance(e, TransportError) and e.status in (403, 404, GONE):
+                # the group is not the owner's (404), the owner's round or averager is over
+                # (410), or the owner excluded this member (403): either way it will not send
+                # to this member's part, so nobody waits for it
                 self.ctx.gone.add(self.part)
                 if e.status == 403:
                     self.ctx.refused_us.add(self.part)
