@@ -21,6 +21,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "refusal_log",
         "round_schedule",
         "choices",
+        "timeouts",
     ),  # import nothing of swarm but errors
     2: ("identity",),
     3: ("auth",),

@@ -34,6 +34,7 @@ from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.net.transport import Transport
+from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ async def _watch_keepalives(request: InboundStream) -> None:
     chunks = request.__aiter__()
     try:
         while True:
-            chunk = await asyncio.wait_for(chunks.__anext__(), SILENCE_S)
+            chunk = await wait_for(chunks.__anext__(), SILENCE_S)
             if chunk != KEEPALIVE:
                 return  # a relayed peer only ever sends keepalives
     except (StopAsyncIteration, TimeoutError, SwarmError):
@@ -197,7 +198,7 @@ class RelayService:
             reservation.watch = watch
             while not watch.done():  # the relayed peer's keepalives stopped: it is gone
                 try:
-                    token = await asyncio.wait_for(reservation.tokens.get(), KEEPALIVE_S)
+                    token = await wait_for(reservation.tokens.get(), KEEPALIVE_S)
                 except TimeoutError:
                     token = KEEPALIVE
                 await reply.write(token)
@@ -221,10 +222,10 @@ class RelayService:
         self, reservation: _Reservation, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
-            first = await asyncio.wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
+            first = await wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
             if first.startswith(MAGIC):  # the relayed peer dialing back for a token
                 while len(first) < len(MAGIC) + TOKEN_BYTES:
-                    more = await asyncio.wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
+                    more = await wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
                     if not more:
                         raise ConnectionError("closed during the handshake")
                     first += more
@@ -243,7 +244,7 @@ class RelayService:
             reservation.pending[token] = future
             reservation.tokens.put_nowait(token)
             try:
-                back_reader, back_writer, rest = await asyncio.wait_for(future, HANDSHAKE_S)
+                back_reader, back_writer, rest = await wait_for(future, HANDSHAKE_S)
             finally:
                 reservation.pending.pop(token, None)
         except (ConnectionError, OSError, TimeoutError, asyncio.CancelledError) as e:
@@ -344,11 +345,11 @@ class RelayLink:
     async def _dial_back(self, token: bytes) -> None:
         assert self.address is not None
         try:
-            relay = await asyncio.wait_for(
+            relay = await wait_for(
                 asyncio.open_connection(self.address.host, self.address.port), HANDSHAKE_S
             )
             relay[1].write(MAGIC + token)
-            local = await asyncio.wait_for(
+            local = await wait_for(
                 asyncio.open_connection(self.local.host, self.local.port), HANDSHAKE_S
             )
         except (OSError, TimeoutError) as e:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Protocol, TypeVar
 
 from swarm.errors import TrainingError
+from swarm.timeouts import wait_for
 from swarm.training.overlap import RoundHandle, RoundWait
 from swarm.training.report import StepReport
 from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
@@ -127,7 +128,7 @@ class AwaitingRounds:
         handle: Any = request.handle
         future = handle if asyncio.isfuture(handle) else asyncio.wrap_future(handle)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), request.timeout)
+            return await wait_for(asyncio.shield(future), request.timeout)
         except asyncio.TimeoutError:
             future.cancel()
             return RoundOutcome.failed(TIMED_OUT)

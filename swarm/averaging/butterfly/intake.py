@@ -31,6 +31,7 @@ from swarm.averaging.butterfly.stall import PartTiming, StreamTiming
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import GONE, AuthError, AveragingError, TransportError
 from swarm.net.streams import InboundStream
+from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class PartIntake:
             self.fail(sender)
             if self._stopped and reader.cancelled():
                 raise TransportError("the round is over at its owner", status=GONE) from None
+            # the server cancels the handler of a connection that closed: the sender died,
+            # hung up or gave up, which says nothing of what it sent (dropped, as a stall)
+            self._record(sender, RefusalAction.DROPPED, "its connection closed mid-stream")
             raise
         except FAILURES as e:
             logger.info("part %d: stream from member %d failed: %s", self.ctx.me, sender, e)
@@ -218,7 +222,7 @@ class PartIntake:
             self._held.add(sender)
             self._moved.clear()
             try:
-                await asyncio.wait_for(self._moved.wait(), _WINDOW_TICK_S)
+                await wait_for(self._moved.wait(), _WINDOW_TICK_S)
             except asyncio.TimeoutError:
                 pass
             finally:

@@ -35,6 +35,7 @@ from swarm.averaging.butterfly.staged import StagedAverages
 from swarm.averaging.result import Refusal, RefusalAction
 from swarm.errors import CompressionError, TransportError
 from swarm.net.streams import InboundStream, ReplyStream
+from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class PartOwner:
             if reducer.settled() and not reducer.contributors():
                 return sent  # every sender failed before sending: nothing to average
             with contextlib.suppress(asyncio.TimeoutError):  # a watchdog tick
-                await asyncio.wait_for(intake.changed.wait(), _TICK_S)
+                await wait_for(intake.changed.wait(), _TICK_S)
 
     def _finish_chunk(self, index: int, total: float) -> bytes:
         """Average chunk ``index``, encode it and stage what it decodes to; the payload."""

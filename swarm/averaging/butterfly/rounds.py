@@ -15,6 +15,7 @@ import asyncio
 from collections import deque
 
 from swarm.averaging.butterfly.allreduce import AllReduce
+from swarm.timeouts import wait_for
 
 UNKNOWN_GROUP_WAIT_S = 5.0  # a member may start streaming before we heard the group closed
 RECENT_GROUPS = 64  # finished groups remembered, and groups awaited before they start
@@ -68,7 +69,7 @@ class RoundRegistry:
         if parent is not None and not fut.done():
             self._children.setdefault(parent, set()).add(group_id)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), UNKNOWN_GROUP_WAIT_S)
+            return await wait_for(asyncio.shield(fut), UNKNOWN_GROUP_WAIT_S)
         except asyncio.TimeoutError:
             if self._rounds.get(group_id) is fut and not fut.done():
                 del self._rounds[group_id]
