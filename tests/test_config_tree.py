@@ -308,10 +308,26 @@ def test_the_tree_has_one_name_per_setting() -> None:
     assert len([n for n in names if n not in sections]) == len(leaf_fields(SwarmConfig))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_STORE_HOST = "127.0.0.67"  # an address of its own: 127.0.0.1's ports churn under the suite
+
+
+def _init_single_process_group() -> None:
+    """A gloo group of one rank, its store on a free port (once more if the port was taken
+    between the probe and the store's bind)."""
+    import torch.distributed as dist
+
+    for attempt in range(3):
+        with socket.socket() as s:
+            s.bind((_STORE_HOST, 0))
+            port = s.getsockname()[1]
+        try:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{_STORE_HOST}:{port}", rank=0, world_size=1
+            )
+            return
+        except dist.DistNetworkError:
+            if attempt == 2:
+                raise
 
 
 def test_the_optimizer_and_torchrun_facades_route_the_same_way(tmp_path: Path) -> None:
@@ -333,9 +349,7 @@ def test_the_optimizer_and_torchrun_facades_route_the_same_way(tmp_path: Path) -
         SwarmOptimizer(opt, model=model, relay_slot=1)
     if not dist.is_available():
         pytest.skip("torch.distributed missing")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    _init_single_process_group()
     try:
         model, opt = _model()
         with NodeSwarm(
