@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import random
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -375,6 +376,35 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
         for a in averagers:
             await a.close()
         await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_a_stream_that_reaches_a_closed_averager_is_answered_gone_quietly(caplog) -> None:
+    """A member's part stream that arrives after this peer's averager closed (the peer is
+    leaving) is answered 410, which its sender reads as an owner that sends it nothing, and is
+    logged at INFO: nothing the sender did. Before, it was refused 404 at WARNING."""
+    peers = await start_peers([140, 141])
+    averager = Averager(peers[0], fixed_group_config(2, "closed-averager"))
+    try:
+        await averager.close()
+        caplog.set_level(logging.INFO, logger="swarm.net.server")
+        header = {"g": bytes(16), "p": 0, "a": 0, "w": 1.0}
+        with pytest.raises(TransportError) as refused:
+            async with peers[1].transport.stream(
+                peers[0].transport.record(), "avg.part", header, _no_chunks(), timeout=10
+            ):
+                pass
+        assert refused.value.status == 410, refused.value
+        server = [r for r in caplog.records if r.name == "swarm.net.server"]
+        assert [r.getMessage() for r in server if r.levelno > logging.INFO] == []
+        assert any("averager is closed" in r.getMessage() for r in server), server
+    finally:
+        await averager.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def _no_chunks() -> AsyncIterator[bytes]:
+    return
+    yield b""
 
 
 class _HungUpReply:
