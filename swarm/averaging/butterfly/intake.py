@@ -244,8 +244,8 @@ class PartIntake:
             except StopAsyncIteration:
                 return
             if self._stopped or sender in self._dropped:
-                # cancelled, but the cancellation was lost: before Python 3.12, wait_for
-                # returns instead when what it waits on finishes in the same step
+                # stopped even where the reader's cancellation was lost on the way (as
+                # asyncio.wait_for lost them before Python 3.12: see swarm.timeouts)
                 raise asyncio.CancelledError
             index = reducer.next_index(sender)
             self.bytes_received += len(payload)
