@@ -40,7 +40,8 @@ class ReplayError(AuthError):
 
 
 # A TransportError's status for "over on this side" (a round that ended, an averager that
-# closed): the server logs it at INFO, since nothing the other peer did caused it.
+# closed, a stalled sender dropped): the server logs it at INFO, since nothing the other peer
+# sent was wrong.
 GONE = 410
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import struct
 import sys
 import time
@@ -622,11 +623,15 @@ def _count_chunk_rows(monkeypatch) -> list[int]:
 
 
 @pytest.mark.timeout(90)
-async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypatch) -> None:
+async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(
+    monkeypatch, caplog
+) -> None:
     """A sender that stalls halfway taints the part once dropped; the attempt is over, so the
     other senders' remaining chunks are checked in a scratch row and kept nowhere (the window
     no longer holds them back: before, they filled rows for the rest of the part, 19 chunks'
-    worth here), and the retry reuses the rows the tainted attempt left."""
+    worth here), and the retry reuses the rows the tainted attempt left. The drop is logged
+    at INFO only, by the owner and by its server (410), as a slow honest link meets it too
+    (the server logged the stream's end at WARNING before)."""
     from swarm.averaging.butterfly.intake import WINDOW_CHUNKS
 
     most = _count_chunk_rows(monkeypatch)
@@ -637,6 +642,7 @@ async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypa
     averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
     try:
         tensors = [make_tensor(i + 1, numel) for i in range(n)]
+        caplog.set_level(logging.INFO, logger="swarm.net.server")
         results = await asyncio.gather(
             *(a.average([t]) for a, t in zip(averagers, tensors, strict=True))
         )
@@ -645,6 +651,9 @@ async def test_a_tainted_part_keeps_no_rows_for_the_rest_of_its_streams(monkeypa
             assert result.averaged and len(result.parts) == n, result
             assert all(honest_ids <= set(m) for m in result.parts.values()), result
         assert 0 < max(most) <= WINDOW_CHUNKS, max(most)
+        server = [r for r in caplog.records if r.name == "swarm.net.server"]
+        assert [r.getMessage() for r in server if r.levelno > logging.INFO] == []
+        assert any("dropped: stopped sending" in r.getMessage() for r in server), server
     finally:
         for a in averagers:
             await a.close()

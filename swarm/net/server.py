@@ -12,8 +12,8 @@ peer, tampered or truncated body before the reply started), 403 (authenticated b
 allow-list), 413 (stream or frame too large), 429 (the source's host or subnet spent its
 authentication budget), 400 (malformed stream), 404 (unknown stream), 500 (the handler failed
 before replying). Each is logged at WARNING, rate-limited per source subnet. A handler that
-answers 410 (this peer ended the exchange: the round the stream feeds is over here) says
-nothing of the sender: logged at INFO.
+answers 410 (this peer ended the exchange: the round the stream feeds is over here, or it
+dropped a sender that stalled) says nothing bad of the sender: logged at INFO.
 
 Authentication work is budgeted per host and per subnet (:class:`~swarm.hosts.HostBuckets`,
 never per address or port): every request costs one token, and a request that fails
@@ -284,7 +284,7 @@ class Server:
                 # the sender died, hung up or gave up: nothing it sent was wrong
                 logger.info("stream %s from %s ended early: %s", name, label, e)
                 return self._ended(reply)
-            if status == GONE:  # this peer ended the exchange (its round is over), not the sender
+            if status == GONE:  # this peer ended the exchange (round over, sender dropped)
                 logger.info("stream %s from %s ended here: %s", name, label, e)
                 if not reply.prepared:
                     return web.Response(status=GONE, text=str(e))

@@ -121,7 +121,9 @@ class PartIntake:
                 self._streams[sender].complete = True
         except asyncio.CancelledError:
             if sender in self._dropped and reader.cancelled():
-                raise TransportError("dropped: stopped sending", status=408) from None
+                # this owner ended the stream (its stall policy): logged at INFO by the
+                # server, as the drop itself is (a slow honest link meets it too)
+                raise TransportError("dropped: stopped sending", status=GONE) from None
             self.fail(sender)
             if self._stopped and reader.cancelled():
                 raise TransportError("the round is over at its owner", status=GONE) from None
