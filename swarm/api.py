@@ -36,7 +36,6 @@ from swarm.config_sources import facade_config
 from swarm.errors import SwarmError, TrainingError
 from swarm.monitor.tracker import RoundFigures
 from swarm.net.record import PeerRecord
-from swarm.timeouts import wait_for
 from swarm.training.cadence import RoundLookout
 from swarm.training.checkpoint import read_checkpoint, write_checkpoint
 from swarm.training.driver import AwaitingRounds, BlockingRounds, Rounds, drive, run_inline
@@ -141,7 +140,7 @@ class AsyncSwarm:
         """Run one averaging round on ``plan.tensors`` (in place); never raises on failure."""
         started = time.perf_counter()
         try:
-            result = await wait_for(
+            result = await asyncio.wait_for(
                 self.averager.average(plan.tensors, **plan.averaging_options()),
                 self.config.averaging.round_timeout_s,
             )

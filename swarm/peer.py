@@ -33,7 +33,6 @@ from swarm.net.record import PeerRecord
 from swarm.net.relay import RelayBudget
 from swarm.net.transport import Transport
 from swarm.peer_config import PeerConfig, Reachability
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -373,7 +372,9 @@ class Peer:
         record = transport.update_record(extra={**transport.record().extra, LEFT_FIELD: True})
         wait = max(LEAVE_MIN_S, LEAVE_STALLS * self._dht.stall_after)
         try:
-            await wait_for(self._store_record(record), min(wait, self.config.dht_request_timeout_s))
+            await asyncio.wait_for(
+                self._store_record(record), min(wait, self.config.dht_request_timeout_s)
+            )
         except (SwarmError, OSError, asyncio.TimeoutError) as e:
             logger.debug("could not publish the leave marker: %s", e)
 

@@ -33,7 +33,6 @@ from swarm.dht.rtt import RttEstimator
 from swarm.dht.store_intake import MAX_ENTRIES_PER_STORE
 from swarm.dht.suspects import Suspects
 from swarm.errors import AuthError
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ class Caller:
         sent = time.monotonic()
         try:
             self._send(address, datagram)
-            answer = await wait_for(future, self.rtt.timeout)
+            answer = await asyncio.wait_for(future, self.rtt.timeout)
         except asyncio.TimeoutError:
             return None
         else:

@@ -35,7 +35,6 @@ from swarm.net.client import Client
 from swarm.net.record import MAX_RECORD_BYTES, PeerRecord
 from swarm.net.streams import RemotePeer
 from swarm.net.transport import Transport
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ class DialbackService:
         if self.udp_probe is None:
             return False
         try:
-            return await wait_for(self.udp_probe(address, expected), self.timeout)
+            return await asyncio.wait_for(self.udp_probe(address, expected), self.timeout)
         except (TimeoutError, SwarmError, OSError):
             return False
 

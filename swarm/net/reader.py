@@ -21,7 +21,6 @@ from swarm.net import wire
 from swarm.net.buffers import FRAME_POOL, HEAP_TRIMMER, read_into
 from swarm.net.frames import DATA, ERROR, HEADER, MAX_ERROR_CHARS, PREFIX_BYTES, TAG_BYTES, Opener
 from swarm.net.limits import StreamLimits
-from swarm.timeouts import wait_for
 
 MAX_HEADER_BYTES = 64 * 1024
 BUFFERED_FRAME_BYTES = 64 * 1024  # larger frames wait for the partial-frame budget
@@ -136,7 +135,7 @@ class FrameReader:
         if self._limits is None:
             return await step
         try:
-            return await wait_for(step, self._limits.frame_timeout(length))
+            return await asyncio.wait_for(step, self._limits.frame_timeout(length))
         except asyncio.TimeoutError:
             self._limits.stalled += 1
             raise

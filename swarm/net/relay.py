@@ -34,7 +34,6 @@ from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.net.streams import InboundStream, ReplyStream
 from swarm.net.transport import Transport
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ async def _watch_keepalives(request: InboundStream) -> None:
     chunks = request.__aiter__()
     try:
         while True:
-            chunk = await wait_for(chunks.__anext__(), SILENCE_S)
+            chunk = await asyncio.wait_for(chunks.__anext__(), SILENCE_S)
             if chunk != KEEPALIVE:
                 return  # a relayed peer only ever sends keepalives
     except (StopAsyncIteration, TimeoutError, SwarmError):
@@ -198,7 +197,7 @@ class RelayService:
             reservation.watch = watch
             while not watch.done():  # the relayed peer's keepalives stopped: it is gone
                 try:
-                    token = await wait_for(reservation.tokens.get(), KEEPALIVE_S)
+                    token = await asyncio.wait_for(reservation.tokens.get(), KEEPALIVE_S)
                 except TimeoutError:
                     token = KEEPALIVE
                 await reply.write(token)
@@ -222,10 +221,10 @@ class RelayService:
         self, reservation: _Reservation, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         try:
-            first = await wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
+            first = await asyncio.wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
             if first.startswith(MAGIC):  # the relayed peer dialing back for a token
                 while len(first) < len(MAGIC) + TOKEN_BYTES:
-                    more = await wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
+                    more = await asyncio.wait_for(reader.read(PUMP_BYTES), HANDSHAKE_S)
                     if not more:
                         raise ConnectionError("closed during the handshake")
                     first += more
@@ -244,7 +243,7 @@ class RelayService:
             reservation.pending[token] = future
             reservation.tokens.put_nowait(token)
             try:
-                back_reader, back_writer, rest = await wait_for(future, HANDSHAKE_S)
+                back_reader, back_writer, rest = await asyncio.wait_for(future, HANDSHAKE_S)
             finally:
                 reservation.pending.pop(token, None)
         except (ConnectionError, OSError, TimeoutError, asyncio.CancelledError) as e:
@@ -345,11 +344,11 @@ class RelayLink:
     async def _dial_back(self, token: bytes) -> None:
         assert self.address is not None
         try:
-            relay = await wait_for(
+            relay = await asyncio.wait_for(
                 asyncio.open_connection(self.address.host, self.address.port), HANDSHAKE_S
             )
             relay[1].write(MAGIC + token)
-            local = await wait_for(
+            local = await asyncio.wait_for(
                 asyncio.open_connection(self.local.host, self.local.port), HANDSHAKE_S
             )
         except (OSError, TimeoutError) as e:

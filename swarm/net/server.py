@@ -47,7 +47,6 @@ from swarm.net.reader import FrameReader
 from swarm.net.record import PeerRecord
 from swarm.net.streams import FrameWriter, InboundStream, RemotePeer, ReplyStream
 from swarm.refusal_log import RateLimitedWarning
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -342,7 +341,7 @@ async def _body_end(request: web.Request, timeout: float) -> None:
     if content.is_eof():
         return
     try:
-        extra = await wait_for(content.read(1), timeout)
+        extra = await asyncio.wait_for(content.read(1), timeout)
     except (asyncio.TimeoutError, OSError, aiohttp.ClientError, HttpProcessingError):
         return  # not reusable: aiohttp closes it
     if extra:

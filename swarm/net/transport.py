@@ -13,6 +13,7 @@ fails authentication here (tampered or truncated reply, forged record).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import re
@@ -34,7 +35,6 @@ from swarm.net.limits import StreamLimits
 from swarm.net.record import MAX_RECORD_BYTES, PeerRecord
 from swarm.net.server import Server, StreamHandler
 from swarm.net.streams import InboundStream, OutboundStream, RemotePeer, ReplyStream
-from swarm.timeouts import wait_for
 from swarm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ class Transport:
                 return s.header
 
         try:
-            reply = await wait_for(go(), timeout)
+            reply = await asyncio.wait_for(go(), timeout)
         except TimeoutError as e:
             raise TransportError(
                 f"RPC {name} timed out after {timeout} s", peer=str(peer.address)

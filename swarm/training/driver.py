@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Protocol, TypeVar
 
 from swarm.errors import TrainingError
-from swarm.timeouts import wait_for
 from swarm.training.overlap import RoundHandle, RoundWait
 from swarm.training.report import StepReport
 from swarm.training.rounds import RoundOutcome, RoundPlan, StepFlow
@@ -128,7 +127,7 @@ class AwaitingRounds:
         handle: Any = request.handle
         future = handle if asyncio.isfuture(handle) else asyncio.wrap_future(handle)
         try:
-            return await wait_for(asyncio.shield(future), request.timeout)
+            return await asyncio.wait_for(asyncio.shield(future), request.timeout)
         except asyncio.TimeoutError:
             future.cancel()
             return RoundOutcome.failed(TIMED_OUT)

@@ -42,7 +42,6 @@ from swarm.errors import AuthError, AveragingError, TransportError
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.protocols import Peer
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +336,7 @@ class Matchmaker:
     async def _wait(self, rnd: MatchRound, seconds: float) -> None:
         rnd.changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):  # a poll tick, not an error
-            await wait_for(rnd.changed.wait(), max(0.0, seconds))
+            await asyncio.wait_for(rnd.changed.wait(), max(0.0, seconds))
 
     async def _join(self, rnd: MatchRound, leader: Declaration) -> GroupInfo | NoGroup | None:
         """Ask ``leader`` to take us. Returns the group, None (refused: try another), or the

@@ -24,7 +24,6 @@ from swarm.config import AveragingConfig
 from swarm.identity import PeerID
 from swarm.net.record import PeerRecord
 from swarm.protocols import Peer
-from swarm.timeouts import wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +124,9 @@ class GroupPlanner:
         ahead, self._ahead_at = self._ahead_at, None
         since = asyncio.get_running_loop().time() - ahead if ahead is not None else 0.0
         try:
-            await wait_for(self.prober.refresh(since if since < FRESH_READ_S else 0), budget)
+            await asyncio.wait_for(
+                self.prober.refresh(since if since < FRESH_READ_S else 0), budget
+            )
         except asyncio.TimeoutError:
             logger.debug("reading the peer records timed out: grouping with the last view")
         await self._check_reports(min(budget, REPORT_WAIT_S))
