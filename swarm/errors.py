@@ -40,8 +40,8 @@ class ReplayError(AuthError):
 
 
 # A TransportError's status for "over on this side" (a round that ended, an averager that
-# closed, a stalled sender dropped): the server logs it at INFO, since nothing the other peer
-# sent was wrong.
+# closed, a stalled sender dropped): the server logs it at DEBUG, since nothing the other peer
+# sent was wrong (the round's report names a drop).
 GONE = 410
 
 

@@ -308,7 +308,7 @@ def test_the_tree_has_one_name_per_setting() -> None:
     assert len([n for n in names if n not in sections]) == len(leaf_fields(SwarmConfig))
 
 
-_STORE_HOST = "127.0.0.67"  # an address of its own: 127.0.0.1's ports churn under the suite
+_STORE_HOST = "127.0.0.251"  # no other test binds it: 127.0.0.1's ports churn under the suite
 
 
 def _init_single_process_group() -> None:

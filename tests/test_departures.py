@@ -340,7 +340,7 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
     """A round cancelled mid-stream (its peer closes, its caller gives up) cancels its senders
     and its own part's owner: before, they went on after the round was gone (a stalled stream
     until its timeout), and a loop closed under them left coroutines that raised "Event loop is
-    closed" when collected. The streams its part still read end with it (410, at INFO): they
+    closed" when collected. The streams its part still read end with it (410, at DEBUG): they
     went on into a worker pool that the averager's close then shut, each logged as a handler
     failure at WARNING."""
     n, numel = 3, 8 << 20  # 8 chunks of 1 MiB per part: the staller stops after 4
@@ -358,7 +358,7 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
         await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
         for r in rounds:
             r.cancel()
-        caplog.set_level(logging.INFO, logger="swarm.net.server")
+        caplog.set_level(logging.DEBUG, logger="swarm.net.server")
         await asyncio.gather(*rounds, return_exceptions=True)
         left = [
             t.get_name()
@@ -381,12 +381,12 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
 async def test_a_stream_that_reaches_a_closed_averager_is_answered_gone_quietly(caplog) -> None:
     """A member's part stream that arrives after this peer's averager closed (the peer is
     leaving) is answered 410, which its sender reads as an owner that sends it nothing, and is
-    logged at INFO: nothing the sender did. Before, it was refused 404 at WARNING."""
+    logged at DEBUG: nothing the sender did. Before, it was refused 404 at WARNING."""
     peers = await start_peers([140, 141])
     averager = Averager(peers[0], fixed_group_config(2, "closed-averager"))
     try:
         await averager.close()
-        caplog.set_level(logging.INFO, logger="swarm.net.server")
+        caplog.set_level(logging.DEBUG, logger="swarm.net.server")
         header = {"g": bytes(16), "p": 0, "a": 0, "w": 1.0}
         with pytest.raises(TransportError) as refused:
             async with peers[1].transport.stream(

@@ -13,7 +13,8 @@ allow-list), 413 (stream or frame too large), 429 (the source's host or subnet s
 authentication budget), 400 (malformed stream), 404 (unknown stream), 500 (the handler failed
 before replying). Each is logged at WARNING, rate-limited per source subnet. A handler that
 answers 410 (this peer ended the exchange: the round the stream feeds is over here, or it
-dropped a sender that stalled) says nothing bad of the sender: logged at INFO.
+dropped a sender that stalled) says nothing bad of the sender: logged at DEBUG (the round's
+report names drops).
 
 Authentication work is budgeted per host and per subnet (:class:`~swarm.hosts.HostBuckets`,
 never per address or port): every request costs one token, and a request that fails
@@ -283,21 +284,25 @@ class Server:
                 # the sender died, hung up or gave up: nothing it sent was wrong
                 logger.info("stream %s from %s ended early: %s", name, label, e)
                 return self._ended(reply)
-            if status == GONE:  # this peer ended the exchange (round over, sender dropped)
-                logger.info("stream %s from %s ended here: %s", name, label, e)
+            if status == GONE:
+                # this peer ended the exchange (its round is over, or it dropped a stalled
+                # sender, which the round reports): DEBUG, as any authenticated peer can
+                # reach it and the log must not grow with them
+                logger.debug("stream %s from %s ended here: %s", name, label, e)
                 if not reply.prepared:
-                    return web.Response(status=GONE, text=str(e))
-                await reply.abort(e)
-                return reply.response  # type: ignore[return-value]
-            if not reply.prepared:
+                    response = web.Response(status=GONE, text=str(e))
+                    response.force_close()  # its body is not read
+                    return response
+            elif not reply.prepared:
                 return self._refuse(request, status, e)
-            self._refusals.warn(
-                scope_of(request.remote or "?").subnet,
-                "stream %s from %s failed: %s",
-                name,
-                label,
-                e,
-            )
+            else:
+                self._refusals.warn(
+                    scope_of(request.remote or "?").subnet,
+                    "stream %s from %s failed: %s",
+                    name,
+                    label,
+                    e,
+                )
             await reply.abort(e)
             return reply.response  # type: ignore[return-value]
         except Exception as e:  # the handler's own bug or failure: report it, never a short reply

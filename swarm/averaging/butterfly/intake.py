@@ -121,8 +121,8 @@ class PartIntake:
                 self._streams[sender].complete = True
         except asyncio.CancelledError:
             if sender in self._dropped and reader.cancelled():
-                # this owner ended the stream (its stall policy): logged at INFO by the
-                # server, as the drop itself is (a slow honest link meets it too)
+                # this owner ended the stream (its stall policy): not a refusal (a slow honest
+                # link meets it too); the drop itself is logged at INFO and reported
                 raise TransportError("dropped: stopped sending", status=GONE) from None
             self.fail(sender)
             if self._stopped and reader.cancelled():
