@@ -4,6 +4,13 @@ A follower's join is answered when the leader's group closes (or cannot form). E
 member's lateness (seconds after the round started) is noted, and a leader of a regular round
 waits for planned members twice the latest recent lateness plus a slack, at most what the
 caller allows (:meth:`JoinDesk.patience`): a member that misses a round then costs little.
+
+A planned member may ask before its leader opened the round (its plan was ready first, or the
+leader's last round is still landing): its request waits for the round to open, as long as the
+member said it would wait (``w``: what is left of its direct try, see
+:meth:`Matchmaker._join_planned`), at most :data:`HOLD_EARLY_S`, and :data:`MAX_HELD` requests
+at once. Turned away, it asked again one round trip later, and over a slow link that came after
+a short patience had closed the group without it: the member then sat the round out alone.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ from swarm.protocols import Peer
 LAG_HISTORY = 64
 LAG_SAMPLES = 8
 PATIENCE_SLACK_S = 0.2
+# A join for a key this peer is not looking for waits this long for a round under it to open;
+# at most MAX_HELD wait at once (any authenticated peer can ask), later ones are turned away.
+HOLD_EARLY_S = 1.0
+MAX_HELD = 32
+MAX_KEY_CHARS = 256
 
 
 class JoinDesk:
@@ -52,6 +64,8 @@ class JoinDesk:
         self.last: MatchRound | None = None  # the previous round (late joiners still count)
         # seconds after a round's start that planned members joined us, latest rounds
         self.lags: deque[float] = deque(maxlen=LAG_HISTORY)
+        self._opened: asyncio.Future[None] | None = None  # resolved when a round opens
+        self._held = 0  # join requests waiting for their round to open
 
     def patience(self, most: float) -> float:
         """``most`` until enough arrivals were seen, then twice the latest recent arrival (plus
@@ -60,11 +74,31 @@ class JoinDesk:
             return most
         return min(most, 2 * max(self.lags) + PATIENCE_SLACK_S)
 
+    @property
+    def held(self) -> int:
+        """Join requests waiting now for their round to open here."""
+        return self._held
+
+    def open(self, rnd: MatchRound) -> None:
+        """``rnd`` is this peer's round now: joins waiting for its key go on."""
+        self.round = rnd
+        if self._opened is not None and not self._opened.done():
+            self._opened.set_result(None)
+        self._opened = None
+
+    def end(self, rnd: MatchRound) -> None:
+        """``rnd`` is over (late joiners for it still count, see :meth:`_arrived`)."""
+        self.round, self.last = None, rnd
+
     async def rpc_join(self, sender: RemotePeer, payload: dict[str, Any]) -> dict[str, Any]:
         """A follower asks to join; answered when this peer's group closes (or cannot form)."""
+        key, wait = payload.get("k"), _seconds(payload.get("w", 0.0))
+        self._arrived(sender.peer_id, key)
         rnd = self.round
-        self._arrived(sender.peer_id, payload.get("k"))
-        if rnd is None or payload.get("k") != rnd.key:
+        if (rnd is None or key != rnd.key) and isinstance(key, str) and wait > 0:
+            rnd = await self._until_open(key, min(wait, HOLD_EARLY_S))
+            self._arrived(sender.peer_id, key)
+        if rnd is None or key != rnd.key:
             return {"ok": False, "why": "not looking for this key"}
         if rnd.role in ("joining", "closed"):
             return {"ok": False, "why": "busy"}
@@ -104,6 +138,25 @@ class JoinDesk:
             return {"ok": False, "why": "no group formed"}
         return {"ok": True, "group": group.to_wire()}
 
+    async def _until_open(self, key: str, seconds: float) -> MatchRound | None:
+        """This peer's round under ``key`` once it opens within ``seconds``; None if it does
+        not (or too many joins wait already)."""
+        if self._held >= MAX_HELD or len(key) > MAX_KEY_CHARS:
+            return None
+        end = time.monotonic() + seconds
+        self._held += 1
+        try:
+            while (rnd := self.round) is None or rnd.key != key:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                if self._opened is None:
+                    self._opened = asyncio.get_running_loop().create_future()
+                await asyncio.wait((self._opened,), timeout=left)  # (never cancels it)
+            return rnd
+        finally:
+            self._held -= 1
+
     def _arrived(self, peer_id: PeerID, key: Any) -> None:
         """Note how late a planned member asked to join (this round's, or the last one's once
         it is over: a member too late for the patience must still count)."""
@@ -114,3 +167,10 @@ class JoinDesk:
                 self.lags.append(max(0.0, time.time() - rnd.started))
                 rnd.arrived.add(peer_id)
             return
+
+
+def _seconds(value: Any) -> float:
+    """A duration from the wire: a finite non-negative number, anything else 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0.0
+    return max(0.0, float(value))

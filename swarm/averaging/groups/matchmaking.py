@@ -34,7 +34,7 @@ from swarm.averaging.groups.group import (
     choose_leader,
     next_order,
 )
-from swarm.averaging.groups.join_desk import JoinDesk
+from swarm.averaging.groups.join_desk import HOLD_EARLY_S, JoinDesk
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.match_round import MatchRound
 from swarm.averaging.groups.rates import PeerRates
@@ -131,14 +131,14 @@ class Matchmaker:
         rnd = MatchRound(
             key, now + timeout, now, expected, now + patience, leader, planned, order, state
         )
-        self.desk.round = rnd
+        self.desk.open(rnd)
         group: GroupInfo | NoGroup = NoGroup("matchmaking did not finish")
         try:
             self._declare(rnd)
             group = await self._match(rnd)
             return group
         finally:
-            self.desk.round, self.desk.last = None, rnd
+            self.desk.end(rnd)
             if not rnd.closed.done():
                 rnd.closed.set_result(None)  # followers still waiting hear "no group"
             if isinstance(group, GroupInfo) and rnd.deadline > time.time():
@@ -228,12 +228,13 @@ class Matchmaker:
                 return outcome
 
     async def _follow(
-        self, rnd: MatchRound, leader: Declaration, refused: set[PeerID]
+        self, rnd: MatchRound, leader: Declaration, refused: set[PeerID], wait: float = 0.0
     ) -> GroupInfo | NoGroup | None:
         """Join ``leader``: the group, why to give up the round, or None when refused
-        (``leader`` is then added to ``refused`` and this peer is a candidate again)."""
+        (``leader`` is then added to ``refused`` and this peer is a candidate again).
+        ``wait``: seconds the leader may hold the request until it opens the round."""
         rnd.role = "joining"
-        outcome = await self._join(rnd, leader)
+        outcome = await self._join(rnd, leader, wait)
         if outcome is None:
             refused.add(leader.record.peer_id)
             rnd.role = "candidate"
@@ -268,8 +269,12 @@ class Matchmaker:
         self, rnd: MatchRound, leader: PeerRecord
     ) -> GroupInfo | NoGroup | None:
         """Join the planned leader directly, retrying while it has not started the round;
-        None: it did not take us within the gather window (go on through the DHT)."""
-        end = min(time.time() + self.gather_window, rnd.deadline)
+        None: it did not take us in time (go on through the DHT). In time: the gather window,
+        or, when longer, as long as the leader may hold a request (it answers the moment it
+        opens the round) within the patience for planned members."""
+        now = time.time()
+        held = min(rnd.patient_until, now + HOLD_EARLY_S)
+        end = min(max(now + self.gather_window, held), rnd.deadline)
         declaration = Declaration(leader, rnd.deadline)
         while (
             rnd.role == "candidate"
@@ -277,7 +282,7 @@ class Matchmaker:
             and leader.peer_id not in self.liveness.gone
         ):
             # a refusal here is not final (the leader may not have started): no refused set
-            outcome = await self._follow(rnd, declaration, set())
+            outcome = await self._follow(rnd, declaration, set(), wait=end - time.time())
             if outcome is not None:
                 return outcome
             await self._wait(rnd, min(_GATHER_POLL_S, end - time.time()))
@@ -338,15 +343,20 @@ class Matchmaker:
         with contextlib.suppress(asyncio.TimeoutError):  # a poll tick, not an error
             await asyncio.wait_for(rnd.changed.wait(), max(0.0, seconds))
 
-    async def _join(self, rnd: MatchRound, leader: Declaration) -> GroupInfo | NoGroup | None:
-        """Ask ``leader`` to take us. Returns the group, None (refused: try another), or the
-        reason to give up (the leader timed out: it may have counted us)."""
-        payload = {
+    async def _join(
+        self, rnd: MatchRound, leader: Declaration, wait: float = 0.0
+    ) -> GroupInfo | NoGroup | None:
+        """Ask ``leader`` to take us (it may hold the request ``wait`` seconds until it opens
+        the round). Returns the group, None (refused: try another), or the reason to give up
+        (the leader timed out: it may have counted us)."""
+        payload: dict[str, object] = {
             "k": rnd.key,
             "d": rnd.deadline,
             "r": self.peer.transport.record().serialize(),
             "o": rnd.order,
         }
+        if wait > 0:
+            payload["w"] = wait
         if rnd.state:
             payload["s"] = rnd.state
         timeout = max(1.0, min(leader.deadline, rnd.deadline) - time.time() + _JOIN_SLACK_S)
