@@ -178,3 +178,27 @@ def test_inner_steps_takes_counts_auto_and_durations(text: str) -> None:
 def test_inner_steps_refuses_what_is_no_count_or_duration(text: str) -> None:
     with pytest.raises(ConfigError, match="inner_steps"):
         SwarmConfig.build(inner_steps=text)
+
+
+def test_clock_rounds_are_ordered_by_their_instant_not_by_how_many_ran() -> None:
+    """Two peers on 5 s rounds, one of which ran a round late (in flight across an instant, so
+    one round fewer counted): rounds started after the same instant carry the same order, which
+    plans the same groups; rounds counted in steps carry none (the engine's count serves)."""
+    on_time, behind = Cadence(None, period_s=5.0), Cadence(None, period_s=5.0)
+    assert on_time.clock_order(now=1000.2) == behind.clock_order(now=1003.9) == 200
+    assert on_time.clock_order(now=1005.0) == 201
+    assert Cadence(None, fragments=5, period_s=5.0).clock_order(now=1003.9) == 1003
+    assert Cadence(10).clock_order(now=1000.0) is None
+
+
+def test_an_engine_on_the_clock_plans_with_the_instants_order() -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = TrainingEngine(model, opt, SwarmConfig.build(inner_steps="5s", codec="none"))
+    engine.round = 3  # rounds counted so far do not matter on the clock
+    before = math.floor(time.time() / 5.0)
+    order = engine.begin_round().order
+    assert before <= order <= math.floor(time.time() / 5.0)
+    counted = TrainingEngine(model, opt, SwarmConfig.build(inner_steps=10, codec="none"))
+    counted.round = 3
+    assert counted.begin_round().order == 3

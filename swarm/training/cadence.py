@@ -109,6 +109,17 @@ class Cadence:
         self.inner_steps = steps_in_round * self.fragments
         return True
 
+    def clock_order(self, now: float | None = None) -> int | None:
+        """On the wall clock, the round's place among the shared instants: the index of the
+        last one passed (None: rounds counted in steps). Peers that start a round after the same
+        instant plan the same groups with it, whatever rounds each ran, missed or ran late
+        before: counted rounds fell apart (a round in flight across an instant starts the next
+        one late, and one count then lags), and peers one round apart plan other groups."""
+        if self.period_s is None:
+            return None
+        now = time.time() if now is None else now
+        return math.floor(now / (self.period_s / self.fragments))
+
     def seconds_to_due(self, steps_in_round: int, now: float | None = None) -> float | None:
         """About how long until the next round falls due (None: not known yet): the clock's
         next boundary, or the steps left at the measured step time."""

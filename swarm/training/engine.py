@@ -236,7 +236,7 @@ class TrainingEngine(PersistentState):
             sync=outer.anchor + outer.buffer_anchor if self._sync_every else None,
             sync_every=self._sync_every,
             sync_codec=self._sync_codec,
-            order=self.round,
+            order=self.round if (clock := self.cadence.clock_order()) is None else clock,
             fragment=self.fragments[self.fragment].label,
             updates=not self.mode.averages_values,
             keep_unsent=self._keep_unsent,
