@@ -14,6 +14,7 @@ from swarm.averaging.groups import join_desk
 from swarm.averaging.groups.group import GroupInfo
 from swarm.averaging.groups.matchmaking import Matchmaker
 from swarm.errors import TransportError
+from swarm.net.streams import RemotePeer
 
 
 @pytest.mark.parametrize(
@@ -71,8 +72,8 @@ async def test_a_planned_member_asking_before_its_leader_opened_is_held_not_turn
         await asyncio.gather(*(p.close() for p in peers))
 
 
-async def _ask(caller, record, key: str, wait: object) -> dict:
-    payload = {"k": key, "d": 1e12, "r": caller.transport.record().serialize(), "o": 0}
+async def _ask(caller, record, key: str, wait: object, deadline: float = 1e12) -> dict:
+    payload = {"k": key, "d": deadline, "r": caller.transport.record().serialize(), "o": 0}
     if wait is not None:
         payload["w"] = wait
     return await caller.transport.call(record, "mm.join", payload, timeout=10.0)
@@ -96,34 +97,60 @@ async def test_a_join_that_will_not_wait_or_lies_about_it_is_answered_at_once(wa
 
 async def test_joins_held_for_a_round_that_never_opens_are_bounded(monkeypatch) -> None:
     """Any authenticated peer can ask: however long it says it waits (1e30 s), a request is held
-    at most HOLD_EARLY_S, and at most MAX_HELD at once; the rest are answered at once."""
-    monkeypatch.setattr(join_desk, "HOLD_EARLY_S", 0.5)
+    at most HOLD_EARLY_S, one per sender and at most MAX_HELD at once; the rest, and malformed
+    requests, are answered at once."""
     monkeypatch.setattr(join_desk, "MAX_HELD", 3)
-    desk_peer, caller = await start_peers([205, 206])
+    desk_peer, *callers = await start_peers([205, 206, 207, 208, 209])
     maker = Matchmaker(
         desk_peer, rpc_name="mm.join", min_group_size=2, target_group_size=2, gather_window=0.1
     )
     record = desk_peer.transport.record()
     try:
-        asks = [asyncio.create_task(_ask(caller, record, f"never-{i}", 1e30)) for i in range(6)]
-        most = 0
 
-        async def watch() -> None:
-            nonlocal most
-            while not all(t.done() for t in asks):
-                most = max(most, maker.desk.held)
-                await asyncio.sleep(0.01)
+        async def most_held(askers: list) -> int:
+            asks = [
+                asyncio.create_task(_ask(c, record, f"never-{i}", 1e30))
+                for i, c in enumerate(askers)
+            ]
+            most = 0
 
-        await asyncio.wait_for(watch(), 10.0)  # (held for 1e30 s, it would not end)
-        replies = await asyncio.gather(*asks, return_exceptions=True)
-        assert most == 3, most  # (the other three were answered without a wait)
-        assert maker.desk.held == 0
-        for reply in replies:  # a refusal, or the server's own flood limit
-            assert reply == {"ok": False, "why": "not looking for this key"} or isinstance(
-                reply, TransportError
-            ), reply
-        long_key = await _ask(caller, record, "k" * (join_desk.MAX_KEY_CHARS + 1), 1.0)
+            async def watch() -> None:
+                nonlocal most
+                while not all(t.done() for t in asks):
+                    most = max(most, maker.desk.held)
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(watch(), 10.0)  # (held for 1e30 s, it would not end)
+            for reply in await asyncio.gather(*asks, return_exceptions=True):
+                # a refusal, or the server's own flood limit
+                assert reply == {"ok": False, "why": "not looking for this key"} or isinstance(
+                    reply, TransportError
+                ), reply
+            assert maker.desk.held == 0
+            return most
+
+        # one from each of four senders: MAX_HELD held, the fourth answered at once
+        assert await most_held(callers) == 3
+        # three at once from one sender (the handler called as the server would, so that no
+        # transport budget decides): one held, the others answered at once
+        me = callers[0]
+        sender = RemotePeer(me.peer_id, b"", b"", "127.0.0.206")
+        payload = {"d": 1e12, "r": me.transport.record().serialize(), "o": 0, "w": 1e30}
+        joins = [
+            asyncio.create_task(maker.desk.rpc_join(sender, {**payload, "k": f"again-{i}"}))
+            for i in range(3)
+        ]
+        done, _ = await asyncio.wait(joins, timeout=0.3)
+        assert len(done) == 2 and maker.desk.held == 1
+        assert (
+            await asyncio.wait_for(asyncio.gather(*joins), 10.0)
+            == [{"ok": False, "why": "not looking for this key"}] * 3
+        )
+        long_key = await _ask(callers[0], record, "k" * (join_desk.MAX_KEY_CHARS + 1), 1.0)
         assert long_key == {"ok": False, "why": "not looking for this key"}
+        malformed = asyncio.create_task(_ask(callers[1], record, "never", 1.0, deadline=math.nan))
+        assert await asyncio.wait_for(malformed, 10.0) == {"ok": False, "why": "bad deadline"}
+        assert maker.desk.held == 0
     finally:
         await maker.close()
-        await asyncio.gather(desk_peer.close(), caller.close())
+        await asyncio.gather(desk_peer.close(), *(c.close() for c in callers))

@@ -101,11 +101,12 @@ class Cadence:
         slot = self.period_s / self.fragments
         # the first round: the next boundary, not this one; and after the clock was set back
         # (an NTP step), the next boundary from the new time rather than the old one
+        next_instant = (math.floor(now / slot) + 1) * slot
         if self._next_due is None or self._next_due - now > slot:
-            self._next_due = (math.floor(now / slot) + 1) * slot
+            self._next_due = next_instant
         if steps_in_round < 1 or now < self._next_due:
             return False
-        self._next_due = (math.floor(now / slot) + 1) * slot
+        self._next_due = next_instant
         self.inner_steps = steps_in_round * self.fragments
         return True
 

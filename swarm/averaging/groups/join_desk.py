@@ -8,9 +8,10 @@ caller allows (:meth:`JoinDesk.patience`): a member that misses a round then cos
 A planned member may ask before its leader opened the round (its plan was ready first, or the
 leader's last round is still landing): its request waits for the round to open, as long as the
 member said it would wait (``w``: what is left of its direct try, see
-:meth:`Matchmaker._join_planned`), at most :data:`HOLD_EARLY_S`, and :data:`MAX_HELD` requests
-at once. Turned away, it asked again one round trip later, and over a slow link that came after
-a short patience had closed the group without it: the member then sat the round out alone.
+:meth:`Matchmaker._join_planned`), at most :data:`HOLD_EARLY_S`, one request per sender and
+:data:`MAX_HELD` at once; a malformed request is answered at once. Turned away, it asked again
+one round trip later, and over a slow link that came after a short patience had closed the
+group without it: the member then sat the round out alone.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ LAG_HISTORY = 64
 LAG_SAMPLES = 8
 PATIENCE_SLACK_S = 0.2
 # A join for a key this peer is not looking for waits this long for a round under it to open;
-# at most MAX_HELD wait at once (any authenticated peer can ask), later ones are turned away.
+# one per sender and at most MAX_HELD at once (any authenticated peer can ask), others are
+# turned away.
 HOLD_EARLY_S = 1.0
 MAX_HELD = 32
 MAX_KEY_CHARS = 256
@@ -65,7 +67,7 @@ class JoinDesk:
         # seconds after a round's start that planned members joined us, latest rounds
         self.lags: deque[float] = deque(maxlen=LAG_HISTORY)
         self._opened: asyncio.Future[None] | None = None  # resolved when a round opens
-        self._held = 0  # join requests waiting for their round to open
+        self._holding: set[PeerID] = set()  # senders whose join waits for its round to open
 
     def patience(self, most: float) -> float:
         """``most`` until enough arrivals were seen, then twice the latest recent arrival (plus
@@ -77,7 +79,7 @@ class JoinDesk:
     @property
     def held(self) -> int:
         """Join requests waiting now for their round to open here."""
-        return self._held
+        return len(self._holding)
 
     def open(self, rnd: MatchRound) -> None:
         """``rnd`` is this peer's round now: joins waiting for its key go on."""
@@ -92,38 +94,21 @@ class JoinDesk:
 
     async def rpc_join(self, sender: RemotePeer, payload: dict[str, Any]) -> dict[str, Any]:
         """A follower asks to join; answered when this peer's group closes (or cannot form)."""
-        key, wait = payload.get("k"), _seconds(payload.get("w", 0.0))
+        key = payload.get("k")
         self._arrived(sender.peer_id, key)
+        follower = self._follower(sender, payload)
+        if isinstance(follower, str):
+            return {"ok": False, "why": follower}  # malformed: answered at once, never held
         rnd = self.round
-        if (rnd is None or key != rnd.key) and isinstance(key, str) and wait > 0:
-            rnd = await self._until_open(key, min(wait, HOLD_EARLY_S))
-            self._arrived(sender.peer_id, key)
         if rnd is None or key != rnd.key:
+            rnd = await self._until_open(sender.peer_id, key, payload.get("w", 0.0))
+        if rnd is None:
             return {"ok": False, "why": "not looking for this key"}
         if rnd.role in ("joining", "closed"):
             return {"ok": False, "why": "busy"}
         if len(rnd.followers) + 1 >= self.target_group_size:
             return {"ok": False, "why": "full"}
-        deadline, raw = payload.get("d"), payload.get("r")
-        if not isinstance(deadline, float) or not math.isfinite(deadline):
-            return {"ok": False, "why": "bad deadline"}
-        if not isinstance(raw, bytes):
-            return {"ok": False, "why": "bad record"}
-        try:
-            record = PeerRecord.parse(raw)
-        except SwarmError as e:
-            return {"ok": False, "why": f"bad record: {e}"}
-        if record.peer_id != sender.peer_id or record.run_id != self.peer.run_id:
-            return {"ok": False, "why": "record does not match the sender"}
-        if deadline <= time.time():
-            return {"ok": False, "why": "deadline passed"}
-        order = payload.get("o", 0)
-        if not is_order(order):
-            return {"ok": False, "why": "bad order"}
-        state = payload.get("s", b"")
-        if not isinstance(state, bytes) or len(state) > MAX_STATE_BYTES:
-            return {"ok": False, "why": "bad state digest"}
-        rnd.followers[sender.peer_id] = Follower(record, deadline, order, state)
+        rnd.followers[sender.peer_id] = follower
         rnd.role = "leader"
         rnd.changed.set()
         self.declare(rnd, leading=True)  # with the new size, for leaders that may merge
@@ -138,13 +123,44 @@ class JoinDesk:
             return {"ok": False, "why": "no group formed"}
         return {"ok": True, "group": group.to_wire()}
 
-    async def _until_open(self, key: str, seconds: float) -> MatchRound | None:
-        """This peer's round under ``key`` once it opens within ``seconds``; None if it does
-        not (or too many joins wait already)."""
-        if self._held >= MAX_HELD or len(key) > MAX_KEY_CHARS:
+    def _follower(self, sender: RemotePeer, payload: dict[str, Any]) -> Follower | str:
+        """What the join says of its sender, or why it is refused."""
+        deadline, raw = payload.get("d"), payload.get("r")
+        if not isinstance(deadline, float) or not math.isfinite(deadline):
+            return "bad deadline"
+        if not isinstance(raw, bytes):
+            return "bad record"
+        try:
+            record = PeerRecord.parse(raw)
+        except SwarmError as e:
+            return f"bad record: {e}"
+        if record.peer_id != sender.peer_id or record.run_id != self.peer.run_id:
+            return "record does not match the sender"
+        if deadline <= time.time():
+            return "deadline passed"
+        order = payload.get("o", 0)
+        if not is_order(order):
+            return "bad order"
+        state = payload.get("s", b"")
+        if not isinstance(state, bytes) or len(state) > MAX_STATE_BYTES:
+            return "bad state digest"
+        return Follower(record, deadline, order, state)
+
+    async def _until_open(self, sender: PeerID, key: Any, wait: Any) -> MatchRound | None:
+        """This peer's round under ``key`` once it opens within ``wait`` seconds (the
+        sender's word, at most :data:`HOLD_EARLY_S`); None if it does not, or when the sender
+        will not wait, has a join held already, or :data:`MAX_HELD` are."""
+        seconds = min(_seconds(wait), HOLD_EARLY_S)
+        if (
+            seconds <= 0
+            or not isinstance(key, str)
+            or len(key) > MAX_KEY_CHARS
+            or sender in self._holding
+            or len(self._holding) >= MAX_HELD
+        ):
             return None
         end = time.monotonic() + seconds
-        self._held += 1
+        self._holding.add(sender)
         try:
             while (rnd := self.round) is None or rnd.key != key:
                 left = end - time.monotonic()
@@ -153,9 +169,10 @@ class JoinDesk:
                 if self._opened is None:
                     self._opened = asyncio.get_running_loop().create_future()
                 await asyncio.wait((self._opened,), timeout=left)  # (never cancels it)
-            return rnd
         finally:
-            self._held -= 1
+            self._holding.discard(sender)
+        self._arrived(sender, key)  # on time for the round it waited for
+        return rnd
 
     def _arrived(self, peer_id: PeerID, key: Any) -> None:
         """Note how late a planned member asked to join (this round's, or the last one's once
