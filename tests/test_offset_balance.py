@@ -9,13 +9,12 @@ import torch
 from poison_run import run, shown
 
 from swarm.averaging import Fault
+from swarm.averaging.butterfly.alignment import AlignmentSums, PartAlignment
 from swarm.averaging.butterfly.robust import centered_clip
 from swarm.averaging.butterfly.scoring import (
     BALANCE_SPREAD,
     LOWERED_BELOW,
     WARMUP_PARTS,
-    AlignmentSums,
-    PartAlignment,
     PartScores,
     Reputation,
     part_scores,

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from swarm.averaging.butterfly.echoes import EchoSample
 from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
@@ -41,6 +42,7 @@ class RoundContext:
     # swarm.averaging.butterfly.scoring)
     score: bool = False
     trust: Mapping[int, float] = field(default_factory=dict)  # member -> its weight factor
+    echo: EchoSample | None = None  # scoring: the updates this peer applied lately
     # a round of values: the ranges of the flat vector this member kept its own values of in
     # its recent rounds, merged (see swarm.averaging.butterfly.kept)
     kept: tuple[tuple[int, int], ...] = ()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.echoes import PartEchoes
 from swarm.averaging.butterfly.intake import PartIntake
 from swarm.averaging.butterfly.outcome import MAX_ATTEMPTS, OwnedPart, PartOutcome
 from swarm.averaging.butterfly.pairs import Shares
@@ -81,6 +82,8 @@ class PartOwner:
         # (encoded once: a retry sends the same bytes, and its error feedback moved once)
         self._shares: Shares = (1.0, 0.0)
         self._own_payloads: dict[int, bytes] = {}
+        if ctx.echo is not None and self.reducer.alignment is not None:
+            self.reducer.echoes = PartEchoes(ctx.echo, start, start + values.numel())
         if self.faults.active:
             self.reducer.observe_radius = self.faults.observe_radius
         self.intake = PartIntake(ctx, self.reducer)
@@ -191,10 +194,11 @@ class PartOwner:
         members = {-1, *contributors}
         cosines, progress = alignment.cosines(members), alignment.progress(members)
         weights, balance = self.reducer.claimed_weights(), alignment.balance(members)
-        for measure in (cosines, progress, weights, balance):
+        echoes = self.reducer.echoes.cosines(members) if self.reducer.echoes else None
+        for measure in (cosines, progress, weights, balance, echoes or {}):
             if -1 in measure:
                 measure[self.me] = measure.pop(-1)
-        return part_scores(cosines, self.me, progress, weights, balance)
+        return part_scores(cosines, self.me, progress, weights, balance, echoes)
 
     def _report(self) -> tuple[Refusal, ...]:
         """Every sender this part refused, dropped, clipped or capped, logged once each."""

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.averaging.butterfly.alignment import PartAlignment
+from swarm.averaging.butterfly.echoes import PartEchoes
 from swarm.averaging.butterfly.flat import ScratchRows
 from swarm.averaging.butterfly.pairs import Shares, compose, pair_shares
 from swarm.averaging.butterfly.robust import cap_weights, centered_clip
-from swarm.averaging.butterfly.scoring import PartAlignment
 from swarm.compression import decode_into, read_header
 from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError
@@ -114,6 +115,7 @@ class PartReducer:
         self.weight_cap = weight_cap
         self.trust = dict(trust or {})
         self.alignment = PartAlignment() if score and self.robust else None
+        self.echoes: PartEchoes | None = None  # set by the owner where it keeps updates
         self.pairwise = pairwise
         self._payloads: dict[int, bytes] = {}  # pairwise: chunk -> the sender's payload
         # (radius, values) of every clipped chunk, for a test's attacker (see faults)
@@ -266,6 +268,8 @@ class PartReducer:
                 rows = buffer[:, : end - start]
             else:
                 rows = buffer[torch.tensor(slots, device=buffer.device), : end - start]
+            if self.echoes is not None and self.alignment is not None:
+                self.echoes.add_chunk([-1, *live], rows, start, end)  # before the clip
             if self.alignment is None:
                 clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
             else:
@@ -302,6 +306,8 @@ class PartReducer:
         self.own_clipped = False  # judged again from the new attempt's rows
         if self.alignment is not None:
             self.alignment.reset()
+        if self.echoes is not None:
+            self.echoes.reset()
         self.attempt += 1
         self.tainted = False
         return self.expected

@@ -22,6 +22,7 @@ import torch
 
 from swarm.averaging.butterfly.allreduce import AllReduce, RoundParts
 from swarm.averaging.butterfly.context import RoundContext
+from swarm.averaging.butterfly.echoes import UpdateHistory
 from swarm.averaging.butterfly.exclusions import Exclusions
 from swarm.averaging.butterfly.flat import FlatStaging
 from swarm.averaging.butterfly.kept import KeptRanges
@@ -92,6 +93,7 @@ class ButterflyRunner:
         self.apart = KeptApart()
         # this peer's record of the others' updates: the factor on their weight in its parts
         self.reputation = Reputation()
+        self.history = UpdateHistory()  # the updates it applied lately (see butterfly.echoes)
         # the ranges this peer kept its own values of lately, per layout: a round of values
         # holds their averages to the blatant bound only (see butterfly.kept)
         self.kept = KeptRanges()
@@ -160,6 +162,7 @@ class ButterflyRunner:
             updates=updates,
             score=score,
             trust=self._trust_in(group, me) if score else {},
+            echo=self.history.sample(layout, numel) if score else None,
             kept=() if updates else self.kept.recent(layout),
             accused=frozenset(
                 i for i, m in enumerate(group.members) if self.excluded.accused(m.peer_id)
@@ -211,6 +214,8 @@ class ButterflyRunner:
         ids = group.peer_ids
         parts = {j: tuple(ids[i] for i in idx) for j, idx in sorted(parts_idx.items())}
         averaged = any(len(p) > 1 for p in parts.values())
+        if score and averaged:  # a gather of at most SAMPLE values: no need for a thread
+            self.history.record(layout, targets)
         reason = "; ".join(notes[:4]) if notes else ""
         if not averaged and not reason:
             reason = "no part was averaged"

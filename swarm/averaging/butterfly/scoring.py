@@ -7,16 +7,16 @@ its direction: an honest pseudo-gradient points roughly where the group's robust
 attacks above do not. So, in rounds that average *updates* (pseudo-gradients, not parameters):
 
 - the owner of a part measures, over its whole part, each member's **alignment**: the cosine of
-  its contribution with the part's robust mean (:class:`AlignmentSums`, from the same pass as the
-  clip), its own included;
+  its contribution with the part's robust mean (:mod:`~swarm.averaging.butterfly.alignment`,
+  from the same pass as the clip), its own included;
 - and each member's **progress**: its contribution's projection on that mean, in units of the
   mean (``r . c / |c|^2``: 1 for a contribution that delivers as much as the mean, 0 for none),
   both as it is and per unit of the member's claimed weight (absurd claims capped);
 - and each member's **balance**: the share of its values above the robust mean's minus the
-  share below (:meth:`AlignmentSums.balance`; noise sits on both sides, ALIE's mean minus
-  standard deviations below everywhere), counted in the same pass;
+  share below (noise sits on both sides, ALIE's mean minus standard deviations below
+  everywhere), counted in the same pass;
 - each peer keeps a **record** of the others (:class:`Reputation`): running means of their
-  alignments, progress and balance as *it* measured them (nobody else's word counts, so
+  alignments, progress, balance and echoes as *it* measured them (nobody else's word counts, so
   colluders cannot talk an honest peer's record down), and the running means and spreads of
   its *own*;
 - the weight an owner gives a sender is its claimed weight times its **trust**
@@ -24,7 +24,8 @@ attacks above do not. So, in rounds that average *updates* (pseudo-gradients, no
   falling linearly to :data:`TRUST_FLOOR` at 4 spreads below; the lowest of the alignment's
   trust, the progress's, where progress counts the better of its two forms (a slow peer
   delivers less but claims less; a peer with large batches claims more for the same steps),
-  and the balance's, judged on its distance from the owner's own on either side.
+  the balance's, judged on its distance from the owner's own on either side, and the echo's
+  (:mod:`~swarm.averaging.butterfly.echoes`), judged on how far it lies above the owner's own.
 
 Why a record: honest peers holding different data (non-IID shards) point away from the group's
 mean in some parts (with 8 peers holding 2 of 10 classes each, a quarter of their parts), by
@@ -41,8 +42,9 @@ Why progress: an update shrunk to sit inside the clip radius points where honest
 but delivers a fraction of what its weight claims: 0.04-0.72 of the mean (6 peers, one
 attacker) where honest members deliver 0.83-1.38 (deciles; with unlike data -0.1 to 2.1, and
 so do their scorers' own parts). ALIE and a stale update point where honest updates do and
-deliver as much: ALIE is named by its balance, below; a stale one by nothing here (bounded by
-the clip, the outer momentum's restart and more frequent anchor syncs; see the README).
+deliver as much: ALIE is named by its balance, below; a stale one by its **echo**, how much
+more than the scorer's own it matches an update the scorer applied rounds before
+(:mod:`~swarm.averaging.butterfly.echoes`), the fourth measure a trust is the lowest of.
 
 Why balance: ALIE sends the honest mean minus ``z`` standard deviations in every coordinate.
 Its direction and size are an honest update's, but its offset from the mean lies below it
@@ -67,10 +69,16 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from swarm.averaging.butterfly.echoes import (
+    ECHO_SPREAD,
+    ECHO_WINDOW,
+    excess,
+    follow_echo,
+    loudest,
+)
 from swarm.averaging.butterfly.robust import cap_weights
 from swarm.identity import PeerID
 
@@ -97,87 +105,6 @@ POPULATION_CAP = 3.0  # ... to at most this many times the scorer's own spread
 _NORMAL_MAD = 1.4826  # a normal distribution's spread per unit of its median absolute deviation
 
 
-@dataclass
-class AlignmentSums:
-    """One contribution's running sums over a part's chunks: ``r . c``, ``|r|^2``, and how many
-    of its values lie above the center's minus how many below, of how many."""
-
-    dot: float = 0.0
-    norm2: float = 0.0
-    side: float = 0.0
-    numel: int = 0
-
-    def add(self, dot: float, norm2: float, side: float, numel: int) -> None:
-        self.dot += dot
-        self.norm2 += norm2
-        self.side += side
-        self.numel += numel
-
-    def balance(self) -> float:
-        """The share of its values above the center minus the share below (0 for none): near 0
-        for an offset of noise, -1 for one below the center everywhere (ALIE's mean minus
-        standard deviations)."""
-        return self.side / self.numel if self.numel else 0.0
-
-    def cosine(self, center_norm2: float) -> float:
-        """Its cosine with the center (0 when either is zero)."""
-        denom = math.sqrt(self.norm2 * center_norm2)
-        return self.dot / denom if denom > 0 and math.isfinite(denom) else 0.0
-
-    def progress(self, center_norm2: float) -> float:
-        """Its projection on the center, in units of the center (0 when the center is zero or
-        the projection not finite: a row past float32's range delivers nothing usable)."""
-        if not (center_norm2 > 0 and math.isfinite(center_norm2)):
-            return 0.0
-        progress = self.dot / center_norm2
-        return progress if math.isfinite(progress) else 0.0
-
-
-class PartAlignment:
-    """Alignments of one part's contributions, accumulated chunk by chunk (thread-safe: chunks
-    reduce in parallel). Keys are member indices (the owner's own included)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sums: dict[int, AlignmentSums] = {}
-        self._center_norm2 = 0.0
-
-    def add_chunk(
-        self,
-        members: list[int],
-        dots: tuple[float, ...],
-        norms2: tuple[float, ...],
-        center_norm2: float,
-        sides: tuple[float, ...],
-        numel: int,
-    ) -> None:
-        with self._lock:
-            self._center_norm2 += center_norm2
-            for m, d, n, side in zip(members, dots, norms2, sides, strict=True):
-                self._sums.setdefault(m, AlignmentSums()).add(d, n, side, numel)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._sums.clear()
-            self._center_norm2 = 0.0
-
-    def cosines(self, members: set[int]) -> dict[int, float]:
-        """The alignment of each of ``members`` (those that contributed every chunk)."""
-        with self._lock:
-            return {m: s.cosine(self._center_norm2) for m, s in self._sums.items() if m in members}
-
-    def progress(self, members: set[int]) -> dict[int, float]:
-        """The progress of each of ``members`` (see :meth:`AlignmentSums.progress`)."""
-        with self._lock:
-            c2 = self._center_norm2
-            return {m: s.progress(c2) for m, s in self._sums.items() if m in members}
-
-    def balance(self, members: set[int]) -> dict[int, float]:
-        """The balance of each of ``members`` (see :meth:`AlignmentSums.balance`)."""
-        with self._lock:
-            return {m: s.balance() for m, s in self._sums.items() if m in members}
-
-
 @dataclass(frozen=True)
 class Progress:
     """What one contribution delivered along the part's robust mean, in units of the mean."""
@@ -196,6 +123,9 @@ class PartScores:
     progress: dict[int, Progress] = field(default_factory=dict)  # sender index -> its progress
     own_balance: float | None = None
     balance: dict[int, float] = field(default_factory=dict)  # sender index -> its balance
+    # sender index -> its cosines with the updates this owner applied 1, 2, ... rounds before,
+    # minus the owner's own (see butterfly.echoes)
+    echoes: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 def part_scores(
@@ -204,11 +134,12 @@ def part_scores(
     progress: Mapping[int, float] | None = None,
     weights: Mapping[int, float] | None = None,
     balance: Mapping[int, float] | None = None,
+    echoes: Mapping[int, Sequence[float]] | None = None,
 ) -> PartScores | None:
     """The senders' alignments in a part with the group's ``alignments`` (the owner's own
     included), their progress where ``progress`` and the claimed ``weights`` of the same
-    members are given, and their ``balance`` where given; None when fewer than 3 aligned or the
-    group shares no direction."""
+    members are given, their ``balance`` and their ``echoes`` (over the owner's own) where
+    given; None when fewer than 3 aligned or the group shares no direction."""
     if len(alignments) < 3 or owner not in alignments:
         return None
     if not statistics.median(alignments.values()) > MIN_MEDIAN_ALIGNMENT:
@@ -219,11 +150,14 @@ def part_scores(
     if balance is not None and members <= set(balance):
         own_balance = balance[owner]
         balances = {m: balance[m] for m in others}
-    if progress is None or weights is None or not members <= set(progress) & set(weights):
-        return PartScores(alignments[owner], others, own_balance=own_balance, balance=balances)
-    delivered = _progress(progress, weights, list(alignments))
-    own = delivered.pop(owner)
-    return PartScores(alignments[owner], others, own, delivered, own_balance, balances)
+    echoed = {}
+    if echoes is not None and members <= set(echoes):
+        echoed = {m: excess(echoes[m], echoes[owner]) for m in others}
+    own, delivered = None, {}
+    if progress is not None and weights is not None and members <= set(progress) & set(weights):
+        delivered = _progress(progress, weights, list(alignments))
+        own = delivered.pop(owner)
+    return PartScores(alignments[owner], others, own, delivered, own_balance, balances, echoed)
 
 
 def _progress(
@@ -254,6 +188,7 @@ class Standing:
     progress: Progress | None = None  # the running means of its progress (once measured)
     low: str = ""  # what its trust was judged on (the lowest measure), against the scorer's
     balance: float | None = None  # the running mean of its balance (once measured)
+    echo: tuple[float, ...] | None = None  # per lag, the running mean of its echo's excess
 
 
 class _Moments:
@@ -328,6 +263,8 @@ class Reputation:
             own_balance and (own_balance[0], BALANCE_SPREAD),
             [s.balance for s in population if s.balance is not None],
         )
+        louds = [loudest(s.echo) for s in population]
+        echo_ref = widened((0.0, ECHO_SPREAD), [loud[1] for loud in louds if loud])
         filed = {}
         for i, a in sorted(scores.alignments.items()):
             peer = peers[i]
@@ -335,6 +272,9 @@ class Reputation:
             mean = _follow(ref if old is None else old.alignment, a)  # a newcomer: ordinary
             progress = self._progress(old, scores.progress.get(i))
             balance = self._balance(old, scores.balance.get(i))
+            echo = old.echo if old else None
+            if i in scores.echoes:
+                echo = follow_echo(echo, scores.echoes[i])
             why = f"alignment {a:.2f}, {mean:.2f} on average; " + (
                 f"own {ref:.2f} +- {reference[1]:.2f}" if reference else "scorer warming up"
             )
@@ -348,8 +288,11 @@ class Reputation:
                 balanced, low_balance = self._trust_in_balance(balance, balance_ref)
                 if balanced < trust:
                     trust, low = balanced, low_balance
+                fresh, low_echo = _trust_in_echo(echo, echo_ref)
+                if fresh < trust:
+                    trust, low = fresh, low_echo
             rounds = (old.rounds if old else 0) + 1
-            new = Standing(trust, mean, rounds, why, progress, low, balance)
+            new = Standing(trust, mean, rounds, why, progress, low, balance, echo)
             self._records[peer] = new  # re-inserted: the dict's order is least recently scored
             filed[i] = new
         while len(self._records) > self._limit:
@@ -423,6 +366,21 @@ class Reputation:
         )
 
 
+def _trust_in_echo(
+    echo: Sequence[float] | None, reference: tuple[float, float] | None
+) -> tuple[float, str]:
+    """The trust a record's echo earns: lowered as far as its loudest lags' running means lie
+    above the scorer's own, on the spread of ``reference`` (see butterfly.echoes; 1.0
+    unmeasured)."""
+    loud = loudest(echo)
+    if loud is None or reference is None:
+        return NEW_TRUST, ""
+    (lag, over), spread = loud, reference[1]
+    return _falling(
+        over / spread
+    ), f"echoes updates {lag}-{lag + ECHO_WINDOW - 1} rounds old {over:+.2f}"
+
+
 def widened(
     reference: tuple[float, float] | None, records: Sequence[float]
 ) -> tuple[float, float] | None:
@@ -443,7 +401,12 @@ def trust_of(alignment: float, reference: float, spread: float) -> float:
     """The weight factor of a peer whose alignments average ``alignment`` where the scorer's own
     average ``reference``, +- ``spread`` from part to part: 1 within ``TRUSTED_SPREADS`` spreads
     below the reference, linearly down to ``TRUST_FLOOR`` at ``FLOOR_SPREADS``."""
-    spreads = (reference - alignment) / max(spread, MIN_SPREAD)
+    return _falling((reference - alignment) / max(spread, MIN_SPREAD))
+
+
+def _falling(spreads: float) -> float:
+    """Trust at ``spreads`` spreads below the reference: 1 up to ``TRUSTED_SPREADS``, then
+    linearly down to ``TRUST_FLOOR`` at ``FLOOR_SPREADS``."""
     if spreads <= TRUSTED_SPREADS:
         return 1.0
     falls = (spreads - TRUSTED_SPREADS) / (FLOOR_SPREADS - TRUSTED_SPREADS)
