@@ -17,6 +17,7 @@ training shows.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import re
@@ -235,6 +236,17 @@ async def run(
         # all at once: a peer that leaves after its neighbours waits out its leave marker's
         # store to them (1 s each, 3 s of a 40-round run closed one by one)
         await asyncio.gather(*(log.swarm.close() for log in logs))
+
+
+LOSS_BOUND = 1.05  # an attacked swarm's worst honest peer against the honest peers alone
+
+
+@functools.cache
+def honest_only_loss(peers: int, rounds: int, seed: int = 0) -> float:
+    """The worst honest peer's final test loss of ``peers`` honest peers alone, defended (run
+    once per process: the attack tests of one size share it)."""
+    got = asyncio.run(run(peers=peers, attackers=0, fault=Fault.NONE, rounds=rounds, seed=seed))
+    return got["final_loss"]
 
 
 def shown(figures: dict | list) -> str:

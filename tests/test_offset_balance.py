@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from poison_run import run, shown
+from poison_run import LOSS_BOUND, honest_only_loss, run, shown
 
 from swarm.averaging import Fault
 from swarm.averaging.butterfly.alignment import AlignmentSums, PartAlignment
@@ -100,10 +100,12 @@ def test_a_record_off_the_scorers_own_balance_on_either_side_loses_trust(
 def test_colluding_alie_attackers_lose_their_weight_and_honest_peers_keep_theirs() -> None:
     """2 of 8 send the mean of their updates minus their standard deviation (the paper's
     colluders): named on balance by round 10-21 (9 runs, seeds 0-7; end records 0.02-0.35 in
-    the median honest view after 30 rounds), honest peers at full weight in that view. A
+    the median honest view after 30 rounds), honest peers at full weight in that view, the worst
+    of them within 5% of the 6 honest peers alone (0.85 and 0.88 of them in 2 seeds). A
     scorer judges nobody before its own parts warmed up (6 of them) and scores an attacker in
     about 3 rounds of 7, so a suite that leaves rounds short named one late: 40 rounds."""
     got = asyncio.run(run(peers=8, attackers=2, fault=Fault.ALIE, rounds=40))
     assert got["attack_fired"] and not got["nan"], shown(got)
     assert got["rounds_to_downweight"] is not None, shown(got)
     assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], shown(got)
+    assert got["final_loss"] <= LOSS_BOUND * honest_only_loss(6, 40), shown(got)

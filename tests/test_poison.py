@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from poison_run import LOSS_BOUND, honest_only_loss, run, shown
 from poison_run import data as poison_data
 from poison_run import model as poison_model
-from poison_run import run, shown
 from torch import nn
 
 from swarm.api import AsyncSwarm
@@ -310,7 +310,10 @@ def test_scoring_syncs_dense_anchors_twice_as_often() -> None:
 )
 def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault) -> None:
     """1 of 6 through real sockets: in the median view of the honest peers that scored it, the
-    attacker's record falls below half within the run, and every honest peer's stays above."""
+    attacker's record falls below half within the run, and every honest peer's stays above;
+    the worst honest peer ends within 5% of the 5 honest peers alone (0.90-1.02 of them in the
+    benchmark's runs, 2 seeds each; a stale update's tail of parted anchors is bounded in
+    tests/test_stale_updates.py)."""
     # 30 rounds: a scorer meets the attacker in about 2 of 5 rounds, and needs up to 8 scorings
     # of a free rider where its own parts vary most (spread 0.165). With 20 the median scorer of
     # a loaded suite had scored it too few times and held it at 0.54 at the end (0.60 with 16);
@@ -327,6 +330,8 @@ def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault)
     assert not got["nan"]
     assert got["rounds_to_downweight"] is not None, shown(got)
     assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], shown(got)
+    if fault is not Fault.STALE:
+        assert got["final_loss"] <= LOSS_BOUND * honest_only_loss(5, rounds), shown(got)
 
 
 @pytest.mark.flaky(reruns=1)  # 8 peers in one loop on 2 shared cores
@@ -335,16 +340,19 @@ def test_two_of_eight_attackers_lose_their_weight_and_honest_peers_keep_theirs(
     fault: Fault,
 ) -> None:
     """2 of 8 (ALIE's colluders: tests/test_offset_balance.py; stale updates:
-    tests/test_stale_updates.py): in the median honest view both fall below half within the
-    run, and no honest peer does. Named by round 8-10 (IPM, free riding) and 24-35 (an update
-    shrunk inside the radius) in the benchmark's runs (2-3 seeds each); an IPM attacker's
-    record in the median view ended at 0.02-0.53 in 7 runs of 40 rounds (once above half)."""
+    tests/test_stale_updates.py): in the median honest view both fall below half within the run,
+    and no honest peer does, and the worst honest peer ends within 5% of the 6 honest peers
+    alone (0.81-0.92 of them in the benchmark's runs). Named by round 8-10 (IPM, free riding)
+    and 24-35 (an update shrunk inside the radius) in the benchmark's runs (2-3 seeds each); an
+    IPM attacker's record in the median view ended at 0.02-0.53 in 7 runs of 40 rounds (once
+    above half)."""
     rounds = {Fault.INSIDE_RADIUS: 50}.get(fault, 40)
     got = asyncio.run(run(peers=8, attackers=2, fault=fault, rounds=rounds))
     assert got["attack_fired"] and not got["nan"], shown(got)
     assert got["rounds_to_downweight"] is not None, shown(got)
     assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], shown(got)
     assert got["honest_excluded"] == [], shown(got)
+    assert got["final_loss"] <= LOSS_BOUND * honest_only_loss(6, rounds), shown(got)
 
 
 def test_a_calm_run_clips_and_lowers_no_honest_peer() -> None:
