@@ -28,7 +28,7 @@ def test_stale_updates_are_ten_rounds_old() -> None:
 @pytest.mark.flaky(reruns=1)
 def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> None:
     """2 of 8 send their update of 10 rounds ago, every round: the honest peers name them on their
-    echo (below half in the median honest view by round 14-16 in 5 runs), and with the anchors
+    echo (below half in the median honest view by round 13-16 in 5 runs), and with the anchors
     synced in one group of 2 (scoring's default) the worst honest peer of the median seed ends
     about where the 6 honest peers alone end. Before the echo, unnamed: syncing one group in 4,
     16 of 33 runs ended above 0.25 (to 1.68) where the honest peers alone ended at 0.185-0.209
@@ -36,7 +36,9 @@ def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> Non
     tail stays: two of these runs at once on 2 cores, 3 of 40 runs above 0.24 (0.243-0.447), and
     9 of 30 (0.241-0.323, once 8.9) with the dependencies at their floors; CI once ended a seed
     at 0.64 against 0.19 alone. So the median of three seeds is held to 1.25x, below the
-    blow-ups syncing one group in 4 (median 0.241 against 0.199)."""
+    blow-ups syncing one group in 4 (median 0.241 against 0.199). Since the echo names them, the
+    worst honest peer ended at 0.87-0.97 of the honest peers alone with 2 of 8 and 0.88-1.06
+    with 1 of 6 (3 seeds each); the bound stays for the tail under load."""
     stale = {"peers": 8, "attackers": 2, "fault": Fault.STALE}
     seeds = (0, 1, 2)
     got = [asyncio.run(run(**stale, rounds=40, seed=s)) for s in seeds]
