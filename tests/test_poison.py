@@ -363,7 +363,8 @@ def test_two_of_eight_ipm_attackers_leave_the_honest_peers_where_they_would_be_a
     one of them above half in one more (0.53). Likely why: two IPM peers in a group of 4 pull
     its median alignment to about zero, and an owner scores no part whose group shares no
     direction (scoring where the owner's own alignment is positive instead named them in 5 of
-    5 runs; not tried on calm or unlike-data runs). Alone among 6 IPM is named every time."""
+    5 runs, but lowered more honest peers in single views; see the README). Alone among 6 IPM
+    is named every time."""
     got = asyncio.run(run(peers=8, attackers=2, fault=Fault.IPM, rounds=40))
     assert got["attack_fired"] and not got["nan"], shown(got)
     assert got["honest_excluded"] == [] and got["honest_record_min"] > LOWERED_BELOW, shown(got)
