@@ -60,6 +60,7 @@ class EchoSample:
 
     positions: torch.Tensor  # int64, sorted, on the values' device
     past: torch.Tensor  # [lags, positions] float32
+    bounds: Sequence[int]  # the positions on the host: slices found without a device sync
 
 
 class _Layout:
@@ -92,7 +93,7 @@ class UpdateHistory:
             return None
         rows = [(kept.newest - k) % HISTORY for k in range(kept.kept)]
         index = torch.tensor(rows, device=kept.ring.device)
-        return EchoSample(kept.positions, kept.ring.index_select(0, index))
+        return EchoSample(kept.positions, kept.ring.index_select(0, index), kept.bounds)
 
     def record(self, layout: Hashable, tensors: Sequence[torch.Tensor]) -> None:
         """Keep the update of a round that averaged: ``tensors`` end to end, as applied."""
@@ -121,8 +122,9 @@ class PartEchoes:
     parallel). Keys are member indices (the owner's own included)."""
 
     def __init__(self, sample: EchoSample, start: int, end: int):
-        bounds = torch.tensor([start, end], device=sample.positions.device)
-        lo, hi = torch.searchsorted(sample.positions, bounds).tolist()
+        lo = bisect.bisect_left(sample.bounds, start)
+        hi = bisect.bisect_left(sample.bounds, end, lo)
+        self._start, self._bounds, self._span = start, sample.bounds, (lo, hi)
         self._local = sample.positions[lo:hi] - start  # positions relative to the part
         self._past = sample.past[:, lo:hi].double()
         self._lock = threading.Lock()
@@ -133,8 +135,9 @@ class PartEchoes:
     def add_chunk(self, members: Sequence[int], rows: torch.Tensor, start: int, end: int) -> None:
         """Measure ``rows`` (one per member, the chunk ``start:end`` of the part) before they
         are clipped."""
-        bounds = torch.tensor([start, end], device=self._local.device)
-        a, b = torch.searchsorted(self._local, bounds).tolist()
+        lo, hi = self._span  # this part's positions, found on the host (no device sync)
+        a = bisect.bisect_left(self._bounds, self._start + start, lo, hi) - lo
+        b = bisect.bisect_left(self._bounds, self._start + end, lo, hi) - lo
         if b <= a:
             return
         at = (self._local[a:b] - start).to(rows.device)
@@ -171,14 +174,14 @@ class PartEchoes:
 
 
 def _cosine(dot: float, norm2: float, past_norm2: float) -> float:
-    denom = math.sqrt(norm2 * past_norm2) if norm2 >= 0 and past_norm2 >= 0 else math.nan
+    denom = math.sqrt(norm2 * past_norm2)  # sums of squares: never negative
     cos = dot / denom if denom > 0 and math.isfinite(denom) else 0.0
     return min(1.0, max(-1.0, cos)) if math.isfinite(cos) else 0.0
 
 
 def excess(echoes: Sequence[float], own: Sequence[float]) -> tuple[float, ...]:
     """A contribution's cosines with the kept updates minus the owner's own, lag by lag."""
-    return tuple(e - o for e, o in zip(echoes, own, strict=False))
+    return tuple(e - o for e, o in zip(echoes, own, strict=True))
 
 
 def follow_echo(before: Sequence[float] | None, measured: Sequence[float]) -> tuple[float, ...]:
