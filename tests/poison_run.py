@@ -239,6 +239,7 @@ async def run(
 
 
 LOSS_BOUND = 1.05  # an attacked swarm's worst honest peer against the honest peers alone
+LOWER_LEVEL = 0.9  # ``rounds_to_lower``: an attacker's weight fell, if not below half
 
 
 @functools.cache
@@ -269,6 +270,7 @@ def _figures(logs: list[PeerLog], rounds: int, wall: float, cpu: float) -> dict:
         "anchor_loss": max(anchor_loss(x.swarm) for x in honest),
         "nan": any(not math.isfinite(v) for v in losses),
         "rounds_to_downweight": _rounds_to_downweight(honest, attacker_ids),
+        "rounds_to_lower": _rounds_to_fall(honest, attacker_ids, LOWER_LEVEL),
         "honest_downweighted": sorted(lowering),
         # honest peers below half in the median view of the honest peers that scored them, the
         # view that names an attacker (``rounds_to_downweight``): the weight most of them give
@@ -352,6 +354,17 @@ def _rounds_to_downweight(honest: list[PeerLog], attackers: set[str]) -> int | N
         if held and statistics.median(held) < LOWERED_BELOW:
             return r + 1
     return None
+
+
+def _rounds_to_fall(honest: list[PeerLog], ids: set[str], level: float) -> int | None:
+    """The first round by which the median honest view of each of ``ids`` held it below
+    ``level`` in some round (None: one never was, or no ids)."""
+    fell: dict[str, int] = {}
+    for r, views in enumerate(_views_by_round(honest, ids)):
+        for p, v in views.items():
+            if p not in fell and statistics.median(v) < level:
+                fell[p] = r + 1
+    return max(fell.values()) if ids and set(fell) == ids else None
 
 
 def _held_below_by_most(honest: list[PeerLog], ids: set[str]) -> set[str]:

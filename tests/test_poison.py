@@ -355,18 +355,20 @@ def test_two_of_eight_attackers_lose_their_weight_and_honest_peers_keep_theirs(
 
 
 @pytest.mark.flaky(reruns=1)  # 8 peers in one loop on 2 shared cores
-def test_two_of_eight_ipm_attackers_leave_the_honest_peers_where_they_would_be_alone() -> None:
-    """2 of 8 send -0.5 x their own update: the worst honest peer ends within 5% of the 6 honest
-    peers alone (0.84-0.97 of them in 7 runs) and no honest peer is held below half in the
-    median honest view. Naming them is not reliable with two: in 14 runs of 40 rounds the median
-    honest view held them below half by round 6-10 in 12 and never in 2, and at the end held
-    one of them above half in one more (0.53). Likely why: two IPM peers in a group of 4 pull
-    its median alignment to about zero, and an owner scores no part whose group shares no
-    direction (scoring where the owner's own alignment is positive instead named them in 5 of
-    5 runs, but lowered more honest peers in single views; see the README). Alone among 6 IPM
-    is named every time."""
+def test_two_of_eight_ipm_attackers_lose_weight_and_honest_peers_keep_their_loss() -> None:
+    """2 of 8 send -0.5 x their own update: in the median honest view both lose weight (below
+    ``LOWER_LEVEL``, 0.9) within 16 rounds, no honest peer is held below half, and the worst
+    honest peer ends within 5% of the 6 honest peers alone (0.84-0.97 of them in 7 runs).
+    Measured over 12 runs: below 0.9 by round 6-12 in all; both below half by round 6-13 in
+    10, one or both never in 2 (0.51-0.72 at their lowest); one back above half at the end in
+    4 (0.53-0.99). Why: the signal fades. Over a run the scorers read the IPM peers' alignment
+    rise from -0.68 (its first eighth) to about 0 to +0.2 (its second half) while honest
+    members' falls from 0.87 to about 0.55 and the scorers' own spread widens (up to
+    0.25-0.37), so late records recover by the rule that lowered them; no part went unscored
+    for want of a shared direction (4 runs: none). Alone among 6 IPM is named every time."""
     got = asyncio.run(run(peers=8, attackers=2, fault=Fault.IPM, rounds=40))
     assert got["attack_fired"] and not got["nan"], shown(got)
+    assert got["rounds_to_lower"] is not None and got["rounds_to_lower"] <= 16, shown(got)
     assert got["honest_excluded"] == [] and got["honest_record_min"] > LOWERED_BELOW, shown(got)
     assert got["final_loss"] <= LOSS_BOUND * honest_only_loss(6, 40), shown(got)
 
