@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # a sender that has not started this long into the attempt (or after another sender finished)
 # is checked for life: a killed peer is dropped at once instead of after the stall limit
 _SUSPECT_AFTER_S = 0.5
-WINDOW_CHUNKS = 8  # how far a sender may run ahead of the chunks averaged
+WINDOW_CHUNKS = 4  # how far a sender may run ahead of the chunks averaged
 _WINDOW_TICK_S = 0.2  # a held reader checks its window at least this often
 
 
