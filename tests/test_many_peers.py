@@ -30,6 +30,8 @@ CONSENSUS_BOUND = 0.01  # after the finishing rounds (issue 32's goal)
 MIN_SPEED_KEPT = 0.5
 
 
+# a loaded floors suite once ended the anchors' spread at 0.416 (alone: 0.11-0.23 in 3 runs)
+@pytest.mark.flaky(reruns=1)
 async def test_sixteen_unequal_peers_average_without_waiting_for_each_other() -> None:
     specs = mixed_specs(16, (1.0, 0.25), (100.0, 10.0))
     # 85 s of training (14 due rounds of 5 s measured after the first 15 s), then 3

@@ -312,8 +312,8 @@ def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault)
     """1 of 6 through real sockets: in the median view of the honest peers that scored it, the
     attacker's record falls below half within the run, and every honest peer's stays above;
     the worst honest peer ends within 5% of the 5 honest peers alone (0.90-1.02 of them in the
-    benchmark's runs, 2 seeds each; a stale update's tail of parted anchors is bounded in
-    tests/test_stale_updates.py)."""
+    benchmark's runs, 2 seeds each; a stale update 0.88-0.99 in 12 seeds, named by round
+    14-17)."""
     # 30 rounds: a scorer meets the attacker in about 2 of 5 rounds, and needs up to 8 scorings
     # of a free rider where its own parts vary most (spread 0.165). With 20 the median scorer of
     # a loaded suite had scored it too few times and held it at 0.54 at the end (0.60 with 16);
@@ -330,8 +330,7 @@ def test_an_attacker_loses_its_weight_and_honest_peers_keep_theirs(fault: Fault)
     assert not got["nan"]
     assert got["rounds_to_downweight"] is not None, shown(got)
     assert got["attacker_record_max"] < LOWERED_BELOW < got["honest_record_min"], shown(got)
-    if fault is not Fault.STALE:
-        assert got["final_loss"] <= LOSS_BOUND * honest_only_loss(5, rounds), shown(got)
+    assert got["final_loss"] <= LOSS_BOUND * honest_only_loss(5, rounds), shown(got)
 
 
 @pytest.mark.flaky(reruns=1)  # 8 peers in one loop on 2 shared cores

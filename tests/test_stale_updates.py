@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 import torch
-from poison_run import run, shown
+from poison_run import LOSS_BOUND, run, shown
 
 from swarm.averaging import Fault
 from swarm.averaging.poison import STALE_ROUNDS, History
@@ -35,10 +35,11 @@ def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> Non
     (11 runs); syncing one group in 2, 0.167-0.196 (8 runs) on an idle machine. Under load the
     tail stays: two of these runs at once on 2 cores, 3 of 40 runs above 0.24 (0.243-0.447), and
     9 of 30 (0.241-0.323, once 8.9) with the dependencies at their floors; CI once ended a seed
-    at 0.64 against 0.19 alone. So the median of three seeds is held to 1.25x, below the
-    blow-ups syncing one group in 4 (median 0.241 against 0.199). Since the echo names them, the
-    worst honest peer ended at 0.87-0.97 of the honest peers alone with 2 of 8 and 0.88-1.06
-    with 1 of 6 (3 seeds each); the bound stays for the tail under load."""
+    at 0.64 against 0.19 alone. So the median of three seeds was held to 1.25x, below the
+    blow-ups syncing one group in 4 (median 0.241 against 0.199). Since the echo names them (by
+    round 12-14), the worst honest peer ended at 0.82-0.98 of the honest peers alone in 6 seeds
+    of 2 of 8 (and at 0.88-0.99 in 12 of 1 of 6, tests/test_poison.py), so the median of three
+    seeds is held to the issue's 5%; one seed's tail under load does not move a median."""
     stale = {"peers": 8, "attackers": 2, "fault": Fault.STALE}
     seeds = (0, 1, 2)
     got = [asyncio.run(run(**stale, rounds=40, seed=s)) for s in seeds]
@@ -49,4 +50,4 @@ def test_stale_updates_leave_the_honest_peers_where_they_would_be_alone() -> Non
     assert all(g["rounds_to_downweight"] is not None for g in got), shown(got)
     assert all(g["honest_excluded"] == [] for g in got), shown(got)
     losses = [g["final_loss"] for g in got], [a["final_loss"] for a in alone]
-    assert statistics.median(losses[0]) <= 1.25 * statistics.median(losses[1]), losses
+    assert statistics.median(losses[0]) <= LOSS_BOUND * statistics.median(losses[1]), losses
