@@ -69,6 +69,12 @@ def outer_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def round_options(mode: str, args: argparse.Namespace) -> dict:
+    """DiLoCo's rounds blocking or overlapped as given on the command line (else the library's
+    default: overlapped); the reference's per-step rounds always block."""
+    return {} if args.overlap is None or mode != "diloco" else {"overlap": args.overlap == "on"}
+
+
 def generator(seed: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * seed + rank)
 
@@ -142,6 +148,7 @@ def run(mode: str, codec: str, seed: int, args: argparse.Namespace, test) -> dic
                 matchmaking_timeout_s=10.0,
                 round_timeout_s=60.0,
                 **outer_options(args),
+                **round_options(mode, args),
             ) as swarm:
                 swarms[rank] = swarm
                 barrier.wait()
@@ -299,6 +306,7 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
         "averaged_share": round(statistics.mean(r["averaged_share"] for r in runs), 3),
         "step_overhead": round(overhead, 4),
         "backend": args.backend,
+        "overlap": args.overlap or "default",
         "wall_s": round(sum(r["wall_s"] for r in runs), 1),
     }
 
@@ -326,6 +334,12 @@ def main() -> None:
     p.add_argument("--codecs", nargs="+", default=["none", "int8", "topk:0.01", "1bit", "sparse"])
     p.add_argument("--plot-dir", default=".")
     p.add_argument("--backend", choices=["swarm", "sim"], default="swarm")
+    p.add_argument(
+        "--overlap",
+        choices=["on", "off"],
+        help="DiLoCo's rounds overlapped or blocking (default: the library's, overlapped; the sim"
+        " backend's rounds always block)",
+    )
     args = p.parse_args()
     if args.quick:
         args.steps, args.seeds = 300, 1
