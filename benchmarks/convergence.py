@@ -27,10 +27,14 @@ Prints one JSON object per configuration (``mode``, ``codec``, ``peers``, ``seed
 ``bytes_ratio_vs_reference``, ``final_average_bytes_per_peer`` and
 ``bytes_ratio_training_rounds`` (without the final average), ``last_point_loss`` and
 ``last_point_before_final_average`` (the peers' own models just before it), ``diverged``,
-``averaged_share``, ``step_overhead`` and a few more)
+``averaged_share``, ``step_overhead``, ``peer_spread_per_seed`` and a few more)
 and draws loss vs samples and vs bytes (means over seeds) into PNGs when matplotlib is
 installed. ``step_overhead`` is the extra time of ``swarm.step()`` over ``optimizer.step()`` on
-steps that do not average.
+steps that do not average. ``peer_spread_per_seed`` is, per seed, the largest difference between
+two peers' losses at one evaluation: per-step gradient averaging keeps the peers' models equal,
+so above 0 the reference's peers parted (a step whose round failed or split, taken apart, which
+nothing but the final average undoes) and its ratio is not to be cited; DiLoCo's peers differ
+by their steps since the last round, and under a sparse codec by what their rounds left out.
 """
 
 from __future__ import annotations
@@ -118,6 +122,10 @@ class Recorder:
             "bytes": statistics.mean(self.bytes),
             "final_bytes": statistics.mean(self.final_bytes),
             "averaged_share": sum(self.averaged) / max(sum(self.rounds), 1),
+            "peer_spread": max(
+                (max(v) - min(v) for v in self.losses.values() if all(map(math.isfinite, v))),
+                default=math.nan,
+            ),
         }
 
 
@@ -304,6 +312,7 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
         # chance is ln(classes): a final loss above it, or not finite, is a divergence
         "diverged": any(not f < math.log(CLASSES) for f in finals),
         "averaged_share": round(statistics.mean(r["averaged_share"] for r in runs), 3),
+        "peer_spread_per_seed": [round(r["peer_spread"], 4) for r in runs],
         "step_overhead": round(overhead, 4),
         "backend": args.backend,
         "overlap": args.overlap or "default",
