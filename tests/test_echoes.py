@@ -19,6 +19,7 @@ from swarm.averaging.butterfly.echoes import (
     UpdateHistory,
     loudest,
 )
+from swarm.averaging.butterfly.kept import MAX_LAYOUTS
 from swarm.averaging.butterfly.scoring import (
     LOWERED_BELOW,
     WARMUP_PARTS,
@@ -46,6 +47,16 @@ def test_the_history_keeps_the_applied_updates_newest_first_at_its_positions() -
         assert torch.equal(sample.past[k], applied), k
     assert history.sample(LAYOUT, 11) is None  # another size: not this history
     assert history.sample(("fragment", 1), 10) is None  # nor another layout's
+
+
+def test_the_history_keeps_at_most_max_layouts_the_oldest_dropped() -> None:
+    history = UpdateHistory()
+    for f in range(MAX_LAYOUTS + 2):
+        history.record((f, 3), [torch.full((3,), float(f))])
+    assert history.sample((0, 3), 3) is None and history.sample((1, 3), 3) is None
+    for f in range(2, MAX_LAYOUTS + 2):
+        sample = history.sample((f, 3), 3)
+        assert sample is not None and sample.past.tolist() == [[float(f)] * 3], f
 
 
 def test_a_large_vector_is_sampled_at_private_positions(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,8 +33,7 @@ class AlignmentSums:
 
     def cosine(self, center_norm2: float) -> float:
         """Its cosine with the center (0 when either is zero)."""
-        denom = math.sqrt(self.norm2 * center_norm2)
-        return self.dot / denom if denom > 0 and math.isfinite(denom) else 0.0
+        return cosine(self.dot, self.norm2, center_norm2)
 
     def progress(self, center_norm2: float) -> float:
         """Its projection on the center, in units of the center (0 when the center is zero or
@@ -43,6 +42,14 @@ class AlignmentSums:
             return 0.0
         progress = self.dot / center_norm2
         return progress if math.isfinite(progress) else 0.0
+
+
+def cosine(dot: float, norm2: float, other_norm2: float) -> float:
+    """The cosine of two vectors from their dot product and squared norms, in [-1, 1] (0 where
+    either is zero, or a sum overflowed)."""
+    denom = math.sqrt(norm2 * other_norm2)  # sums of squares: never negative
+    cos = dot / denom if denom > 0 and math.isfinite(denom) else 0.0
+    return min(1.0, max(-1.0, cos)) if math.isfinite(cos) else 0.0
 
 
 class PartAlignment:

@@ -37,13 +37,15 @@ group; the widened spread keeps their swings from lowering them. An update older
 from __future__ import annotations
 
 import bisect
-import math
 import secrets
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from swarm.averaging.butterfly.alignment import cosine
+from swarm.averaging.butterfly.kept import MAX_LAYOUTS
 
 SAMPLE = 65536  # positions kept per layout: 4 MB of history at 16 rounds, whatever the model
 HISTORY = 16  # rounds of applied updates kept per layout
@@ -80,8 +82,8 @@ class _Layout:
 
 class UpdateHistory:
     """The updates this peer applied in its last :data:`HISTORY` scored rounds, per layout (a
-    fragment and its size), at a private sample of positions. Not thread-safe: a layout's
-    rounds run one at a time."""
+    fragment and its size; at most :data:`~swarm.averaging.butterfly.kept.MAX_LAYOUTS`), at a
+    private sample of positions. Not thread-safe: a layout's rounds run one at a time."""
 
     def __init__(self) -> None:
         self._layouts: dict[Hashable, _Layout] = {}
@@ -103,6 +105,8 @@ class UpdateHistory:
         kept = self._layouts.get(layout)
         if kept is None or kept.numel != numel:
             kept = self._layouts[layout] = _Layout(numel, tensors[0].device)
+            while len(self._layouts) > MAX_LAYOUTS:  # the least recently made dropped first
+                self._layouts.pop(next(iter(self._layouts)))
         kept.newest = (kept.newest + 1) % HISTORY
         row = kept.ring[kept.newest]
         offset = 0
@@ -165,18 +169,12 @@ class PartEchoes:
         with self._lock:
             return {
                 m: tuple(
-                    _cosine(d, self._norms2[m], h)
+                    cosine(d, self._norms2[m], h)
                     for d, h in zip(dots, self._past_norms2, strict=True)
                 )
                 for m, dots in self._dots.items()
                 if m in members
             }
-
-
-def _cosine(dot: float, norm2: float, past_norm2: float) -> float:
-    denom = math.sqrt(norm2 * past_norm2)  # sums of squares: never negative
-    cos = dot / denom if denom > 0 and math.isfinite(denom) else 0.0
-    return min(1.0, max(-1.0, cos)) if math.isfinite(cos) else 0.0
 
 
 def excess(echoes: Sequence[float], own: Sequence[float]) -> tuple[float, ...]:

@@ -268,7 +268,7 @@ class PartReducer:
                 rows = buffer[:, : end - start]
             else:
                 rows = buffer[torch.tensor(slots, device=buffer.device), : end - start]
-            if self.echoes is not None and self.alignment is not None:
+            if self.echoes is not None:  # set only where alignment is measured
                 self.echoes.add_chunk([-1, *live], rows, start, end)  # before the clip
             if self.alignment is None:
                 clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
