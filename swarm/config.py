@@ -245,7 +245,12 @@ class SwarmConfig:
             :data:`SPARSE_ANCHOR_SYNC_EVERY` with a sparse one, whose rounds are so small that
             one dense sync costs as much as about 40 of them; the value in use is
             :attr:`anchor_sync_period`. Lower it if the peers' losses part, raise it if the
-            bytes matter more (the README has the measured trade-off).
+            bytes matter more (the README has the measured trade-off). ``gradients``: about
+            one group in this many whose members' parameters differ (one missed a round, or
+            averaged in another group, and stepped with other gradients) also averages the
+            parameters, so that they do not stay apart for good; the parameters of peers in
+            step are the same bits, so their groups send nothing more. ``local_sgd`` averages
+            the values themselves and needs none.
         anchor_sync_codec: the codec of that sync: a dense one (``none``, ``fp16``, ``bf16``,
             ``int8``), since top-K or 1-bit would ruin raw weights. None (the default) means
             ``codec`` when it is dense and ``int8`` when it is sparse; the value in use is

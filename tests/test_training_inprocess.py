@@ -142,14 +142,17 @@ async def test_cuda_model_averages_on_the_gpu(codec: str) -> None:
         await a.close()
 
 
+@pytest.mark.parametrize("mode", ["diloco", "gradients"])
 @pytest.mark.parametrize("sync_every", [1, 0])
-async def test_anchor_sync_brings_apart_peers_to_one_model(sync_every: int) -> None:
-    """Two peers that start from different weights (as peers of different groups end up) share
-    one model after a round that syncs anchors; without the sync each keeps its own anchor."""
-    kw = {"inner_steps": 3, "sync_on_join": False, "anchor_sync_every": sync_every}
-    a = await start(bn_model(0), f"sync{sync_every}", **kw)
+async def test_anchor_sync_brings_apart_peers_to_one_model(sync_every: int, mode: str) -> None:
+    """Two peers that start from different weights (as peers of different groups end up, or in
+    gradients mode a peer that missed a round) share one model after a round that syncs
+    anchors; without the sync each keeps its own anchor (its own parameters)."""
+    kw = {"inner_steps": 3, "sync_on_join": False, "anchor_sync_every": sync_every, "mode": mode}
+    run = f"sync{sync_every}{mode}"
+    a = await start(bn_model(0), run, **kw)
     try:
-        b = await start(bn_model(1), f"sync{sync_every}", [a.address], **kw)
+        b = await start(bn_model(1), run, [a.address], **kw)
         try:
             ra, rb = await asyncio.gather(train(a, 0.0, 3), train(b, 1.0, 3))
             assert ra.averaged and rb.averaged, (ra, rb)
@@ -164,6 +167,26 @@ async def test_anchor_sync_brings_apart_peers_to_one_model(sync_every: int) -> N
             # slots and anchors are views of one buffer each: averaged in place, no copy kept
             stagings = a.averager.butterfly._stagings.values()
             assert stagings and all(s._flat is None for s in stagings)
+        finally:
+            await b.close()
+    finally:
+        await a.close()
+
+
+async def test_gradients_mode_syncs_parameters_only_while_they_differ() -> None:
+    """In gradients mode a group syncs its members' parameters where they differ (the first
+    round here: two different initial models), and sends nothing more once they are in step."""
+    kw = {"sync_on_join": False, "anchor_sync_every": 1, "mode": "gradients"}
+    a = await start(bn_model(0), "in-step", **kw)
+    try:
+        b = await start(bn_model(1), "in-step", [a.address], **kw)
+        try:
+            ra, rb = await asyncio.gather(_reports(a, 0.0, 4), _reports(b, 1.0, 4))
+            assert all(r.averaged for r in ra + rb), (ra, rb)
+            sent = [r.bytes_sent for r in ra]
+            # the parameters and floating buffers are about as large as the gradients
+            assert sent[0] > 1.8 * max(sent[1:]), sent
+            assert max(sent[1:]) < 1.1 * min(sent[1:]), sent
         finally:
             await b.close()
     finally:

@@ -68,8 +68,10 @@ class TrainingEngine(PersistentState):
         self.mode = Mode(config.mode)
         sparse = config.averaging.codec_spec.sparse
         self.tensors = ModelTensors.of(model, with_buffers=not sparse)
-        # anchors sync in a dense codec (top-K or 1-bit would ruin raw weights)
-        self._sync_every = config.anchor_sync_period if self.mode is Mode.DILOCO else 0
+        # anchors sync in a dense codec (top-K or 1-bit would ruin raw weights); in gradients
+        # mode the parameters themselves, which part for good where a peer misses a round
+        self._sync_every = config.anchor_sync_period if self.mode is not Mode.LOCAL_SGD else 0
+        self._stages_params = bool(self._sync_every) and self.mode is Mode.GRADIENTS
         self._sync_codec = config.anchor_sync_spec.text
         # error feedback kept in the model (see OuterState.keep_unsent)
         self._keep_unsent = sparse and self.mode is Mode.DILOCO
@@ -226,9 +228,11 @@ class TrainingEngine(PersistentState):
 
     def begin_round(self) -> RoundPlan:
         """Fill the fp32 slots (of this round's fragment) with what this mode averages."""
+        outer = self._outers[self.fragment]
         with self.lock:
             self._load_slots()
-        outer = self._outers[self.fragment]
+            if self._stages_params:
+                outer.stage_params()
         return RoundPlan(
             outer.slots,
             max(self.samples_in_round, 1e-6),
@@ -267,6 +271,8 @@ class TrainingEngine(PersistentState):
                     if self._keep_unsent:  # none where own values applied: alone, not finite
                         outer.keep_unsent(outcome.unsent, float(outcome.averaged and scale > 0))
                 else:
+                    if outcome.synced:  # (only where members' parameters differed)
+                        outer.adopt_synced_params()
                     outer.apply_grads()
             self.round += 1
             self.steps_in_round = 0

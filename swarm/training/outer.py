@@ -154,6 +154,19 @@ class OuterState:
             a.copy_(t)
 
     @torch.no_grad()
+    def stage_params(self) -> None:
+        """Parameter anchors ← the model's parameters: in ``gradients`` mode, where they serve
+        nothing else, so that a round can sync them (see :meth:`adopt_synced_params`)."""
+        for a, p in zip(self.anchor, self.tensors.params, strict=True):
+            a.copy_(p)
+
+    @torch.no_grad()
+    def adopt_synced_params(self) -> None:
+        """Model's parameters ← their anchors, which a round synced (``gradients`` mode)."""
+        for p, a in zip(self.tensors.params, self.anchor, strict=True):
+            p.copy_(a)
+
+    @torch.no_grad()
     def load_pseudo_grads(self) -> None:
         """slots ← θ_anchor - θ for parameters and buffers alike (DiLoCo)."""
         self._difference(self.slots, self.anchor + self.buffer_anchor, self.tensors.all)
