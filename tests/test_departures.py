@@ -32,7 +32,7 @@ from swarm.averaging.groups.prober import (
     Prober,
 )
 from swarm.averaging.result import RefusalAction
-from swarm.errors import TransportError
+from swarm.errors import AveragingError, TransportError
 from swarm.identity import Identity
 from swarm.net.record import PeerRecord
 
@@ -372,6 +372,36 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
         server = [r for r in caplog.records if r.name == "swarm.net.server"]
         assert [r.getMessage() for r in server if r.levelno > logging.INFO] == []
         assert any("ended here" in r.getMessage() for r in server)
+    finally:
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+@pytest.mark.timeout(90)
+async def test_closing_an_averager_mid_round_fails_its_round() -> None:
+    """An averager closed while its own round runs (a direct user's; the Swarm facade cancels
+    its rounds first) calls the round off: its caller gets a failed result at once. Before, the
+    round went on into the worker pool that close had shut, and raised its RuntimeError."""
+    n, numel = 3, 8 << 20  # 8 chunks of 1 MiB per part: the staller stops after 4
+    peers = await start_peers([142, 143, 144])
+    config = fixed_group_config(n, "closed-mid-round", aggregator="mean", stall_timeout_min_s=30.0)
+    faults = [Fault.NONE, Fault.NONE, Fault.STALL_MID_STREAM]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    try:
+        tensors = [make_tensor(i + 1, numel) for i in range(n)]
+        rounds = [
+            asyncio.create_task(a.average([t])) for a, t in zip(averagers, tensors, strict=True)
+        ]
+        await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
+        await asyncio.wait_for(averagers[0].close(), 10)
+        result = await asyncio.wait_for(rounds[0], 1)
+        assert not result.averaged and result.reason == "the averager closed", result
+        with pytest.raises(AveragingError, match="closed"):
+            await averagers[0].average([tensors[0]])
+        for r in rounds[1:]:
+            r.cancel()
+        await asyncio.gather(*rounds[1:], return_exceptions=True)
     finally:
         for a in averagers:
             await a.close()

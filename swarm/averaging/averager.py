@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
@@ -130,6 +130,7 @@ class Averager:
             peer, config, self.prober, self.liveness, apart=self.butterfly.apart
         )
         self._closed = False
+        self._under_way = RoundUnderWay()
 
     # ---- public API
 
@@ -251,7 +252,8 @@ class Averager:
         digested = tensors if unless_equal else syncing
         sync_with = self._codec(sync_codec) if syncing else self.codec
         round_codec = self._codec(codec)
-        async with self._lock:
+
+        async def run() -> RoundResult:
             started = time.monotonic()
             loop = asyncio.get_running_loop()
             # the digest (a pass over the synced tensors, or over ``tensors`` unless equal) runs
@@ -341,6 +343,9 @@ class Averager:
                 allreduce_s=result.allreduce_s + synced.allreduce_s,
             )
 
+        async with self._lock:
+            return await self._under_way.run(run())
+
     def _codec(self, spec: str | None) -> Codec:
         """The codec of ``spec`` (None: the averager's), built once."""
         if spec is None or spec == self.codec.spec:
@@ -390,6 +395,7 @@ class Averager:
     async def close(self) -> None:
         """Stop serving, cancel background work and release the worker threads."""
         self._closed = True
+        await self._under_way.call_off()  # (its own cleanup, before the worker threads go)
         self.butterfly.close()
         self.planner.close()
         if self.prober is not None and self._own_prober:
@@ -402,6 +408,34 @@ class Averager:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+class RoundUnderWay:
+    """An averager's round as a task :meth:`Averager.close` calls off: its caller gets a failed
+    result (tensors untouched, or averaged if the call came as they were written)."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Future[RoundResult] | None = None
+        self._called_off = False
+
+    async def run(self, round_: Coroutine[Any, Any, RoundResult]) -> RoundResult:
+        task = self._task = asyncio.ensure_future(round_)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            ours = getattr(asyncio.current_task(), "cancelling", lambda: 0)() == 0
+            if self._called_off and task.cancelled() and ours:  # not our caller's cancel
+                return RoundResult(False, "the averager closed")
+            raise
+        finally:
+            self._task = None
+
+    async def call_off(self) -> None:
+        """Cancel the round under way (and any later one) and wait for its cleanup."""
+        self._called_off = True
+        if (task := self._task) is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
 
 
 def equal_values(group: GroupInfo, matchmaking_s: float) -> RoundResult:
