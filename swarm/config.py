@@ -249,8 +249,9 @@ class SwarmConfig:
             one group in this many whose members' parameters differ (one missed a round, or
             averaged in another group, and stepped with other gradients) also averages the
             parameters, so that they do not stay apart for good; the parameters of peers in
-            step are the same bits, so their groups send nothing more. ``local_sgd`` averages
-            the values themselves and needs none.
+            step are the same bits, so their groups send nothing more (each round costs a
+            digest of the parameters, a pass over them while the group forms). ``local_sgd``
+            averages the values themselves and needs none.
         anchor_sync_codec: the codec of that sync: a dense one (``none``, ``fp16``, ``bf16``,
             ``int8``), since top-K or 1-bit would ruin raw weights. None (the default) means
             ``codec`` when it is dense and ``int8`` when it is sparse; the value in use is

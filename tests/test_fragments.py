@@ -28,7 +28,7 @@ def model(seed: int = 0) -> torch.nn.Module:
     )
 
 
-def engine(fragments: int, overlap: bool, seed: int = 0, inner: int = 4) -> TrainingEngine:
+def engine(fragments: int, overlap: bool, seed: int = 0, inner: int | str = 4) -> TrainingEngine:
     m = model(seed)
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     config = SwarmConfig.build(
@@ -133,6 +133,24 @@ def test_blocking_rounds_take_turns_and_each_moves_its_own_fragment_only() -> No
     assert numel == [40, 41] and sum(numel) == e.tensors.numel
     # a fragment's pseudo-gradient spans its whole inner loop: 4 steps since its last round
     assert [p.weight for p in plans] == [32.0] * 4
+
+
+def test_rounds_on_the_wall_clock_take_the_fragment_of_their_instant() -> None:
+    """On the clock a round averages fragment (clock order mod F), whatever this peer's count:
+    peers whose counts differ by one (a round deferred across an instant) average the same
+    fragment, so they still group. By count, they would never group again."""
+    e = engine(fragments=2, overlap=False, inner="600s")  # instants 300 s apart
+    for lag in (1, 2, 3):
+        order = e.cadence.clock_order()
+        e.round = order + lag  # a count apart from the clock's, by one or more
+        backward(e, lag)
+        e.count(16)
+        plan = e.begin_round()
+        assert plan.order == order, "an instant passed (300 s apart): run again"
+        assert plan.fragment == e.fragments[order % 2].label, (lag, plan)
+        assert e.fragment == order % 2  # frozen till the round ends
+        e.finish_round(plan, RoundOutcome(True, 2, 0, 0))
+        assert e.fragment == order % 2  # the next round's, at the same instant
 
 
 def test_overlapped_rounds_of_fragments_land_on_the_fragment_they_started_with() -> None:

@@ -82,7 +82,8 @@ class TrainingEngine(PersistentState):
             keep_momentum=self.mode.has_outer_step and not self._keep_unsent,
             device=config.outer_device,
         )
-        # Streaming DiLoCo: round r averages fragment r mod F, each with its own outer state
+        # Streaming DiLoCo: round r averages fragment r mod F (on the clock: its clock order
+        # mod F), each with its own outer state
         self.fragments = split(self.tensors, config.fragments)
         self._outers = (
             [self.outer.view(f.pieces) for f in self.fragments]
@@ -93,6 +94,7 @@ class TrainingEngine(PersistentState):
         self.values = ValuesRounds(self.outer, model, config, differences=self._keep_unsent)
         self._flight: Flight | None = None  # the round running in the background (overlap)
         self._deferred = False  # a clock round fell due in flight: it starts when that lands
+        self._fragment: int | None = None  # of the round under way (see fragment)
         # what a round averages: written into the fp32 slots before it
         self._slots_loader = {
             Mode.DILOCO: OuterState.load_pseudo_grads,
@@ -216,8 +218,13 @@ class TrainingEngine(PersistentState):
 
     @property
     def fragment(self) -> int:
-        """The fragment the next round (or the round in flight) averages: round mod F."""
-        return self.round % len(self.fragments)
+        """The fragment of the round under way, or else of the next: its count mod F, or on the
+        wall clock its clock order mod F (frozen at its start), which peers whose counts differ
+        (a round deferred across an instant) share: by count they would never group again."""
+        if self._fragment is not None:
+            return self._fragment
+        clock = self.cadence.clock_order()
+        return (self.round if clock is None else clock) % len(self.fragments)
 
     def _load_slots(self) -> None:
         self._slots_loader(self._outers[self.fragment])
@@ -228,7 +235,9 @@ class TrainingEngine(PersistentState):
 
     def begin_round(self) -> RoundPlan:
         """Fill the fp32 slots (of this round's fragment) with what this mode averages."""
-        outer = self._outers[self.fragment]
+        clock = self.cadence.clock_order()
+        self._fragment = (self.round if clock is None else clock) % len(self.fragments)
+        outer = self._outers[self._fragment]
         with self.lock:
             self._load_slots()
             if self._stages_params:
@@ -240,7 +249,7 @@ class TrainingEngine(PersistentState):
             sync=outer.anchor + outer.buffer_anchor if self._sync_every else None,
             sync_every=self._sync_every,
             sync_codec=self._sync_codec,
-            order=self.round if (clock := self.cadence.clock_order()) is None else clock,
+            order=self.round if clock is None else clock,
             fragment=self.fragments[self.fragment].label,
             updates=not self.mode.averages_values,
             keep_unsent=self._keep_unsent,
@@ -275,6 +284,7 @@ class TrainingEngine(PersistentState):
                         outer.adopt_synced_params()
                     outer.apply_grads()
             self.round += 1
+            self._fragment = None
             self.steps_in_round = 0
             self.samples_in_round = 0.0
         return self._round_report(outcome, waited, outcome.round_s or waited, norm, scale)
@@ -355,7 +365,7 @@ class TrainingEngine(PersistentState):
                 kept = share if outcome.averaged and scale > 0 else 0.0
                 self._outers[flight.fragment].keep_unsent(outcome.unsent, kept)
             self.round += 1
-            self._flight = None
+            self._flight, self._fragment = None, None
             self._landed.notify_all()
         round_s = outcome.round_s or time.perf_counter() - flight.started
         return self._round_report(outcome, waited, round_s, norm, scale)

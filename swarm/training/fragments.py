@@ -1,7 +1,8 @@
 """Streaming DiLoCo's fragments: the averaged tensors cut into runs of about equal size.
 
 With ``fragments = F`` (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication")
-round ``r`` averages fragment ``r mod F`` only, and rounds come every ``inner_steps / F`` steps:
+round ``r`` averages fragment ``r mod F`` only (on the wall clock: the round after instant ``k``
+averages fragment ``k mod F``), and rounds come every ``inner_steps / F`` steps:
 each fragment still averages every ``inner_steps`` steps, with its own anchor, momentum and
 pseudo-gradient, while a round moves ``1 / F`` of the model's bytes.
 
