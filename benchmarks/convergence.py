@@ -27,7 +27,8 @@ Prints one JSON object per configuration (``mode``, ``codec``, ``peers``, ``seed
 ``bytes_ratio_vs_reference``, ``final_average_bytes_per_peer`` and
 ``bytes_ratio_training_rounds`` (without the final average), ``last_point_loss`` and
 ``last_point_before_final_average`` (the peers' own models just before it), ``diverged``,
-``averaged_share``, ``step_overhead``, ``peer_spread_per_seed`` and a few more)
+``averaged_share``, ``synced_share``, ``step_overhead``, ``peer_spread_per_seed`` and a few
+more)
 and draws loss vs samples and vs bytes (means over seeds) into PNGs when matplotlib is
 installed. ``step_overhead`` is the extra time of ``swarm.step()`` over ``optimizer.step()`` on
 steps that do not average. ``peer_spread_per_seed`` is, per seed, the largest difference between
@@ -94,6 +95,7 @@ class Recorder:
         self.before_final = [math.nan] * n  # each peer's own model's loss before it
         self.rounds = [0] * n
         self.averaged = [0] * n
+        self.synced = [0] * n  # rounds that also synced anchors (or, gradients: parameters)
         self.lock = threading.Lock()
 
     def count(self, rank: int, report) -> None:
@@ -101,6 +103,7 @@ class Recorder:
         if report.round_due:
             self.rounds[rank] += 1
             self.averaged[rank] += report.averaged
+            self.synced[rank] += report.synced
 
     def evaluate(self, rank: int, step: int, model: nn.Module, test) -> None:
         loss = evaluate(model, test)
@@ -122,6 +125,7 @@ class Recorder:
             "bytes": statistics.mean(self.bytes),
             "final_bytes": statistics.mean(self.final_bytes),
             "averaged_share": sum(self.averaged) / max(sum(self.rounds), 1),
+            "synced_share": sum(self.synced) / max(sum(self.rounds), 1),
             "peer_spread": max(
                 (max(v) - min(v) for v in self.losses.values() if all(map(math.isfinite, v))),
                 default=math.nan,
@@ -312,6 +316,9 @@ def summary(name: str, runs: list[dict], reference: dict, args, overhead: float)
         # chance is ln(classes): a final loss above it, or not finite, is a divergence
         "diverged": any(not f < math.log(CLASSES) for f in finals),
         "averaged_share": round(statistics.mean(r["averaged_share"] for r in runs), 3),
+        # the reference's rounds sync parameters only where its peers' differ (a round missed):
+        # its bytes, and every ratio to them, then include about one vector per synced round
+        "synced_share": round(statistics.mean(r["synced_share"] for r in runs), 4),
         "peer_spread_per_seed": [round(r["peer_spread"], 4) for r in runs],
         "step_overhead": round(overhead, 4),
         "backend": args.backend,

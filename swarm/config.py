@@ -41,6 +41,10 @@ DENSE_ANCHOR_SYNC_EVERY = 4  # anchor_sync_every's default with a dense codec (+
 # README's "Slow poison" has the measured runs)
 SCORED_ANCHOR_SYNC_EVERY = 2
 SPARSE_ANCHOR_SYNC_EVERY = 8  # ... and with a sparse one (see the README's fidelity notes)
+# ... and in gradients mode, where a sync moves parameters that differ: after a step taken alone
+# an Adam state stays apart for thousands of steps, and its parameters differ again after each
+# sync by the step sizes' differences (2 peers: 8e-5 after 4 steps), not by a whole step
+GRADIENTS_SYNC_EVERY = 16
 SPARSE_ANCHOR_SYNC_CODEC = "int8"  # anchor_sync_codec's default with a sparse codec
 # The outer step's defaults: DiLoCo's Nesterov step, with every codec (the README's fidelity
 # notes have the measured difference with SparseLoCo's plain step under the sparse codecs)
@@ -250,8 +254,10 @@ class SwarmConfig:
             averaged in another group, and stepped with other gradients) also averages the
             parameters, so that they do not stay apart for good; the parameters of peers in
             step are the same bits, so their groups send nothing more (each round costs a
-            digest of the parameters, a pass over them while the group forms). ``local_sgd``
-            averages the values themselves and needs none.
+            digest of the parameters, a pass over them while the group forms). Its default
+            there is :data:`GRADIENTS_SYNC_EVERY`: after a step taken alone, optimizer states
+            such as Adam's stay apart for thousands of steps, and so do the parameters again
+            after each sync, by a little. ``local_sgd`` averages the values and needs none.
         anchor_sync_codec: the codec of that sync: a dense one (``none``, ``fp16``, ``bf16``,
             ``int8``), since top-K or 1-bit would ruin raw weights. None (the default) means
             ``codec`` when it is dense and ``int8`` when it is sparse; the value in use is
@@ -393,6 +399,8 @@ class SwarmConfig:
         """``anchor_sync_every`` in use: about one group in this many syncs (0: never)."""
         if self.anchor_sync_every is not None:
             return self.anchor_sync_every
+        if Mode(self.mode).averages_gradients:
+            return GRADIENTS_SYNC_EVERY
         if self.averaging.codec_spec.sparse:
             return SPARSE_ANCHOR_SYNC_EVERY
         return SCORED_ANCHOR_SYNC_EVERY if self.averaging.score_updates else DENSE_ANCHOR_SYNC_EVERY

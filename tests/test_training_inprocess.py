@@ -187,6 +187,7 @@ async def test_gradients_mode_syncs_parameters_only_while_they_differ() -> None:
             # the parameters and floating buffers are about as large as the gradients
             assert sent[0] > 1.8 * max(sent[1:]), sent
             assert max(sent[1:]) < 1.1 * min(sent[1:]), sent
+            assert [r.synced for r in ra] == [True, False, False, False], ra
         finally:
             await b.close()
     finally:

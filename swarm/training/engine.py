@@ -416,6 +416,7 @@ class TrainingEngine(PersistentState):
             divergence=divergence,
             pseudo_grad_norm=norm,
             inner_steps=self.cadence.inner_steps,
+            synced=outcome.synced,
         )
 
     def local_report(self) -> StepReport:

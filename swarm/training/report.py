@@ -47,6 +47,9 @@ class StepReport:
     diverging: bool = False  # a sharp loss rise or pseudo-gradient norm jump (see divergence)
     divergence: str = ""  # what was seen ("" when not diverging)
     pseudo_grad_norm: float | None = None  # ‖Δ‖ averaged this round (diloco), before any bound
+    # the group also synced its members' anchors (diloco) or their parameters, which differed
+    # (gradients): the round sent about one more vector (see anchor_sync_every)
+    synced: bool = False
 
     @classmethod
     def local(
