@@ -188,6 +188,7 @@ async def test_gradients_mode_syncs_parameters_only_while_they_differ() -> None:
             assert sent[0] > 1.8 * max(sent[1:]), sent
             assert max(sent[1:]) < 1.1 * min(sent[1:]), sent
             assert [r.synced for r in ra] == [True, False, False, False], ra
+            assert "(synced)" in ra[0].line() and "(synced)" not in ra[1].line()
         finally:
             await b.close()
     finally:

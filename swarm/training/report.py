@@ -90,6 +90,7 @@ class StepReport:
             text += f" loss {loss:.4f}"
         if self.averaged:
             text += f" averaged with {self.group_size - 1} peers, sent {_size(self.bytes_sent)}"
+            text += " (synced)" if self.synced else ""
         elif self.round_due:
             text += f" not averaged ({self.reason})"
         if self.diverging:
