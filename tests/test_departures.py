@@ -8,6 +8,7 @@ which is what a SIGKILLed process leaves behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import random
@@ -335,6 +336,32 @@ async def test_a_sender_that_dies_mid_stream_is_dropped_not_refused(caplog) -> N
         await asyncio.gather(*(p.close() for p in peers[:2]))
 
 
+@contextlib.asynccontextmanager
+async def stalling_round(
+    hosts: list[int], key: str
+) -> AsyncIterator[tuple[list[Averager], list[torch.Tensor], list[asyncio.Task]]]:
+    """A round of three peers whose third stops halfway through every part stream (8 chunks of
+    1 MiB per part: it stops after 4) and stays connected: yields the averagers, tensors and
+    round tasks once it stopped; cancels the rounds and closes everything after."""
+    n, numel = 3, 8 << 20
+    peers = await start_peers(hosts)
+    config = fixed_group_config(n, key, aggregator="mean", stall_timeout_min_s=30.0)
+    faults = [Fault.NONE, Fault.NONE, Fault.STALL_MID_STREAM]
+    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
+    tensors = [make_tensor(i + 1, numel) for i in range(n)]
+    rounds = [asyncio.create_task(a.average([t])) for a, t in zip(averagers, tensors, strict=True)]
+    try:
+        await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
+        yield averagers, tensors, rounds
+    finally:
+        for r in rounds:
+            r.cancel()
+        await asyncio.gather(*rounds, return_exceptions=True)
+        for a in averagers:
+            await a.close()
+        await asyncio.gather(*(p.close() for p in peers))
+
+
 @pytest.mark.timeout(90)
 async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
     """A round cancelled mid-stream (its peer closes, its caller gives up) cancels its senders
@@ -343,19 +370,7 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
     closed" when collected. The streams its part still read end with it (410, at DEBUG): they
     went on into a worker pool that the averager's close then shut, each logged as a handler
     failure at WARNING."""
-    n, numel = 3, 8 << 20  # 8 chunks of 1 MiB per part: the staller stops after 4
-    peers = await start_peers([137, 138, 139])
-    config = fixed_group_config(
-        n, "cancelled-mid-stream", aggregator="mean", stall_timeout_min_s=30.0
-    )
-    faults = [Fault.NONE, Fault.NONE, Fault.STALL_MID_STREAM]
-    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
-    try:
-        tensors = [make_tensor(i + 1, numel) for i in range(n)]
-        rounds = [
-            asyncio.create_task(a.average([t])) for a, t in zip(averagers, tensors, strict=True)
-        ]
-        await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
+    async with stalling_round([137, 138, 139], "cancelled-mid-stream") as (averagers, _, rounds):
         for r in rounds:
             r.cancel()
         caplog.set_level(logging.DEBUG, logger="swarm.net.server")
@@ -372,10 +387,6 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
         server = [r for r in caplog.records if r.name == "swarm.net.server"]
         assert [r.getMessage() for r in server if r.levelno > logging.INFO] == []
         assert any("ended here" in r.getMessage() for r in server)
-    finally:
-        for a in averagers:
-            await a.close()
-        await asyncio.gather(*(p.close() for p in peers))
 
 
 @pytest.mark.timeout(90)
@@ -383,29 +394,12 @@ async def test_closing_an_averager_mid_round_fails_its_round() -> None:
     """An averager closed while its own round runs (a direct user's; the Swarm facade cancels
     its rounds first) calls the round off: its caller gets a failed result at once. Before, the
     round went on into the worker pool that close had shut, and raised its RuntimeError."""
-    n, numel = 3, 8 << 20  # 8 chunks of 1 MiB per part: the staller stops after 4
-    peers = await start_peers([142, 143, 144])
-    config = fixed_group_config(n, "closed-mid-round", aggregator="mean", stall_timeout_min_s=30.0)
-    faults = [Fault.NONE, Fault.NONE, Fault.STALL_MID_STREAM]
-    averagers = [Averager(p, config, fault=f) for p, f in zip(peers, faults, strict=True)]
-    try:
-        tensors = [make_tensor(i + 1, numel) for i in range(n)]
-        rounds = [
-            asyncio.create_task(a.average([t])) for a, t in zip(averagers, tensors, strict=True)
-        ]
-        await asyncio.wait_for(averagers[2].faults.triggered.wait(), 30)
+    async with stalling_round([142, 143, 144], "closed-mid-round") as (averagers, tensors, rounds):
         await asyncio.wait_for(averagers[0].close(), 10)
         result = await asyncio.wait_for(rounds[0], 1)
         assert not result.averaged and result.reason == "the averager closed", result
         with pytest.raises(AveragingError, match="closed"):
             await averagers[0].average([tensors[0]])
-        for r in rounds[1:]:
-            r.cancel()
-        await asyncio.gather(*rounds[1:], return_exceptions=True)
-    finally:
-        for a in averagers:
-            await a.close()
-        await asyncio.gather(*(p.close() for p in peers))
 
 
 async def test_a_stream_that_reaches_a_closed_averager_is_answered_gone_quietly(caplog) -> None:
