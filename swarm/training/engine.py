@@ -68,8 +68,7 @@ class TrainingEngine(PersistentState):
         self.mode = Mode(config.mode)
         sparse = config.averaging.codec_spec.sparse
         self.tensors = ModelTensors.of(model, with_buffers=not sparse)
-        # anchors sync in a dense codec (top-K or 1-bit would ruin raw weights); in gradients
-        # mode the parameters themselves, which part for good where a peer misses a round
+        # anchors (gradients: the parameters) sync in a dense codec (see anchor_sync_every)
         self._sync_every = config.anchor_sync_period if self.mode is not Mode.LOCAL_SGD else 0
         self._stages_params = bool(self._sync_every) and self.mode is Mode.GRADIENTS
         self._sync_codec = config.anchor_sync_spec.text
@@ -82,8 +81,7 @@ class TrainingEngine(PersistentState):
             keep_momentum=self.mode.has_outer_step and not self._keep_unsent,
             device=config.outer_device,
         )
-        # Streaming DiLoCo: round r averages fragment r mod F (on the clock: its clock order
-        # mod F), each with its own outer state
+        # Streaming DiLoCo: F fragments taking turns (see fragment), each with its outer state
         self.fragments = split(self.tensors, config.fragments)
         self._outers = (
             [self.outer.view(f.pieces) for f in self.fragments]
@@ -218,9 +216,8 @@ class TrainingEngine(PersistentState):
 
     @property
     def fragment(self) -> int:
-        """The fragment of the round under way, or else of the next: its count mod F, or on the
-        wall clock its clock order mod F (frozen at its start), which peers whose counts differ
-        (a round deferred across an instant) share: by count they would never group again."""
+        """The fragment of the round under way (frozen at its start), or else the next one's: its
+        count mod F, or on the clock its order mod F, which peers whose counts differ share."""
         if self._fragment is not None:
             return self._fragment
         clock = self.cadence.clock_order()
