@@ -392,12 +392,15 @@ async def test_a_cancelled_round_stops_its_streams_with_it(caplog) -> None:
 @pytest.mark.timeout(90)
 async def test_closing_an_averager_mid_round_fails_its_round() -> None:
     """An averager closed while its own round runs (a direct user's; the Swarm facade cancels
-    its rounds first) calls the round off: its caller gets a failed result at once. Before, the
-    round went on into the worker pool that close had shut, and raised its RuntimeError."""
+    its rounds first) calls the round off: its caller gets a failed result at once, as does a
+    round that waited for it. Before, the round went on into the worker pool that close had
+    shut, and raised its RuntimeError."""
     async with stalling_round([142, 143, 144], "closed-mid-round") as (averagers, tensors, rounds):
+        queued = asyncio.create_task(averagers[0].average([tensors[0]]))  # waits for the lock
+        await asyncio.sleep(0.1)
         await asyncio.wait_for(averagers[0].close(), 10)
-        result = await asyncio.wait_for(rounds[0], 1)
-        assert not result.averaged and result.reason == "the averager closed", result
+        for result in await asyncio.wait_for(asyncio.gather(rounds[0], queued), 1):
+            assert not result.averaged and result.reason == "the averager closed", result
         with pytest.raises(AveragingError, match="closed"):
             await averagers[0].average([tensors[0]])
 

@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from swarm.averaging.groups.planner import GroupPlanner, RoundKey
 from swarm.averaging.groups.prober import Prober
 from swarm.averaging.groups.rates import PeerRates
 from swarm.averaging.result import RoundResult
+from swarm.averaging.under_way import RoundUnderWay
 from swarm.compression import Codec, get_codec
 from swarm.config import ROUND_CLEANUP_S, AveragingConfig
 from swarm.errors import AveragingError, ConfigError
@@ -408,34 +409,6 @@ class Averager:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-class RoundUnderWay:
-    """An averager's round as a task :meth:`Averager.close` calls off: its caller gets a failed
-    result (tensors untouched, or averaged if the call came as they were written)."""
-
-    def __init__(self) -> None:
-        self._task: asyncio.Future[RoundResult] | None = None
-        self._called_off = False
-
-    async def run(self, round_: Coroutine[Any, Any, RoundResult]) -> RoundResult:
-        task = self._task = asyncio.ensure_future(round_)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            ours = getattr(asyncio.current_task(), "cancelling", lambda: 0)() == 0
-            if self._called_off and task.cancelled() and ours:  # not our caller's cancel
-                return RoundResult(False, "the averager closed")
-            raise
-        finally:
-            self._task = None
-
-    async def call_off(self) -> None:
-        """Cancel the round under way (and any later one) and wait for its cleanup."""
-        self._called_off = True
-        if (task := self._task) is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task])
 
 
 def equal_values(group: GroupInfo, matchmaking_s: float) -> RoundResult:

@@ -220,8 +220,7 @@ class TrainingEngine(PersistentState):
         count mod F, or on the clock its order mod F, which peers whose counts differ share."""
         if self._fragment is not None:
             return self._fragment
-        clock = self.cadence.clock_order()
-        return (self.round if clock is None else clock) % len(self.fragments)
+        return turn(self.round, self.cadence.clock_order(), len(self.fragments))
 
     def _load_slots(self) -> None:
         self._slots_loader(self._outers[self.fragment])
@@ -233,7 +232,7 @@ class TrainingEngine(PersistentState):
     def begin_round(self) -> RoundPlan:
         """Fill the fp32 slots (of this round's fragment) with what this mode averages."""
         clock = self.cadence.clock_order()
-        self._fragment = (self.round if clock is None else clock) % len(self.fragments)
+        self._fragment = turn(self.round, clock, len(self.fragments))  # the order's instant
         outer = self._outers[self._fragment]
         with self.lock:
             self._load_slots()
@@ -425,3 +424,8 @@ class TrainingEngine(PersistentState):
             loss=self.last_loss,
             inner_steps=self.cadence.inner_steps,
         )
+
+
+def turn(count: int, clock: int | None, fragments: int) -> int:
+    """A round's fragment: its count mod F, or on the wall clock its clock order mod F."""
+    return (count if clock is None else clock) % fragments
