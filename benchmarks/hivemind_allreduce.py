@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 from allreduce import _kill_all, _rounds_in_step, parse_numel, peer_vector
 
@@ -81,8 +82,8 @@ def peer_main(args: argparse.Namespace) -> None:
             print(json.dumps({"ready": rnd}), flush=True)
             sys.stdin.readline()
             started = time.perf_counter()
-            control.allow_allreduce()
-            try:
+            try:  # a step that failed while it looked for its group is done already
+                control.allow_allreduce()
                 averaged = control.result() is not None
             except Exception as e:  # a round that failed counts as such, like swarm's
                 print(json.dumps({"error": repr(e)}), file=sys.stderr, flush=True)
@@ -112,23 +113,16 @@ def run_config(n: int, numel: int, codec: str, rounds: int) -> dict:
         outputs = _rounds_in_step(procs, rounds)
     finally:
         _kill_all(procs)
-    per_peer = [
-        [
-            r
-            for line in out.splitlines()
-            if line.startswith("{") and '"round"' in line
-            if (r := json.loads(line))["round"] > 0
-        ]
-        for out in outputs
+    rows = [
+        [json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outputs
     ]
+    per_peer = [[r for r in peer if r.get("round", 0) > 0] for peer in rows]
     ok = [i for i in range(rounds) if all(rows[i]["averaged"] for rows in per_peer)]
     if not ok:
         raise RuntimeError(f"no round averaged at {n}:{numel}:{codec}")
     slowest = [max(rows[i]["allreduce_s"] for rows in per_peer) for i in ok]
-    import hivemind
-
     return {
-        "impl": f"hivemind {hivemind.__version__}",
+        "impl": f"hivemind {version('hivemind')}",
         "n": n,
         "numel": numel,
         "codec": codec,
@@ -139,9 +133,23 @@ def run_config(n: int, numel: int, codec: str, rounds: int) -> dict:
     }
 
 
+def config(text: str) -> tuple[int, int, str]:
+    """``N:NUMEL:CODEC`` (e.g. ``4:25M:int8``), checked before any configuration runs."""
+    try:
+        n, numel, codec = text.split(":")
+        peers, values = int(n), parse_numel(numel)
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected N:NUMEL:CODEC, got {text!r}") from None
+    if peers < 2 or values < 1 or codec not in COMPRESSIONS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: N >= 2, NUMEL >= 1 and CODEC one of {COMPRESSIONS}"
+        )
+    return peers, values, codec
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=["4:25M:none", "4:25M:int8"])
+    p.add_argument("--configs", type=config, nargs="+", default=["4:25M:none", "4:25M:int8"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=4, help=argparse.SUPPRESS)
@@ -154,14 +162,11 @@ def main() -> None:
         peer_main(args)
         return
     try:
-        import hivemind  # noqa: F401
-    except ImportError:
+        version("hivemind")
+    except PackageNotFoundError:
         sys.exit("hivemind is not installed here; see this script's docstring")
-    for config in args.configs:
-        n, numel, codec = config.split(":")
-        if codec not in COMPRESSIONS:
-            sys.exit(f"codec must be one of {COMPRESSIONS}, got {codec!r}")
-        print(json.dumps(run_config(int(n), parse_numel(numel), codec, args.rounds)), flush=True)
+    for n, numel, codec in args.configs:
+        print(json.dumps(run_config(n, numel, codec, args.rounds)), flush=True)
 
 
 if __name__ == "__main__":
