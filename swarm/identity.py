@@ -33,6 +33,10 @@ _AGREEMENT_CONTEXT = b"swarm/x25519-binding/v1"
 _VERIFIED_CACHE = 8192  # digests of signatures that verified lately (32 B each)
 _VERIFIED: dict[bytes, None] = {}
 _VERIFIED_LOCK = threading.Lock()
+# X25519 secrets with the agreement keys of peers met lately: every stream derives its key from
+# one (two exchanges per stream, 31 us each here, a third of a stream's crypto beside its
+# signature); a flood of fresh keys only evicts entries
+_AGREED_CACHE = 4096
 
 
 @dataclass(frozen=True, order=True)
@@ -116,6 +120,8 @@ class Identity:
         self.agreement_signature: bytes = self.sign(
             agreement_binding_message(self.public_key, self.agreement_key)
         )
+        self._agreed: dict[bytes, bytes] = {}
+        self._agreed_lock = threading.Lock()  # worker threads derive keys too
 
     @classmethod
     def generate(cls) -> Identity:
@@ -181,14 +187,30 @@ class Identity:
         return self._private_key.sign(message)
 
     def agree(self, peer_agreement_key: bytes) -> bytes:
-        """X25519 shared secret with a peer's agreement key (raw 32 bytes)."""
+        """X25519 shared secret with a peer's agreement key (raw 32 bytes), remembered for the
+        peers met lately.
+
+        Raises:
+            IdentityError: not a valid X25519 key (not bytes, a wrong length, a low-order
+                point); such a key is checked again each time.
+        """
         from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
+        if not isinstance(peer_agreement_key, bytes):
+            raise IdentityError("an X25519 key from a peer must be bytes")
+        key = peer_agreement_key
+        shared = self._agreed.get(key)
+        if shared is not None:
+            return shared
         try:
-            peer = X25519PublicKey.from_public_bytes(peer_agreement_key)
-            return self._agreement_private.exchange(peer)
+            shared = self._agreement_private.exchange(X25519PublicKey.from_public_bytes(key))
         except ValueError as e:
             raise IdentityError("invalid X25519 key from peer") from e
+        with self._agreed_lock:
+            if len(self._agreed) >= _AGREED_CACHE:
+                del self._agreed[next(iter(self._agreed))]  # the oldest
+            self._agreed[key] = shared
+        return shared
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id.short})"

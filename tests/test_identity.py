@@ -97,3 +97,19 @@ def test_remembered_signatures_are_bounded(monkeypatch):
         assert verify_signature(a.public_key, sig, m)
     assert len(identity._VERIFIED) == 4
     assert all(verify_signature(a.public_key, sig, m) for sig, m in signed)  # checked again
+
+
+def test_remembered_agreements_are_bounded_and_never_remember_a_bad_key(monkeypatch):
+    """Secrets with peers met lately are remembered (a stream derives its key from one), each
+    the exchange's own; a bad key is refused every time, and a flood of keys only evicts."""
+    monkeypatch.setattr(identity, "_AGREED_CACHE", 3)
+    me, peers = Identity.generate(), [Identity.generate() for _ in range(5)]
+    for _ in range(2):  # the second pass answers from what the first remembered
+        for p in peers:
+            assert me.agree(p.agreement_key) == p.agree(me.agreement_key)
+    assert len(me._agreed) == 3
+    for bad in (bytes(32), b"short", bytearray(peers[0].agreement_key), 7):
+        for _ in range(2):
+            with pytest.raises(IdentityError):
+                me.agree(bad)  # type: ignore[arg-type]
+    assert len(me._agreed) == 3 and bytes(32) not in me._agreed

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.compression.base import Codec, Sections, check_finite, section_as
+from swarm.compression.base import Codec, Sections, check_finite, finite_total, section_as
 from swarm.compression.header import Header, expect_lengths
 from swarm.errors import CompressionError
 
@@ -38,23 +38,19 @@ class CastCodec(Codec):
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Header, Sections]:
         wire = self._wire(flat.dtype)
         section = flat
-        if flat.numel():
+        if flat.numel() and wire == flat.dtype:
+            check_finite(flat, finite_total(flat))
+        elif flat.numel():
             low, high = torch.aminmax(flat)
             check_finite(flat, low, high)
-            if wire != flat.dtype:
-                section = self._scratch("cast", flat.numel(), wire, flat.device)
-                limit = torch.finfo(wire).max
-                if float(high) > limit or float(low) < -limit:
-                    # Saturate instead of turning large finite values into inf.
-                    torch.clamp(
-                        flat,
-                        -limit,
-                        limit,
-                        out=self._scratch("clamp", flat.numel(), flat.dtype, flat.device),
-                    )
-                    section.copy_(self._scratch("clamp", flat.numel(), flat.dtype, flat.device))
-                else:
-                    section.copy_(flat)
+            section = self._scratch("cast", flat.numel(), wire, flat.device)
+            limit = torch.finfo(wire).max
+            if float(high) > limit or float(low) < -limit:
+                # Saturate instead of turning large finite values into inf.
+                clamped = self._scratch("clamp", flat.numel(), flat.dtype, flat.device)
+                section.copy_(torch.clamp(flat, -limit, limit, out=clamped))
+            else:
+                section.copy_(flat)
         elif wire != flat.dtype:
             section = flat.to(wire)
         header = Header(
@@ -72,10 +68,9 @@ class CastCodec(Codec):
         self, header: Header, sections: Sections, out: torch.Tensor, accumulate: bool, weight: float
     ) -> None:
         values = section_as(sections[0], self._wire(header.dtype))
-        if values.numel():
-            low, high = torch.aminmax(values)
-            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
-                raise CompressionError(f"{self.name} payload holds non-finite values")
+        total = finite_total(values)
+        if not bool(torch.isfinite(total)) and not bool(torch.isfinite(values).all()):
+            raise CompressionError(f"{self.name} payload holds non-finite values")
         if accumulate:
             out.add_(values, alpha=weight)
         else:
