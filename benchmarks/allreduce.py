@@ -5,7 +5,8 @@ Prints one JSON object per line and configuration::
     {"n": peers, "numel": elements, "codec": ..., "setting": "loopback",
      "matchmaking_s": ..., "allreduce_s": ..., "bytes_sent_per_peer": ...,
      "rss_before_mb": ..., "peak_rss_mb": ..., "round_growth_vectors": ...,
-     "kept_vectors": ..., "transient_vectors": ...,
+     "kept_vectors": ..., "transient_vectors": ..., "cpu_s_per_round": ...,
+     "loop_cpu_s_per_round": ..., "worker_cpu_s_per_round": ...,
      "efficiency": null, "rounds": ...}
 
 Every peer is its own process (this script with ``--peer``) bound to its own 127.0.0.x address,
@@ -26,7 +27,9 @@ optimizer's, and the freed pages glibc keeps) and ``transient_vectors`` the grow
 first timed round over the live memory just before it (``VmHWM`` after ``clear_refs``, the
 free heap pages given back first: the median round time then comes from the others);
 ``round_s`` the median of the slowest peer's matchmaking + all-reduce; ``cpu_s_per_round`` the CPU
-seconds of all peer processes together per timed round. Rounds
+seconds of all peer processes together per timed round, and on Linux ``loop_cpu_s_per_round``
+and ``worker_cpu_s_per_round`` its parts on the peers' event loops and in their other threads
+(:mod:`thread_cpu`; ``raw`` peers report none). Rounds
 in which some peer did not average (matchmaking split the peers) are left out and counted in
 ``failed_rounds``.
 
@@ -68,6 +71,7 @@ from pathlib import Path
 
 from netns import rate_limited_namespaces, tbf_available
 from rss import RoundMemory, peak_rss_mb
+from thread_cpu import LoopAndWorkers
 
 ROOT = Path(__file__).resolve().parent.parent
 CODECS = {"none": "none", "fp16": "fp16", "int8": "int8", "topk": "topk:0.01", "1bit": "1bit"}
@@ -83,15 +87,22 @@ def parse_numel(text: str) -> int:
 
 
 def print_usage(
-    cpu_start: float, rounds: int, rss_before_mb: float, memory: RoundMemory | None = None
+    cpu_start: float,
+    rounds: int,
+    rss_before_mb: float,
+    memory: RoundMemory | None = None,
+    threads: LoopAndWorkers | None = None,
 ) -> None:
     """This peer process's last line: its resident set before the first round (the peak so far,
     its vector included), its peak, CPU seconds per timed round and, where /proc tells, what
-    it keeps between rounds and the largest growth within a timed round."""
+    it keeps between rounds, the largest growth within a timed round and its CPU seconds on the
+    event loop and in the other threads."""
     cpu = (time.process_time() - cpu_start) / max(rounds, 1)
     usage = {"rss_before_mb": rss_before_mb, "peak_rss_mb": peak_rss_mb(), "cpu_s_per_round": cpu}
     if memory is not None:
         usage.update(memory.usage())
+    if threads is not None:
+        usage.update(threads.usage(rounds))
     print(json.dumps(usage), flush=True)
 
 
@@ -210,11 +221,12 @@ async def peer_main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         tensor = peer_vector(args.numel, args.seed)
         rss_before = peak_rss_mb()
-        memory = RoundMemory()
+        memory, threads = RoundMemory(), LoopAndWorkers()
         cpu_start = 0.0
         for rnd in range(args.rounds + 1):
             if rnd == 1:  # after the warm-up round
                 cpu_start = time.process_time()
+                threads.start()
             print(json.dumps({"ready": rnd}), flush=True)
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
             if rnd == 1:  # one timed round only: the heap trim before it costs page faults
@@ -234,7 +246,7 @@ async def peer_main(args: argparse.Namespace) -> None:
                 "bytes_sent": result.bytes_sent,
             }
             print(json.dumps(row), flush=True)
-        print_usage(cpu_start, args.rounds, rss_before, memory)
+        print_usage(cpu_start, args.rounds, rss_before, memory, threads)
         await asyncio.sleep(0.5)  # let the others read their last replies
     finally:
         if scraper is not None:
@@ -431,6 +443,8 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
     kept = [r["kept_mb"] for r in usage if r.get("kept_mb") is not None]
     transient = [r["transient_mb"] for r in usage if r.get("transient_mb") is not None]
     cpu = sum(r["cpu_s_per_round"] for peer_rows in rows for r in peer_rows if "peak_rss_mb" in r)
+    loop = [r.get("loop_cpu_s_per_round") for r in usage]
+    workers = [r.get("worker_cpu_s_per_round") for r in usage]
     return {
         "n": n,
         "numel": numel,
@@ -449,6 +463,9 @@ def _summary(n: int, numel: int, codec: str, setting: str, rounds: int, outputs:
         "kept_vectors": round(max(kept) / vector_mib, 2) if kept else None,
         "transient_vectors": round(max(transient) / vector_mib, 2) if transient else None,
         "cpu_s_per_round": round(cpu, 4),  # all peer processes together, timed rounds only
+        # of it, on the peers' event loops and in their other threads (Linux only)
+        "loop_cpu_s_per_round": round(sum(loop), 4) if None not in loop else None,
+        "worker_cpu_s_per_round": round(sum(workers), 4) if None not in workers else None,
         "efficiency": (
             round(sent * 8 / TBF_RATE_BITS / statistics.median(slowest), 3)
             if setting == "tbf100"
