@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from swarm.errors import IdentityError
+from swarm.lru import LRU
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -35,7 +36,7 @@ _VERIFIED: dict[bytes, None] = {}
 _VERIFIED_LOCK = threading.Lock()
 # X25519 secrets with the agreement keys of peers met lately: every stream derives its key from
 # one (two exchanges per stream, 31 us each here, a third of a stream's crypto beside its
-# signature); a flood of fresh keys only evicts entries
+# signature)
 _AGREED_CACHE = 4096
 
 
@@ -120,8 +121,7 @@ class Identity:
         self.agreement_signature: bytes = self.sign(
             agreement_binding_message(self.public_key, self.agreement_key)
         )
-        self._agreed: dict[bytes, bytes] = {}
-        self._agreed_lock = threading.Lock()  # worker threads derive keys too
+        self._agreed: LRU[bytes, bytes] = LRU(_AGREED_CACHE)
 
     @classmethod
     def generate(cls) -> Identity:
@@ -198,18 +198,14 @@ class Identity:
 
         if not isinstance(peer_agreement_key, bytes):
             raise IdentityError("an X25519 key from a peer must be bytes")
-        key = peer_agreement_key
-        shared = self._agreed.get(key)
-        if shared is not None:
-            return shared
-        try:
-            shared = self._agreement_private.exchange(X25519PublicKey.from_public_bytes(key))
-        except ValueError as e:
-            raise IdentityError("invalid X25519 key from peer") from e
-        with self._agreed_lock:
-            if len(self._agreed) >= _AGREED_CACHE:
-                del self._agreed[next(iter(self._agreed))]  # the oldest
-            self._agreed[key] = shared
+        shared = self._agreed.get(peer_agreement_key)
+        if shared is None:
+            try:
+                peer = X25519PublicKey.from_public_bytes(peer_agreement_key)
+                shared = self._agreement_private.exchange(peer)
+            except ValueError as e:
+                raise IdentityError("invalid X25519 key from peer") from e
+            self._agreed.put(peer_agreement_key, shared)
         return shared
 
     def __repr__(self) -> str:

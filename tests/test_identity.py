@@ -7,6 +7,7 @@ import pytest
 from swarm import identity
 from swarm.errors import IdentityError
 from swarm.identity import Identity, PeerID, verify_signature
+from swarm.lru import LRU
 
 
 def test_key_file_created_private_and_reused(tmp_path):
@@ -113,3 +114,13 @@ def test_remembered_agreements_are_bounded_and_never_remember_a_bad_key(monkeypa
             with pytest.raises(IdentityError):
                 me.agree(bad)  # type: ignore[arg-type]
     assert len(me._agreed) == 3 and bytes(32) not in me._agreed
+
+
+def test_a_bounded_cache_forgets_the_least_recently_used_entry():
+    cache: LRU[str, int] = LRU(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # a hit: "b" is now the oldest
+    cache.put("c", 3)
+    assert "a" in cache and "c" in cache and "b" not in cache and len(cache) == 2
+    assert cache.get("b") is None

@@ -40,7 +40,6 @@ import hashlib
 import hmac
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,7 @@ from swarm.identity import (
     agreement_binding_message,
     verify_signature,
 )
+from swarm.lru import LRU
 
 VERSION = 1
 REQUEST, RESPONSE = 0, 1
@@ -99,18 +99,6 @@ class Datagram:
     body: Any  # the decoded msgpack payload
 
 
-class _LRU(OrderedDict[Any, Any]):
-    def __init__(self, size: int):
-        super().__init__()
-        self.size = size
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.size:
-            self.popitem(last=False)
-
-
 class DatagramAuth:
     """Seals outgoing datagrams and opens incoming ones for one node.
 
@@ -125,8 +113,12 @@ class DatagramAuth:
         self.membership = membership
         self._replay = ReplayGuard(replay_window_s)
         self._swarm_aead = _swarm_aead(membership)
-        self._bindings = _LRU(_CACHE_SIZE)  # (public, agreement, signature) -> True
-        self._pair_keys = _LRU(_CACHE_SIZE)  # (public, agreement) -> 32 B MAC key
+        self._bindings: LRU[tuple[bytes, bytes, bytes], bool] = LRU(
+            _CACHE_SIZE
+        )  # (public, agreement, signature) -> True
+        self._pair_keys: LRU[tuple[bytes, bytes], bytes] = LRU(
+            _CACHE_SIZE
+        )  # (public, agreement) -> 32 B MAC key
         self._bindings_matter = membership.mode == "allowlist"  # see "Bindings" above
 
     @property
