@@ -37,10 +37,12 @@ class CastCodec(Codec):
 
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[Header, Sections]:
         wire = self._wire(flat.dtype)
-        section = flat
-        if flat.numel() and wire == flat.dtype:
+        if not flat.numel():
+            section = flat if wire == flat.dtype else flat.to(wire)
+        elif wire == flat.dtype:
             check_finite(flat, finite_total(flat))
-        elif flat.numel():
+            section = flat
+        else:
             low, high = torch.aminmax(flat)
             check_finite(flat, low, high)
             section = self._scratch("cast", flat.numel(), wire, flat.device)
@@ -51,8 +53,6 @@ class CastCodec(Codec):
                 section.copy_(torch.clamp(flat, -limit, limit, out=clamped))
             else:
                 section.copy_(flat)
-        elif wire != flat.dtype:
-            section = flat.to(wire)
         header = Header(
             self.name, flat.dtype, shape, 0, 0, 0, (section.numel() * section.element_size(),)
         )

@@ -175,7 +175,7 @@ def _encode_with(
     # into the codec's scratch (this thread's): a mixed-dtype sum into a new tensor took 3x as
     # long (0.54 against 0.17 ms for 256K values out of cache), its allocation
     e = torch.add(
-        values, r, out=codec._scratch("sum", values.numel(), torch.float32, values.device)
+        values, r, out=codec._scratch("feedback_sum", values.numel(), torch.float32, values.device)
     )
     try:
         return encode_keeping_error(codec, e, decoded=decoded)
