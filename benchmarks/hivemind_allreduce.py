@@ -117,10 +117,10 @@ def run_config(n: int, numel: int, codec: str, rounds: int) -> dict:
         [json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outputs
     ]
     per_peer = [[r for r in peer if r.get("round", 0) > 0] for peer in rows]
-    ok = [i for i in range(rounds) if all(rows[i]["averaged"] for rows in per_peer)]
+    ok = [i for i in range(rounds) if all(timed[i]["averaged"] for timed in per_peer)]
     if not ok:
         raise RuntimeError(f"no round averaged at {n}:{numel}:{codec}")
-    slowest = [max(rows[i]["allreduce_s"] for rows in per_peer) for i in ok]
+    slowest = [max(timed[i]["allreduce_s"] for timed in per_peer) for i in ok]
     return {
         "impl": f"hivemind {version('hivemind')}",
         "n": n,
@@ -147,10 +147,22 @@ def config(text: str) -> tuple[int, int, str]:
     return peers, values, codec
 
 
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", type=config, nargs="+", default=["4:25M:none", "4:25M:int8"])
-    p.add_argument("--rounds", type=int, default=5)
+    # a list default is not passed through ``type``: parse it here
+    default = [config("4:25M:none"), config("4:25M:int8")]
+    p.add_argument("--configs", type=config, nargs="+", default=default)
+    p.add_argument("--rounds", type=positive, default=5)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, default=0, help=argparse.SUPPRESS)
