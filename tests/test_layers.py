@@ -22,6 +22,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
         "round_schedule",
         "choices",
         "timeouts",
+        "lru",
     ),  # import nothing of swarm but errors
     2: ("identity",),
     3: ("auth",),
