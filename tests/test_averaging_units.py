@@ -30,6 +30,7 @@ from swarm.averaging.butterfly.parts import (
 from swarm.averaging.butterfly.reducer import PartReducer, SenderState, check_weight
 from swarm.averaging.butterfly.repair import Repair
 from swarm.averaging.butterfly.residuals import RESIDUAL_DTYPE, FlatFeedback
+from swarm.averaging.butterfly.robust import TRIO_RADIUS
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import Fault, FaultInjector
@@ -863,7 +864,7 @@ def _clip_in_row_space(rows: torch.Tensor, weights: list[float], iterations: int
     for step in range(iterations):
         d = (x - v).norm(dim=1)
         others = torch.cat([d[:start], d[start + 1 :]]) if step == 0 else d
-        tau = float(others.median())
+        tau = float(others.median()) * (TRIO_RADIUS if len(x) == 3 else 1.0)
         scale = torch.where(d > tau, tau / d.clamp(min=1e-300), 1.0)
         wk = torch.where(scale < 0.1, 0.0, w)
         if not float(wk.sum()) > 0:
@@ -904,6 +905,27 @@ def test_centered_clip_stays_near_the_mean_of_honest_noise(k, seed):
     mean = rows.mean(0)
     assert min(out.scales) > 0.5
     assert float((out.center - mean).norm()) < 0.2 * float(rows.norm(dim=1).mean()) / k**0.5
+
+
+@pytest.mark.parametrize("far", [1.8, 2.5])  # scaled by 0.45 and 0.32 with the plain radius
+def test_centered_clip_keeps_the_odd_one_of_three_honest_rows(far):
+    """Of three rows, two close ones shrink the radius (the middle of three distances): a third
+    row at a few times their distance is honest noise, not scaled below half, while a row at
+    twenty times is still left out."""
+    from swarm.averaging.butterfly.robust import OUTLIER_SCALE, centered_clip
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1000, generator=g)
+    step = torch.randn(1000, generator=g)
+    step /= step.norm()
+    side = torch.randn(1000, generator=g)
+    side = side - (side @ step) * step
+    side /= side.norm()
+    close = [base, base + step]  # one apart
+    honest = torch.stack([*close, base + 0.5 * step + far * side])
+    assert min(centered_clip(honest.clone(), [1.0] * 3).scales) >= 0.5
+    attacker = torch.stack([*close, base + 0.5 * step + 20 * side])
+    assert centered_clip(attacker, [1.0] * 3).scales[2] < OUTLIER_SCALE
 
 
 def test_reducer_centered_clip_refuses_to_be_dragged():

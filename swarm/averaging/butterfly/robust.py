@@ -8,7 +8,8 @@ on, and values may be huge, sign-flipped or crafted to overflow a float32 accumu
 - :func:`centered_clip` (Karimireddy et al., 2021, as used by BTARD-SGD): start from the medoid
   (the contribution with the smallest median distance to the others) and, a few times, move the
   centre by the weighted mean of the offsets, each offset clipped to the radius ``tau`` = the
-  median of the contributions' distances to the centre (the medoid's own 0 left out). A
+  median of the contributions' distances to the centre (the medoid's own 0 left out; in a
+  group of 3, :data:`TRIO_RADIUS` times it). A
   contribution far from the others moves the result by at most its weight share times ``tau``,
   however large its values; one clipped hard (its offset scaled below :data:`OUTLIER_SCALE`,
   so more than ten radii away, where no honest contribution of the group lies) is left out of
@@ -33,6 +34,10 @@ from dataclasses import dataclass
 import torch
 
 CLIP_ITERATIONS = 2
+# In a group of 3 the radius is the middle of three distances, which a close pair of honest
+# rows makes small: the third honest row lay past twice that radius in 1 chunk of 5000 and up
+# to 2.4 times it (calm 6-peer runs), and was scaled below half
+TRIO_RADIUS = 1.5
 OUTLIER_SCALE = 0.1  # a contribution scaled below this is an outlier (reported, left out)
 _SAFE_F32 = 1e18  # row norm below which float32 norms of differences cannot overflow
 _TINY = torch.finfo(torch.float64).tiny
@@ -146,6 +151,8 @@ def _clip_steps(
             aga = sum(a[i] * ga[i] for i in range(k))
             dist = others = [math.sqrt(max(0.0, g[i][i] - 2 * ga[i] + aga)) for i in range(k)]
         tau = _lower_median(others)  # the lower median: one of two far rows is clipped
+        if k == 3:
+            tau *= TRIO_RADIUS
         scale = [tau / max(d, _TINY) if d > tau else 1.0 for d in dist]
         wk = [0.0 if s < OUTLIER_SCALE else v for s, v in zip(scale, w, strict=True)]
         total = sum(wk)
