@@ -15,7 +15,6 @@ import base64
 import hashlib
 import os
 import stat
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +30,9 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 PEER_ID_BYTES = 32
 _AGREEMENT_CONTEXT = b"swarm/x25519-binding/v1"
-_VERIFIED_CACHE = 8192  # digests of signatures that verified lately (32 B each)
-_VERIFIED: dict[bytes, None] = {}
-_VERIFIED_LOCK = threading.Lock()
+# digests of signatures that verified lately (32 B each); a hit keeps one, so the records in
+# use stay verified through a flood of fresh signatures (anyone can sign with a fresh key)
+_VERIFIED: LRU[bytes, bool] = LRU(8192)
 # X25519 secrets with the agreement keys of peers met lately: every stream derives its key from
 # one (two exchanges per stream, 31 us each here, a third of a stream's crypto beside its
 # signature)
@@ -87,16 +86,13 @@ def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> boo
     if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
         return False
     seen = hashlib.blake2b(public_key + signature + message, digest_size=32).digest()
-    if seen in _VERIFIED:
+    if _VERIFIED.get(seen):
         return True
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
-    with _VERIFIED_LOCK:  # worker threads verify too
-        if len(_VERIFIED) >= _VERIFIED_CACHE:
-            del _VERIFIED[next(iter(_VERIFIED))]  # the oldest
-        _VERIFIED[seen] = None
+    _VERIFIED.put(seen, True)
     return True
 
 

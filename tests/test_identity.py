@@ -3,6 +3,7 @@ import stat
 import sys
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from swarm import identity
 from swarm.errors import IdentityError
@@ -89,15 +90,33 @@ def test_remembered_signatures_still_bind_their_key_and_message():
         assert not verify_signature(a.public_key, bytes([sig[0] ^ 1]) + sig[1:], b"record v1")
 
 
-def test_remembered_signatures_are_bounded(monkeypatch):
-    monkeypatch.setattr(identity, "_VERIFIED", {})
-    monkeypatch.setattr(identity, "_VERIFIED_CACHE", 4)
+def test_remembered_signatures_are_bounded_and_those_in_use_stay(monkeypatch):
+    """A flood of fresh signatures only evicts, and a signature checked again meanwhile (a
+    record read every round) outlives it."""
+    monkeypatch.setattr(identity, "_VERIFIED", LRU(4))
     a = Identity.generate()
+    hot = (a.sign(b"hot"), b"hot")
     signed = [(a.sign(m), m) for m in (b"%d" % i for i in range(10))]
+    assert verify_signature(a.public_key, *hot)
     for sig, m in signed:
         assert verify_signature(a.public_key, sig, m)
+        assert verify_signature(a.public_key, *hot)  # used again: kept
     assert len(identity._VERIFIED) == 4
-    assert all(verify_signature(a.public_key, sig, m) for sig, m in signed)  # checked again
+    checked = []
+    monkeypatch.setattr(Ed25519PublicKey, "from_public_bytes", _counting(checked))
+    assert verify_signature(a.public_key, *hot) and not checked  # answered from memory
+    assert all(verify_signature(a.public_key, sig, m) for sig, m in reversed(signed))
+    assert len(checked) == 7  # the 3 latest of the flood were remembered, the rest checked
+
+
+def _counting(calls: list[bytes]):
+    real = Ed25519PublicKey.from_public_bytes
+
+    def from_public_bytes(data: bytes) -> Ed25519PublicKey:
+        calls.append(data)
+        return real(data)
+
+    return from_public_bytes
 
 
 def test_remembered_agreements_are_bounded_and_never_remember_a_bad_key(monkeypatch):

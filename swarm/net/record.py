@@ -20,7 +20,6 @@ import copy
 import hashlib
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ from swarm.identity import (
     agreement_binding_message,
     verify_signature,
 )
+from swarm.lru import LRU
 from swarm.net import wire
 from swarm.net.progress import LEFT_FIELD, PROGRESS_FIELD, Progress, check_extra_fields
 from swarm.version import __version__
@@ -182,7 +182,6 @@ class PeerRecord:
         seen = hashlib.blake2b(data, digest_size=32).digest() if len(data) <= max_bytes else b""
         known = _VERIFIED.get(seen)
         if known is not None:  # these exact bytes passed every check before
-            _VERIFIED.move_to_end(seen)
             return known
         outer = wire.unpack(data, max_bytes=max_bytes, what="peer record")
         if not (isinstance(outer, list) and len(outer) == 2 and _all_bytes(outer)):
@@ -220,9 +219,7 @@ class PeerRecord:
         binding = agreement_binding_message(public_key, agreement_key)
         if not verify_signature(public_key, agreement_sig, binding):
             raise AuthError(f"peer record of {record.peer_id.short}: agreement key not bound")
-        _VERIFIED[seen] = record
-        if len(_VERIFIED) > MAX_VERIFIED:
-            _VERIFIED.popitem(last=False)
+        _VERIFIED.put(seen, record)
         return record
 
 
@@ -232,7 +229,7 @@ class PeerRecord:
 MAX_VERIFIED = 4096
 # records parsed and verified lately, by a digest of their exact bytes: the same bytes come
 # back in every read of the peer list (records are immutable; their extra is never mutated)
-_VERIFIED: OrderedDict[bytes, PeerRecord] = OrderedDict()
+_VERIFIED: LRU[bytes, PeerRecord] = LRU(MAX_VERIFIED)
 
 
 def _all_bytes(values: list[Any]) -> bool:
