@@ -24,7 +24,9 @@ attack and configuration, the figures the mean over ``--seeds`` runs::
                              in any round (the worst seed): that scorer's parts weigh them less
     honest_clip_rate         honest contributions scaled below 0.5, over all update rounds
     overhead                 wall time of the defended run without attackers against the same
-                             run with the defences off (plain mean, no scoring)
+                             run with the defences off (plain mean, no scoring), over
+                             ``--calm-seeds`` seeds (one run's wall time moves by 10-15%)
+    overhead_per_seed        the same seed by seed (how far one pair of runs is from the mean)
     overhead_cpu             the same for the CPU time of the run's process (every peer's):
                              wall time here waits on matchmaking more than on the defences
     scoring_overhead(_cpu)   the same against CenteredClip without scoring (calm row only)
@@ -55,6 +57,7 @@ def summary(rows: list[dict]) -> dict:
     keys = ("final_loss", "anchor_loss", "wall_s", "cpu_s")
     out = {k: statistics.fmean(r[k] for r in rows) for k in keys}
     out["per_seed"] = [round(r["final_loss"], 4) for r in rows]
+    out["walls"] = [r["wall_s"] for r in rows]
     out["honest_clip_rate"] = statistics.fmean(r["honest_clip_rate"] for r in rows)
     downs = [r["rounds_to_downweight"] for r in rows]
     out["rounds_to_downweight"] = None if None in downs else max(downs)
@@ -79,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
     for peers, attackers in args.configs:
         calm_kw = {"peers": peers, "attackers": 0, "fault": Fault.NONE, **common}
         calm_runs = await mean_runs(
-            args.seeds,
+            args.calm_seeds or args.seeds,
             honest={**calm_kw, "peers": peers - attackers},
             calm=calm_kw,
             off={**calm_kw, "aggregator": "mean", "score_updates": False},
@@ -93,6 +96,7 @@ async def main(args: argparse.Namespace) -> None:
                 {
                     "attack": "none",
                     **base,
+                    "seeds": args.calm_seeds or args.seeds,
                     "attackers": 0,
                     "final_loss": calm["final_loss"],
                     "honest_only_final_loss": honest["final_loss"],
@@ -104,6 +108,9 @@ async def main(args: argparse.Namespace) -> None:
                     "honest_lowered_in_a_view": calm["honest_lowered_in_a_view"],
                     "honest_clip_rate": calm["honest_clip_rate"],
                     "overhead": calm["wall_s"] / off["wall_s"],
+                    "overhead_per_seed": [
+                        round(a / b, 3) for a, b in zip(calm["walls"], off["walls"], strict=True)
+                    ],
                     "overhead_cpu": calm["cpu_s"] / off["cpu_s"],
                     "scoring_overhead": calm["wall_s"] / clip["wall_s"],
                     "scoring_overhead_cpu": calm["cpu_s"] / clip["cpu_s"],
@@ -148,6 +155,7 @@ def cli(argv: list[str]) -> None:
     p.add_argument("--configs", type=configs, nargs="+", default=[(6, 1), (8, 2)])
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--calm-seeds", type=int, default=0, help="seeds of the calm row (0: --seeds)")
     p.add_argument("--non-iid", action="store_true")
     p.add_argument("--attacks", type=Fault, nargs="*", default=list(SLOW_POISON))
     args = p.parse_args(argv)
