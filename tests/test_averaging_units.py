@@ -864,7 +864,7 @@ def _clip_in_row_space(rows: torch.Tensor, weights: list[float], iterations: int
     for step in range(iterations):
         d = (x - v).norm(dim=1)
         others = torch.cat([d[:start], d[start + 1 :]]) if step == 0 else d
-        tau = float(others.median()) * (TRIO_RADIUS if len(x) == 3 else 1.0)
+        tau = float(others.median())
         scale = torch.where(d > tau, tau / d.clamp(min=1e-300), 1.0)
         wk = torch.where(scale < 0.1, 0.0, w)
         if not float(wk.sum()) > 0:
@@ -907,11 +907,12 @@ def test_centered_clip_stays_near_the_mean_of_honest_noise(k, seed):
     assert float((out.center - mean).norm()) < 0.2 * float(rows.norm(dim=1).mean()) / k**0.5
 
 
-@pytest.mark.parametrize("far", [1.8, 2.5])  # scaled by 0.45 and 0.32 with the plain radius
-def test_centered_clip_keeps_the_odd_one_of_three_honest_rows(far):
+@pytest.mark.parametrize("far", [1.8, 2.5])
+def test_a_scoring_owner_keeps_the_odd_one_of_three_honest_rows(far):
     """Of three rows, two close ones shrink the radius (the middle of three distances): a third
-    row at a few times their distance is honest noise, not scaled below half, while a row at
-    twenty times is still left out."""
+    row at a few times their distance, honest noise, is scaled below half by the plain radius
+    (0.45 and 0.32), not by a scoring owner's wider one, while a row at twenty times is still
+    left out by both."""
     from swarm.averaging.butterfly.robust import OUTLIER_SCALE, centered_clip
 
     g = torch.Generator().manual_seed(0)
@@ -923,9 +924,41 @@ def test_centered_clip_keeps_the_odd_one_of_three_honest_rows(far):
     side /= side.norm()
     close = [base, base + step]  # one apart
     honest = torch.stack([*close, base + 0.5 * step + far * side])
-    assert min(centered_clip(honest.clone(), [1.0] * 3).scales) >= 0.5
+    assert min(centered_clip(honest.clone(), [1.0] * 3).scales) < 0.5
+    wide = centered_clip(honest.clone(), [1.0] * 3, trio_radius=TRIO_RADIUS)
+    assert min(wide.scales) >= 0.5
     attacker = torch.stack([*close, base + 0.5 * step + 20 * side])
-    assert centered_clip(attacker, [1.0] * 3).scales[2] < OUTLIER_SCALE
+    for trio in (1.0, TRIO_RADIUS):
+        assert (
+            centered_clip(attacker.clone(), [1.0] * 3, trio_radius=trio).scales[2] < OUTLIER_SCALE
+        )
+    # only three rows: four keep the plain radius
+    four = torch.stack([*close, base + 0.5 * step + far * side, base + 0.5 * step - side])
+    assert centered_clip(four.clone(), [1.0] * 4, trio_radius=TRIO_RADIUS).radius == (
+        centered_clip(four.clone(), [1.0] * 4).radius
+    )
+
+
+@pytest.mark.parametrize("score", [False, True])
+def test_only_a_scoring_owner_widens_the_radius_of_three(score):
+    """The owner of a group of 3 that scores its senders keeps an honest odd row unclipped;
+    CenteredClip alone, whose radius is its only bound on slow poison, clips it."""
+    codec = get_codec("none")
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(64, generator=g)
+    step, side = torch.zeros(64), torch.zeros(64)
+    step[0], side[1] = 1.0, 2.0  # the odd row 2 from the middle of a pair 1 apart
+    chunks = _chunks(64, 64)
+    r = PartReducer(chunks, [1, 2], score=score)
+    r.begin(base, 1.0)
+    for sender, values in ((1, base + step), (2, base + 0.5 * step + side)):
+        r.accept(sender, 1.0)
+        r.add_chunk(sender, 0, codec.encode(values))
+        r.chunk_added(sender)
+        r.complete(sender)
+    assert finish(r, torch.empty(64)) == (1, 2)
+    scaled = r.clipped.get(2, 1.0)
+    assert (scaled >= 0.5) if score else (scaled < 0.5), r.clipped
 
 
 def test_reducer_centered_clip_refuses_to_be_dragged():

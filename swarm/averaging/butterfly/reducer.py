@@ -37,7 +37,7 @@ from swarm.averaging.butterfly.alignment import PartAlignment
 from swarm.averaging.butterfly.echoes import PartEchoes
 from swarm.averaging.butterfly.flat import ScratchRows
 from swarm.averaging.butterfly.pairs import Shares, compose, pair_shares
-from swarm.averaging.butterfly.robust import cap_weights, centered_clip
+from swarm.averaging.butterfly.robust import TRIO_RADIUS, cap_weights, centered_clip
 from swarm.compression import decode_into, read_header
 from swarm.config import AGGREGATORS
 from swarm.errors import AveragingError, CompressionError
@@ -273,7 +273,9 @@ class PartReducer:
             if self.alignment is None:
                 clip = centered_clip(rows, weights, overwrite=True)  # the buffer is scratch
             else:
-                clip = centered_clip(rows, weights, overwrite=True, score=True)
+                clip = centered_clip(
+                    rows, weights, overwrite=True, score=True, trio_radius=TRIO_RADIUS
+                )
             out.copy_(clip.center)  # row 0 is scratch once the clip is done
         if self.observe_radius is not None and clip.radius > 0:
             self.observe_radius(clip.radius, end - start)
