@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from arguments import at_least
 from poison_run import run
 
 from swarm.averaging import Fault
@@ -153,9 +154,11 @@ def cli(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--training", action="store_true")
     p.add_argument("--configs", type=configs, nargs="+", default=[(6, 1), (8, 2)])
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--calm-seeds", type=int, default=0, help="seeds of the calm row (0: --seeds)")
+    p.add_argument("--rounds", type=at_least(1), default=40)
+    p.add_argument("--seeds", type=at_least(1), default=3)
+    p.add_argument(
+        "--calm-seeds", type=at_least(0), default=0, help="seeds of the calm row (0: --seeds)"
+    )
     p.add_argument("--non-iid", action="store_true")
     p.add_argument("--attacks", type=Fault, nargs="*", default=list(SLOW_POISON))
     args = p.parse_args(argv)

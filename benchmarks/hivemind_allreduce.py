@@ -39,6 +39,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 from allreduce import _kill_all, _rounds_in_step, parse_numel, peer_vector
+from arguments import at_least
 
 COMPRESSIONS = ("none", "fp16", "int8")
 
@@ -147,22 +148,12 @@ def config(text: str) -> tuple[int, int, str]:
     return peers, values, codec
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # a list default is not passed through ``type``: parse it here
     default = [config("4:25M:none"), config("4:25M:int8")]
     p.add_argument("--configs", type=config, nargs="+", default=default)
-    p.add_argument("--rounds", type=positive, default=5)
+    p.add_argument("--rounds", type=at_least(1), default=5)
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, default=0, help=argparse.SUPPRESS)

@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import torch
+from arguments import at_least
 from rss import peak_rss_mb, proc_status_mb
 
 from swarm.api import AsyncSwarm
@@ -81,18 +82,6 @@ async def measure(args: argparse.Namespace, codec: str) -> dict:
         }
     finally:
         await asyncio.gather(*(s.close() for s in swarms), return_exceptions=True)
-
-
-def at_least(low: int):
-    """An argparse type: an integer of at least ``low``, else a one-line usage error."""
-
-    def integer(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return integer
 
 
 SETTINGS = ("size", "peers", "steps", "inner_steps", "anchor_sync_every")
