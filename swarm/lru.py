@@ -17,8 +17,9 @@ V = TypeVar("V")
 
 
 class LRU(Generic[K, V]):
-    """At most ``size`` entries; a hit or a put makes an entry the most recent. Safe to share
-    between threads."""
+    """At most ``size`` entries; a hit or a put makes an entry the most recent (a membership
+    test does not). Values are never None: :meth:`get` answers None for a missing key. Safe to
+    share between threads."""
 
     def __init__(self, size: int):
         self.size = size
@@ -33,6 +34,8 @@ class LRU(Generic[K, V]):
             return value
 
     def put(self, key: K, value: V) -> None:
+        if value is None:
+            raise ValueError("an LRU holds no None values")
         with self._lock:
             self._items[key] = value
             self._items.move_to_end(key)

@@ -143,3 +143,6 @@ def test_a_bounded_cache_forgets_the_least_recently_used_entry():
     cache.put("c", 3)
     assert "a" in cache and "c" in cache and "b" not in cache and len(cache) == 2
     assert cache.get("b") is None
+    assert "a" in cache and cache.put("d", 4) is None and "a" not in cache  # a test is no hit
+    with pytest.raises(ValueError):
+        cache.put("e", None)  # type: ignore[arg-type]

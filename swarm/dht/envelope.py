@@ -113,12 +113,9 @@ class DatagramAuth:
         self.membership = membership
         self._replay = ReplayGuard(replay_window_s)
         self._swarm_aead = _swarm_aead(membership)
-        self._bindings: LRU[tuple[bytes, bytes, bytes], bool] = LRU(
-            _CACHE_SIZE
-        )  # (public, agreement, signature) -> True
-        self._pair_keys: LRU[tuple[bytes, bytes], bytes] = LRU(
-            _CACHE_SIZE
-        )  # (public, agreement) -> 32 B MAC key
+        # (public, agreement, signature) -> True; (public, agreement) -> 32 B MAC key
+        self._bindings: LRU[tuple[bytes, bytes, bytes], bool] = LRU(_CACHE_SIZE)
+        self._pair_keys: LRU[tuple[bytes, bytes], bytes] = LRU(_CACHE_SIZE)
         self._bindings_matter = membership.mode == "allowlist"  # see "Bindings" above
 
     @property
