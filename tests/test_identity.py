@@ -124,15 +124,33 @@ def test_remembered_agreements_are_bounded_and_never_remember_a_bad_key(monkeypa
     the exchange's own; a bad key is refused every time, and a flood of keys only evicts."""
     monkeypatch.setattr(identity, "_AGREED_CACHE", 3)
     me, peers = Identity.generate(), [Identity.generate() for _ in range(5)]
+    exchanges = _CountedExchanges(me._agreement_private)
+    me._agreement_private = exchanges
     for _ in range(2):  # the second pass answers from what the first remembered
-        for p in peers:
+        for p in peers[:3]:
             assert me.agree(p.agreement_key) == p.agree(me.agreement_key)
-    assert len(me._agreed) == 3
+    assert exchanges.count == 3
+    for p in peers:  # three hits, and two more peers evict the two least recently used
+        assert me.agree(p.agreement_key) == p.agree(me.agreement_key)
+    assert len(me._agreed) == 3 and exchanges.count == 5
+    assert me.agree(peers[0].agreement_key) == peers[0].agree(me.agreement_key)
+    assert exchanges.count == 6  # forgotten: exchanged again
     for bad in (bytes(32), b"short", bytearray(peers[0].agreement_key), 7):
         for _ in range(2):
             with pytest.raises(IdentityError):
                 me.agree(bad)  # type: ignore[arg-type]
     assert len(me._agreed) == 3 and bytes(32) not in me._agreed
+
+
+class _CountedExchanges:
+    """An X25519 private key that counts its exchanges."""
+
+    def __init__(self, key):
+        self.key, self.count = key, 0
+
+    def exchange(self, peer):
+        self.count += 1
+        return self.key.exchange(peer)
 
 
 def test_a_bounded_cache_forgets_the_least_recently_used_entry():
