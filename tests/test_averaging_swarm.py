@@ -540,8 +540,9 @@ async def test_planned_leader_is_joined_directly_and_a_wrong_plan_falls_back() -
 
 
 async def test_a_group_brings_its_members_round_orders_and_synced_tensors_together() -> None:
-    """Members that disagree on the round order (a restarted peer, failed rounds) leave a
-    group with its largest; a group that syncs averages the extra tensors too."""
+    """Members that disagree on the round order (a restarted peer, one that ran ahead) leave
+    a group with the second largest their streams claimed, which a member claiming far ahead
+    cannot move; a group that syncs averages the extra tensors too."""
     peers = await start_peers([71, 72, 73])
     avgs = [averager(p, 3, key="order") for p in peers]
     try:
@@ -556,10 +557,16 @@ async def test_a_group_brings_its_members_round_orders_and_synced_tensors_togeth
             )
         )
         assert all(r.averaged and r.synced for r in results), results
-        assert [a.planner.order for a in avgs] == [18, 18, 18]
+        assert [a.planner.order for a in avgs] == [6, 6, 6]
         for v, s in zip(values, anchors, strict=True):
             torch.testing.assert_close(v, torch.full((64,), 1.0))
             torch.testing.assert_close(s, torch.full((32,), 10.0))
+        avgs[2].faults.fault = Fault.ORDER_AHEAD  # claims ORDER_SLACK ahead in its streams
+        results = await asyncio.gather(
+            *(a.average([v], weight=1.0) for a, v in zip(avgs, values, strict=True))
+        )
+        assert all(r.averaged for r in results) and avgs[2].fault_triggered.is_set(), results
+        assert [a.planner.order for a in avgs] == [7, 7, 7]
     finally:
         await asyncio.gather(*(a.close() for a in avgs))
         await asyncio.gather(*(p.close() for p in peers))

@@ -224,23 +224,21 @@ def test_declaration_fuzz_never_crashes(data):
 
 
 def test_group_info_round_trip_and_validation(records):
-    group = GroupInfo.create(records, order=41)
+    group = GroupInfo.create(records)
     assert [r.peer_id.digest for r in group.members] == sorted(r.peer_id.digest for r in records)
     me, leader = records[2].peer_id, records[0].peer_id
     back = GroupInfo.from_wire(
         msgpack.unpackb(msgpack.packb(group.to_wire())), me=me, leader=leader
     )
-    assert back == group and back.order == 41
+    assert back == group
     assert back.index_of(me) == list(back.peer_ids).index(me)
     wire = group.to_wire()
-    legacy = {"g": wire["g"], "m": wire["m"]}  # no order: 0; not known to agree: False
-    assert GroupInfo.from_wire(legacy, me=me, leader=leader).order == 0
+    legacy = {"g": wire["g"], "m": wire["m"]}  # not known to agree: False
     assert not GroupInfo.from_wire(legacy, me=me, leader=leader).agreed
     agreed = GroupInfo.create(records, agreed=True).to_wire()
     assert GroupInfo.from_wire(agreed, me=me, leader=leader).agreed
     bad = [
         None,
-        *({**wire, "o": junk} for junk in (-1, True, 2**53, 1.5, "7", None)),
         *({**wire, "a": junk} for junk in (1, "yes", None, b"\x01")),
         {"g": b"short", "m": wire["m"]},
         {"g": wire["g"], "m": wire["m"][:1]},
@@ -1120,6 +1118,56 @@ def test_a_round_order_far_ahead_is_not_followed():
     assert next_order(5, [5 + ORDER_SLACK]) == 5 + ORDER_SLACK
     assert next_order(5, [6 + ORDER_SLACK, MAX_ORDER - 1, 9]) == 9
     assert next_order(5, []) == 5
+
+
+def test_a_group_goes_on_from_the_second_largest_order_its_members_claimed():
+    """One member alone cannot move its group's order (a claim far ahead would drag the group
+    away from the rest of the swarm's plans every round); a member that ran ahead comes back to
+    its group, one behind catches up, and a pair follows the larger claim."""
+    from swarm.averaging.groups.group import ORDER_SLACK
+    from swarm.averaging.groups.planner import GroupPlanner
+    from swarm.config import AveragingConfig
+
+    def settled(planned: int, claims: list[int]) -> int:
+        planner = GroupPlanner(None, AveragingConfig(), None)  # type: ignore[arg-type]
+        planner.order = planned + 1  # as plan() left it
+        planner.settle(planned, claims)
+        return planner.order
+
+    assert settled(7, [7, 7 + ORDER_SLACK]) == 8  # a liar ahead among three
+    assert settled(7, [7, 0]) == 8  # a liar behind
+    assert settled(7, [7, 7 + ORDER_SLACK, 7 + ORDER_SLACK]) == 8 + ORDER_SLACK  # two agree
+    assert settled(17, [5, 0]) == 6  # ran ahead of its group: back to it
+    assert settled(0, [5, 17]) == 6  # behind (a restarted peer): catches up
+    assert settled(0, [40]) == 41  # a pair: the larger
+    assert settled(0, [1 + ORDER_SLACK]) == 1  # never further ahead than the slack
+    assert settled(9, []) == 10  # nobody heard: as planned
+
+
+def test_round_order_claims_in_part_streams_count_once_and_only_well_formed(records):
+    """Every member's part streams carry the round order it planned with; a malformed claim,
+    this member's own index, or a second claim of the same member counts for nothing."""
+    group = GroupInfo(b"g" * 16, tuple(records[:4]))
+    ctx = RoundContext(
+        group=group,
+        me=0,
+        weight=1.0,
+        feedback=FlatFeedback(get_codec("none"), 8),
+        workers=Workers(concurrent.futures.ThreadPoolExecutor(1)),
+        stall=StallPolicy(1.0, 8.0),
+        deadline=time.monotonic() + 30.0,
+        faults=FaultInjector(),
+        order=12,
+    )
+    for junk in (-1, True, 2**53, 1.5, "7", None, b"\x07", [7]):
+        ctx.heard_order(1, junk)
+    ctx.heard_order(0, 99)  # its own index
+    ctx.heard_order(2, 12)
+    ctx.heard_order(2, 500)  # a second claim of member 2
+    ctx.heard_order(3, 13)
+    assert ctx.orders == {2: 12, 3: 13}
+    assert FaultInjector(Fault.ORDER_AHEAD).order(12) > FaultInjector().order(12) == 12
+    ctx.workers.pool.shutdown()
 
 
 def test_repair_is_planned_alike_by_every_member_that_lost_the_same_parts(records):

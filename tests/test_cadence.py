@@ -201,4 +201,6 @@ def test_an_engine_on_the_clock_plans_with_the_instants_order() -> None:
     assert before <= order <= math.floor(time.time() / 5.0)
     counted = TrainingEngine(model, opt, SwarmConfig.build(inner_steps=10, codec="none"))
     counted.round = 3
+    # counted: the count starts the planner (a resumed peer), then the groups keep it in step
     assert counted.begin_round().order == 3
+    assert counted.begin_round().order is None

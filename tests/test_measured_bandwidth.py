@@ -152,7 +152,7 @@ def test_a_leader_rates_itself_at_the_median_of_the_others():
 def test_group_answer_carries_the_measurements_and_refuses_junk():
     records = _records([10 * MB] * 4)
     measured = {r.peer_id: float(i + 1) * MB for i, r in enumerate(records)}
-    group = GroupInfo.create(records, order=3, measured=measured)
+    group = GroupInfo.create(records, measured=measured)
     assert group.measured == tuple(measured[r.peer_id] for r in group.members)
     me, leader = records[1].peer_id, records[0].peer_id
     wire = msgpack.unpackb(msgpack.packb(group.to_wire()))

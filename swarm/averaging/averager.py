@@ -185,12 +185,13 @@ class Averager:
                 decides which rounds mix regions and is part of the keys, so peers of different
                 rounds never group. Default: this averager's count of calls, which is not
                 part of the keys (peers that joined at different times still group).
-            order: the round this peer believes the swarm is at (e.g. the training round,
-                which a joiner copies from the peers it downloads from); it orders the planned
-                groups like ``round_`` but is not part of the keys. The averager plans with the
-                larger of it and its own order: one more than the last round it planned, or
-                than the largest order of a group it was in (groups carry their members'
-                largest, so peers fall back in step after failed rounds or a restart).
+            order: the round this peer believes the swarm is at (e.g. the instant of rounds on
+                the clock, or a resumed peer's round count); it orders the planned groups like
+                ``round_`` but is not part of the keys. The averager plans with the larger of
+                it and its own order: one more than the last round it planned, or than the
+                second largest order its last group's members claimed in their part streams
+                (the larger in a pair; see GroupPlanner.settle), so peers fall back in step
+                after failed rounds or a restart, and one member alone cannot move its group.
             purpose: what the tensors are, when peers average several kinds of the same shapes
                 (e.g. "values" for the parameters themselves, "" for training rounds): rounds
                 of different purposes never group.
@@ -290,7 +291,6 @@ class Averager:
                 patience=self._patience(purpose, converge, patience_s),
                 leader=planned.leader,
                 planned=planned.members,
-                order=planned.order,
                 state=state,
             )
             matchmaking_s = time.monotonic() - started
@@ -298,7 +298,6 @@ class Averager:
             if isinstance(group, NoGroup):
                 logger.info("round not averaged: %s", group)
                 return RoundResult(False, group.reason, matchmaking_s=matchmaking_s)
-            self.planner.joined(group)
             if unless_equal and group.agreed:
                 logger.info(
                     "round %s: every member holds the same values", group.group_id.hex()[:8]
@@ -317,8 +316,11 @@ class Averager:
                 round_codec,
                 updates,
                 keep_unsent=keep_unsent,
+                order=None if group_key else planned.order,
             )
             self.planner.forget(self.liveness.gone)
+            if not group_key:
+                self.planner.settle(planned.order, result.orders)
             if not syncing or group.agreed or not syncs(group, sync_every):
                 return result  # (agreed: every member holds the same bits already)
             # the same members average the synced tensors under a derived group id

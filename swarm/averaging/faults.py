@@ -15,6 +15,7 @@ import enum
 import torch
 
 from swarm.averaging import poison
+from swarm.averaging.groups.group import ORDER_SLACK
 from swarm.compression.header import Header
 from swarm.errors import CompressionError
 
@@ -50,6 +51,7 @@ class Fault(enum.Enum):
     FREE_RIDE = "free-ride"  # a zero update, its full samples claimed
     STALE = "stale"  # its update of 10 rounds ago
     INSIDE_RADIUS = "scaled-inside-radius"  # its update turned around, just inside the radius
+    ORDER_AHEAD = "order-ahead"  # claim a round order ORDER_SLACK ahead in every part stream
 
 
 _CONTRIBUTIONS = {
@@ -122,6 +124,13 @@ class FaultInjector:
         attacker learns of the honest spread from the part it owns)."""
         if self.fault is Fault.INSIDE_RADIUS:
             self.radius.add(radius, numel)
+
+    def order(self, order: int) -> int:
+        """The round order to claim in part streams."""
+        if self.fault is Fault.ORDER_AHEAD:
+            self.triggered.set()
+            return order + ORDER_SLACK
+        return order
 
     def weight(self, weight: float) -> float:
         """The weight to claim."""

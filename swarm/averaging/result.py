@@ -68,6 +68,7 @@ class RoundResult:
     # (the error-feedback residual, flat, bfloat16), which its next round sends, unless the
     # caller keeps it in its own values (``keep_unsent``: the training engine, in ``diloco``)
     unsent: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    orders: tuple[int, ...] = ()  # the round orders the other members claimed in their streams
 
     @property
     def group_size(self) -> int:

@@ -82,6 +82,7 @@ class Cadence:
         self._last: tuple[float, float] | None = None  # (wall, waited) at the last step
         self._warned_slow = False  # rounds outlast the period (said once until they fit again)
         self._rounds = 0  # rounds timed (a first round may include joining: not judged alone)
+        self._planned = False  # a counted round planned its order (see plan_order)
 
     @property
     def interval(self) -> int:
@@ -120,6 +121,17 @@ class Cadence:
             return None
         now = time.time() if now is None else now
         return math.floor(now / (self.period_s / self.fragments))
+
+    def plan_order(self, counted: int, clock: int | None) -> int | None:
+        """The round order a round plans with: on the clock its instant's (``clock``);
+        counted, ``counted`` (the peer's round count) in its first round only, so that a peer
+        resumed from its own checkpoint starts near the swarm, and after that None: its groups
+        keep it in step (GroupPlanner.settle), and a count that ran ahead of the others' (a
+        peer whose rounds failed faster) must not hold it apart from them."""
+        if clock is not None:
+            return clock
+        first, self._planned = not self._planned, True
+        return counted if first else None
 
     def seconds_to_due(self, steps_in_round: int, now: float | None = None) -> float | None:
         """About how long until the next round falls due (None: not known yet): the clock's

@@ -245,7 +245,7 @@ class TrainingEngine(PersistentState):
             sync=outer.anchor + outer.buffer_anchor if self._sync_every else None,
             sync_every=self._sync_every,
             sync_codec=self._sync_codec,
-            order=self.round if clock is None else clock,
+            order=self.cadence.plan_order(self.round, clock),
             fragment=self.fragments[self.fragment].label,
             updates=not self.mode.averages_values,
             keep_unsent=self._keep_unsent,

@@ -12,7 +12,7 @@ from swarm.averaging.butterfly.residuals import FlatFeedback
 from swarm.averaging.butterfly.stall import StallPolicy
 from swarm.averaging.butterfly.workers import Workers
 from swarm.averaging.faults import FaultInjector
-from swarm.averaging.groups.group import GroupInfo
+from swarm.averaging.groups.group import GroupInfo, is_order
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.rates import PeerRates
 
@@ -58,6 +58,16 @@ class RoundContext:
     # a group of two averaging updates in a sparse codec: owners send back their own payloads
     # and the shares of the mean (see swarm.averaging.butterfly.pairs)
     pairwise: bool = False
+    # the round order this member planned the round with, claimed in its part streams (None:
+    # claims none), and the first well-formed claim each other member made in its streams to
+    # or from this one: the members go on from their median (see GroupPlanner.settle)
+    order: int | None = None
+    orders: dict[int, int] = field(default_factory=dict)
+
+    def heard_order(self, index: int, claim: object) -> None:
+        """Member ``index`` claimed round order ``claim`` (ignored unless well formed)."""
+        if index != self.me and is_order(claim):
+            self.orders.setdefault(index, claim)  # type: ignore[arg-type]
 
     def mark_gone(self, index: int) -> None:
         """Member ``index``'s address refused our connection."""

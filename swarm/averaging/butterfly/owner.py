@@ -146,7 +146,10 @@ class PartOwner:
             raise TransportError(f"wrong part or attempt {attempt}", status=409)
         await self._begun.wait()
         self.intake.accept(sender, header.get("w"))
+        self.ctx.heard_order(sender, header.get("o"))
         answer: dict[str, Any] = {"ok": True}
+        if self.ctx.order is not None:
+            answer["o"] = self.faults.order(self.ctx.order)
         if self.ctx.pairwise:  # before any chunk: the sender stages what both will apply
             self._shares = self.reducer.pair_shares(sender)
             answer["b"] = list(self.faults.shares(self._shares))

@@ -123,13 +123,15 @@ class ButterflyRunner:
         codec: Codec | None = None,
         updates: bool = False,
         keep_unsent: bool = False,
+        order: int | None = None,
     ) -> RoundResult:
         """Average ``tensors`` (``numel`` values) in place with ``group``, by ``deadline``
         (monotonic), in ``codec`` (default: the averager's); only the parts that averaged are
         written back. With ``updates`` the tensors are updates (pseudo-gradients): the parts
         this peer owns score and weigh their senders by its record of them (unless the
         averager's ``score_updates`` is off); with ``keep_unsent`` too, the caller keeps what
-        its payloads leave out (``RoundResult.unsent``), so none is carried to this round."""
+        its payloads leave out (``RoundResult.unsent``), so none is carried to this round;
+        ``order``: the round order to claim in this peer's streams (``RoundResult.orders``)."""
         self.excluded.start_round()
         score = updates and self.config.score_updates
         codec = codec if codec is not None else self.codec
@@ -168,6 +170,7 @@ class ButterflyRunner:
                 i for i, m in enumerate(group.members) if self.excluded.accused(m.peer_id)
             ),
             pairwise=is_pairwise(updates, codec, len(group.members)),
+            order=order,
         )
         into = staging.result(numel, flat.device) if stage_decoded(codec) else None
         staged = StagedAverages(flat, ctx.kept, ctx.accused, into, codec.name)
@@ -245,6 +248,7 @@ class ButterflyRunner:
             if score
             else {},
             unsent=ctx.feedback.unsent() if updates else None,
+            orders=tuple(ctx.orders.values()),
         )
 
     def _plan(self, group: GroupInfo, numel: int, codec: Codec) -> PartPlan:

@@ -1,9 +1,10 @@
 """The sender's side of one part: stream this member's share to its owner, stage the average.
 
 Member ``i`` opens one stream to the owner of part ``j`` (route ``{name}.part``) with the header
-``{"g": group id, "p": part, "a": attempt, "w": weight}`` and streams its compressed values of
-part ``j`` chunk by chunk (with its error feedback). The averaged chunks come back on the reply
-while later chunks still go out; they are staged compressed
+``{"g": group id, "p": part, "a": attempt, "w": weight, "o": round order}`` (the owner's
+answer claims its round order too; see :meth:`RoundContext.heard_order`) and streams its
+compressed values of part ``j`` chunk by chunk (with its error feedback). The averaged chunks
+come back on the reply while later chunks still go out; they are staged compressed
 (:class:`~swarm.averaging.butterfly.staged.StagedAverages`), and the part counts as averaged
 only after the owner's ``ok`` trailer, with every chunk received and a valid contributor list.
 A ``retry`` trailer starts the part again (once), its chunks encoded afresh. In a pair under a
@@ -94,6 +95,8 @@ class PartSender:
         try:
             for attempt in range(MAX_ATTEMPTS):
                 header = {"g": self.group.group_id, "p": self.part, "a": attempt, "w": self.weight}
+                if self.ctx.order is not None:
+                    header["o"] = self.faults.order(self.ctx.order)
                 if self.ctx.parent is not None:
                     header["r"] = self.ctx.parent  # a repair: owners that settled it answer now
                 contributors = await self._attempt(owner, header)
@@ -203,6 +206,7 @@ class PartSender:
         ) as s:
             if s.header.get("ok") is not True:
                 raise AveragingError(f"owner refused: {s.header.get('why')!s:.200}")
+            self.ctx.heard_order(self.part, s.header.get("o"))
             shares = self._shares(s.header)
             received = 0
             self.staged.begin_part(self.part)  # a retry's chunks replace the last attempt's

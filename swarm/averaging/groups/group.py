@@ -128,7 +128,6 @@ class GroupInfo:
 
     group_id: bytes  # random, chosen by the leader
     members: tuple[PeerRecord, ...]  # ordered: members[j] owns part j
-    order: int = 0  # the largest round order among the members (see Averager.average)
     # the leader's measured upload rate of each member in bytes/s (0: never measured; empty:
     # none measured); parts are planned with min(announced, measured), see plan.py
     measured: tuple[float, ...] = ()
@@ -140,7 +139,6 @@ class GroupInfo:
     def create(
         cls,
         members: Sequence[PeerRecord],
-        order: int = 0,
         measured: Mapping[PeerID, float] | None = None,
         *,
         agreed: bool = False,
@@ -149,7 +147,7 @@ class GroupInfo:
         ``measured`` rates (missing: 0.0, never measured)."""
         ordered = tuple(sorted(members, key=lambda r: r.peer_id.digest))
         rates = tuple(measured.get(r.peer_id, 0.0) for r in ordered) if measured else ()
-        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, order, rates, agreed)
+        return cls(secrets.token_bytes(GROUP_ID_BYTES), ordered, rates, agreed)
 
     def subgroup(self, group_id: bytes, keep: Iterable[int]) -> GroupInfo:
         """The members at indices ``keep`` (in order), with their measurements, under
@@ -157,7 +155,7 @@ class GroupInfo:
         kept = sorted(set(keep))
         measured = tuple(self.measured[i] for i in kept) if self.measured else ()
         members = tuple(self.members[i] for i in kept)
-        return GroupInfo(group_id, members, self.order, measured, self.agreed)
+        return GroupInfo(group_id, members, measured, self.agreed)
 
     @property
     def peer_ids(self) -> tuple[PeerID, ...]:
@@ -182,7 +180,6 @@ class GroupInfo:
         return {
             "g": self.group_id,
             "m": [r.serialize() for r in self.members],
-            "o": self.order,
             "r": list(self.measured),
             "a": self.agreed,
         }
@@ -212,9 +209,6 @@ class GroupInfo:
             raise AveragingError("group info: duplicate members")
         if me not in ids or leader not in ids:
             raise AveragingError("group info: the leader's list leaves out the leader or us")
-        order = obj.get("o", 0)
-        if not is_order(order):
-            raise AveragingError("group info: bad order")
         measured = obj.get("r", [])
         if not isinstance(measured, list) or len(measured) not in (0, len(members)):
             raise AveragingError("group info: measured rates must be a list, one per member")
@@ -223,7 +217,7 @@ class GroupInfo:
         agreed = obj.get("a", False)
         if not isinstance(agreed, bool):
             raise AveragingError("group info: agreed must be a bool")
-        return cls(group_id, members, order, tuple(measured), agreed)
+        return cls(group_id, members, tuple(measured), agreed)
 
 
 MAX_STATE_BYTES = 32  # a state digest in a join (see GroupInfo.agreed)

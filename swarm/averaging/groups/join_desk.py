@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from swarm.averaging.groups.group import MAX_STATE_BYTES, is_order
+from swarm.averaging.groups.group import MAX_STATE_BYTES
 from swarm.averaging.groups.match_round import Follower, MatchRound
 from swarm.errors import SwarmError
 from swarm.identity import PeerID
@@ -138,13 +138,10 @@ class JoinDesk:
             return "record does not match the sender"
         if deadline <= time.time():
             return "deadline passed"
-        order = payload.get("o", 0)
-        if not is_order(order):
-            return "bad order"
         state = payload.get("s", b"")
         if not isinstance(state, bytes) or len(state) > MAX_STATE_BYTES:
             return "bad state digest"
-        return Follower(record, deadline, order, state)
+        return Follower(record, deadline, state)
 
     async def _until_open(self, sender: PeerID, key: Any, wait: Any) -> MatchRound | None:
         """This peer's round under ``key`` once it opens within ``wait`` seconds (the

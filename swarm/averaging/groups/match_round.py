@@ -18,7 +18,6 @@ class Follower:
 
     record: PeerRecord
     deadline: float  # wall clock
-    order: int  # its round order
     state: bytes = b""  # digest of the values it would sync (empty: none)
 
 
@@ -33,7 +32,6 @@ class MatchRound:
     patient_until: float = 0.0  # wall clock: until then a leader waits for ``expected`` members
     planned_leader: PeerRecord | None = None
     planned: tuple[PeerRecord, ...] = ()  # the other planned members (their records)
-    order: int = 0  # this peer's round order; the group closes with the largest of its members'
     state: bytes = b""  # digest of the values this peer would sync; see GroupInfo.agreed
     role: str = "candidate"  # candidate | leader | joining | closed
     declared: int = 0  # declarations stored this round (each one expires a little later)

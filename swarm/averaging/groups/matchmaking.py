@@ -32,7 +32,6 @@ from swarm.averaging.groups.group import (
     GroupInfo,
     NoGroup,
     choose_leader,
-    next_order,
 )
 from swarm.averaging.groups.join_desk import HOLD_EARLY_S, JoinDesk
 from swarm.averaging.groups.liveness import Liveness
@@ -101,7 +100,6 @@ class Matchmaker:
         patience: float = 0.0,
         leader: PeerRecord | None = None,
         planned: tuple[PeerRecord, ...] = (),
-        order: int = 0,
         state: bytes = b"",
     ) -> GroupInfo | NoGroup:
         """Look for a group under ``key`` for at most ``timeout`` seconds.
@@ -128,9 +126,7 @@ class Matchmaker:
         """
         now = time.time()
         patience = min(patience, timeout)
-        rnd = MatchRound(
-            key, now + timeout, now, expected, now + patience, leader, planned, order, state
-        )
+        rnd = MatchRound(key, now + timeout, now, expected, now + patience, leader, planned, state)
         self.desk.open(rnd)
         group: GroupInfo | NoGroup = NoGroup("matchmaking did not finish")
         try:
@@ -326,14 +322,13 @@ class Matchmaker:
         rnd.role = "closed"
         followers = rnd.followers.values()
         members = [self.peer.transport.record()] + [f.record for f in followers]
-        order = next_order(rnd.order, [f.order for f in followers])
         measured = (
             self.rates.estimates([m.peer_id for m in members], self.peer_id)
             if self.rates is not None
             else None
         )
         agreed = bool(rnd.state) and all(f.state == rnd.state for f in followers)
-        group = GroupInfo.create(members, order, measured, agreed=agreed)
+        group = GroupInfo.create(members, measured, agreed=agreed)
         rnd.closed.set_result(group)
         logger.debug("closed group %s of %d", group.group_id.hex()[:8], len(members))
         return group
@@ -353,7 +348,6 @@ class Matchmaker:
             "k": rnd.key,
             "d": rnd.deadline,
             "r": self.peer.transport.record().serialize(),
-            "o": rnd.order,
         }
         if wait > 0:
             payload["w"] = wait

@@ -3,21 +3,23 @@
 ``latency`` grouping plans near groups from the peers' Vivaldi coordinates (mixed regions every
 few rounds), ``random`` keeps those sizes with random members, ``fixed`` uses one key for all.
 Groups are dealt in an order hashed from a round number; without a number shared by the caller,
-peers agree on one through their groups: each group closes with its members' largest order
-(:attr:`GroupInfo.order`) and every member goes on from it, so a restarted peer or one whose
-rounds failed falls back in step within a round.
+peers agree on one through their groups: every member claims the order it planned with in its
+part streams, and goes on from the second largest claim of its group (the larger in a pair), so
+a restarted peer, or one that ran ahead, falls back in step within a round, while one member
+claiming an order far ahead cannot drag its group away from the rest of the swarm.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarm.averaging.groups import regions
 from swarm.averaging.groups.apart import KeptApart, apart_pairs, separate
 from swarm.averaging.groups.converge import converging_plan
-from swarm.averaging.groups.group import GroupInfo, next_order
+from swarm.averaging.groups.group import ORDER_SLACK, next_order
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.prober import Prober
 from swarm.config import AveragingConfig
@@ -172,9 +174,17 @@ class GroupPlanner:
         plan with, unless it is implausibly far ahead of ``base`` (the downloaded round)."""
         self._go_on(next_order(max(self.order, base), [order]))
 
-    def joined(self, group: GroupInfo) -> None:
-        """Go on from the group's round order (unless it is implausibly far ahead)."""
-        self._go_on(next_order(self.order, [group.order + 1]))
+    def settle(self, planned: int, claims: Sequence[int]) -> None:
+        """Go on from the round orders a group's members claimed in their part streams:
+        ``planned``, this peer's, and ``claims``, the others' (those more than ``ORDER_SLACK``
+        ahead left out). In a group of three or more the next round follows the second largest
+        claim, which no member alone can set: one claiming an order far ahead in every round
+        would drag its group away from the other peers' plans each time, and one claiming an
+        order behind cannot hold it back; a peer that ran ahead of its group comes back to it.
+        In a pair the larger claim (a restarted peer catches up with its partner)."""
+        orders = sorted((planned, *(c for c in claims if c <= planned + ORDER_SLACK)))
+        if len(orders) > 1:
+            self._go_on((orders[-2] if len(orders) > 2 else orders[-1]) + 1)
 
     def _go_on(self, order: int) -> None:
         """The next round to plan is ``order``: the prober places this peer from it on."""
