@@ -60,7 +60,7 @@ class RoundContext:
     pairwise: bool = False
     # the round order this member planned the round with, claimed in its part streams (None:
     # claims none), and the first well-formed claim each other member made in its streams to
-    # or from this one: the members go on from their median (see GroupPlanner.settle)
+    # or from this one: the next round follows the second largest (see GroupPlanner.settle)
     order: int | None = None
     orders: dict[int, int] = field(default_factory=dict)
 
