@@ -7,6 +7,7 @@ import concurrent.futures
 import itertools
 import random
 import time
+import types
 
 import msgpack
 import pytest
@@ -1142,6 +1143,14 @@ def test_a_group_goes_on_from_the_second_largest_order_its_members_claimed():
     assert settled(0, [40]) == 41  # a pair: the larger
     assert settled(0, [1 + ORDER_SLACK]) == 1  # never further ahead than the slack
     assert settled(9, []) == 10  # nobody heard: as planned
+    # the prober places this peer from the settled order, also when it came back down (a
+    # placement planned from the order before would count that many rounds late)
+    prober = types.SimpleNamespace(round_order=0)
+    planner = GroupPlanner(None, AveragingConfig(), prober)  # type: ignore[arg-type]
+    planner.settle(0, [ORDER_SLACK])  # a pair: a partner far ahead
+    assert prober.round_order == planner.order == ORDER_SLACK + 1
+    planner.settle(ORDER_SLACK + 1, [5, 5])  # its next group of three brings it back
+    assert prober.round_order == planner.order == 6
 
 
 def test_round_order_claims_in_part_streams_count_once_and_only_well_formed(records):

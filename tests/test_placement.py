@@ -31,7 +31,9 @@ def _at(x: float) -> Coordinate:
 
 
 moves = st.lists(
-    st.tuples(st.floats(-0.3, 0.3), st.integers(0, 3)),  # (coordinate, rounds planned since)
+    # (coordinate, rounds planned since: below 0 the order came back down, as a group can
+    # settle it; see GroupPlanner.settle)
+    st.tuples(st.floats(-0.3, 0.3), st.integers(-3, 3)),
     min_size=1,
     max_size=40,
 )
@@ -46,8 +48,11 @@ def test_the_version_before_places_a_peer_alike_until_the_new_one_is_due(
     order = 0
     published: dict[str, Any] = {}
     for x, planned in steps:
-        order += planned
-        if not placer.update(_at(x), order):
+        order = max(0, order + planned)
+        changed = placer.update(_at(x), order)
+        # never further ahead than LEAD_ROUNDS, however far the order came back down
+        assert placer.current is not None and placer.current.start <= order + LEAD_ROUNDS
+        if not changed:
             continue
         newer = placer.extra()
         # a reader that holds the version before plans the rounds up to LEAD_ROUNDS ahead alike
@@ -79,6 +84,20 @@ def test_a_move_waits_while_the_one_before_is_due_soon() -> None:
     assert placer.at(2 * LEAD_ROUNDS - 1) == counted
     # a small move inside the cell is no move
     assert not placer.update(_at(0.2 + QUANTUM_S), 10)
+
+
+def test_a_placement_planned_ahead_of_an_order_that_came_back_counts_from_the_new_one() -> None:
+    """A group can settle a peer's round order lower (a member had dragged it ahead): its
+    placement, published for the order before, is brought back even when the peer did not
+    move, or readers would plan it at its previous place (or the origin) until the swarm
+    reached the order it had been dragged to."""
+    placer = Placer(RTT, move_s=0.005)
+    assert placer.update(_at(0.0), 1024)
+    assert placer.current is not None and placer.current.start == 1024 + LEAD_ROUNDS
+    assert placer.update(_at(0.0), 5)  # the same place, its round brought back
+    assert placer.current.start == 5 + LEAD_ROUNDS and placer.previous is None
+    assert placer.at(5 + LEAD_ROUNDS) == placer.current
+    assert not placer.update(_at(0.0), 6)  # then as before: no move, nothing new
 
 
 def _peer(i: int) -> PeerID:

@@ -232,7 +232,12 @@ def next_order(own: int, others: Iterable[int]) -> int:
     hostile member claiming an order far ahead would otherwise drag every honest one to
     ``MAX_ORDER``, where their joins are refused as malformed.
     """
-    return max([own, *(o for o in others if o <= own + ORDER_SLACK)])
+    return max([own, *followed(own, others)])
+
+
+def followed(own: int, others: Iterable[int]) -> list[int]:
+    """The orders of ``others`` a peer at ``own`` may follow: at most ``ORDER_SLACK`` ahead."""
+    return [o for o in others if o <= own + ORDER_SLACK]
 
 
 def is_order(value: Any) -> bool:

@@ -17,9 +17,11 @@ origin.
 
 :class:`Placer` decides when a peer moves: when its cell (:func:`.grid.place`, with its slack)
 or its coordinate (by ``move_s``) changed. A placement that does not count yet is replaced
-while it still lies ``LEAD_ROUNDS`` ahead (before a peer's first rounds, no round moves); one
-that counts becomes the previous one. Between the two, a move waits: a peer moves at most once
-in ``LEAD_ROUNDS`` rounds, and one that moved (another network) regroups that many rounds later.
+while it still lies ``LEAD_ROUNDS`` ahead (before a peer's first rounds, no round moves), and
+one further ahead (planned from a round order that has come back down since) is brought back to
+``LEAD_ROUNDS`` ahead; one that counts becomes the previous one. Between the two, a move waits:
+a peer moves at most once in ``LEAD_ROUNDS`` rounds, and one that moved (another network)
+regroups that many rounds later.
 """
 
 from __future__ import annotations
@@ -128,16 +130,18 @@ class Placer:
         current = self.current
         cell = place(coordinate, self.region_rtt, current.cell if current is not None else None)
         start = round_order + self.lead
-        if current is not None:
+        if current is not None and current.start <= start:
             same_cell = cell == current.cell
             if same_cell and moved(current.coordinate(), coordinate) < self.move_s:
                 return False
-            if current.start >= start:  # does not count yet, nor soon: replaced
-                start = current.start
-            elif current.start <= round_order:  # counts already: the one before the next
+            if current.start <= round_order:  # counts already: the one before the next
                 self.previous = current
-            else:
+            elif current.start < start:
                 return False  # counts within LEAD rounds: the move waits
+            # else it does not count yet, nor soon (it starts where this one would): replaced
+        # (a placement further ahead was published for a round order the planner has since come
+        # back from, GroupPlanner.settle: it is replaced too, moved or not, or it would not
+        # count for as many rounds as the order fell)
         self.current = Placement.of(coordinate, cell, start)
         return True
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from swarm.averaging.groups import regions
 from swarm.averaging.groups.apart import KeptApart, apart_pairs, separate
 from swarm.averaging.groups.converge import converging_plan
-from swarm.averaging.groups.group import ORDER_SLACK, next_order
+from swarm.averaging.groups.group import followed, next_order
 from swarm.averaging.groups.liveness import Liveness
 from swarm.averaging.groups.prober import Prober
 from swarm.config import AveragingConfig
@@ -182,15 +182,17 @@ class GroupPlanner:
         would drag its group away from the other peers' plans each time, and one claiming an
         order behind cannot hold it back; a peer that ran ahead of its group comes back to it.
         In a pair the larger claim (a restarted peer catches up with its partner)."""
-        orders = sorted((planned, *(c for c in claims if c <= planned + ORDER_SLACK)))
+        orders = sorted((planned, *followed(planned, claims)))
         if len(orders) > 1:
             self._go_on((orders[-2] if len(orders) > 2 else orders[-1]) + 1)
 
     def _go_on(self, order: int) -> None:
-        """The next round to plan is ``order``: the prober places this peer from it on."""
+        """The next round to plan is ``order``: the prober places this peer from it on (also
+        when it came back down: a placement planned from the order before would count that
+        many rounds late)."""
         self.order = order
         if self.prober is not None:
-            self.prober.round_order = max(self.prober.round_order, order)
+            self.prober.round_order = order
 
     def forget(self, gone: set[PeerID]) -> None:
         """Plan no group with peers whose address refused us (until they sign a new record);
