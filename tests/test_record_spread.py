@@ -1,4 +1,5 @@
-"""Update scoring's rule widens with the records a scorer holds: unlike data, not attackers."""
+"""Update scoring's rule widens with the records a scorer holds: unlike data, not attackers;
+and progress's rule narrows with them where they agree closer than one part does."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import pytest
 
 from swarm.averaging.butterfly.scoring import (
     LOWERED_BELOW,
+    MIN_SPREAD,
     POPULATION_CAP,
     POPULATION_MIN,
+    PROGRESS_NARROWEST,
     TRUST_FLOOR,
     WARMUP_PARTS,
     PartScores,
+    Progress,
     Reputation,
     widened,
 )
@@ -33,6 +37,51 @@ def test_the_rule_widens_to_the_records_median_distance_up_to_a_cap() -> None:
     assert widened(OWN, [0.7, 0.6, 0.9, math.nan])[1] == pytest.approx(1.4826 * 0.1)
     # two attackers far off among five records close by cannot move the median
     assert widened(OWN, [0.8, 0.78, 0.82, 0.79, 0.81, -0.9, -0.8]) == OWN
+
+
+def test_the_progress_rule_narrows_to_close_records_down_to_a_share_of_the_own_spread() -> None:
+    wide = (1.1, 0.3)  # one part's progress varies by 0.3
+    mean, spread = widened(wide, [1.0, 0.95, 1.25, 1.0, 0.3], PROGRESS_NARROWEST)
+    assert mean == 1.1 and spread == pytest.approx(1.4826 * 0.15)  # the records' median distance
+    assert widened(wide, [1.1] * 5, PROGRESS_NARROWEST) == (1.1, PROGRESS_NARROWEST * 0.3)
+    assert widened((1.1, 0.15), [1.1] * 5, PROGRESS_NARROWEST)[1] == MIN_SPREAD  # never below
+    assert widened(wide, [1.1] * (POPULATION_MIN - 1), PROGRESS_NARROWEST) == wide  # too few
+    # records far apart (unlike data) widen it as they widen the others
+    assert widened(wide, [0.2, 2.0, 0.3, 1.9], PROGRESS_NARROWEST) == (1.1, POPULATION_CAP * 0.3)
+    assert widened(wide, [1.1] * 5) == wide  # the other measures never narrow
+
+
+def score_progress(rep: Reputation, delivered: dict[PeerID, float], rounds: int) -> dict:
+    """``rounds`` parts in which the scorer's own progress reads 0.8 and 1.4 by turns (1.1,
+    +-0.3) and each peer in ``delivered`` that much; the records' trust at the end."""
+    peers = dict(enumerate(delivered))
+    trust = {}
+    for r in range(rounds):
+        own = 0.8 if r % 2 else 1.4
+        scores = PartScores(
+            0.8,
+            dict.fromkeys(peers, 0.8),
+            Progress(own, own),
+            {i: Progress(delivered[p], delivered[p]) for i, p in peers.items()},
+        )
+        trust = {peers[i]: s.trust for i, s in rep.observe(scores, peers).items()}
+    return trust
+
+
+def test_an_update_shrunk_to_a_third_falls_where_honest_records_agree_closely() -> None:
+    """The scorer's own parts vary by 0.3 (late in a run, as measured: 0.2-0.36 per part),
+    so a record at 0.35 lies 2.5 of those spreads below its own 1.1 and kept 0.81 of its
+    weight when the rule did not narrow; the other records lie within 0.15, so it falls to the
+    floor and they keep theirs. With the others spread as unlike data spreads them, it keeps
+    its weight."""
+    shrunk = Identity.generate().peer_id
+    honest = {Identity.generate().peer_id: v for v in (1.0, 1.05, 0.95, 1.1, 1.0)}
+    got = score_progress(Reputation(), {**honest, shrunk: 0.35}, 24)
+    assert got.pop(shrunk) == TRUST_FLOOR
+    assert all(t == 1.0 for t in got.values()), got
+    unlike = {Identity.generate().peer_id: v for v in (0.4, 1.9, 0.5, 1.8, 0.45)}
+    got = score_progress(Reputation(), {**unlike, shrunk: 0.35}, 24)
+    assert all(t == 1.0 for t in got.values()), got
 
 
 def scorer() -> Reputation:

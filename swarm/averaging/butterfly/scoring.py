@@ -59,6 +59,15 @@ for reasons of data. So a spread is the larger of the scorer's own and how far t
 holds at half weight or more lie from its mean (:func:`widened`): with equal data they lie close
 and nothing changes, and one or two attackers among them cannot move their median.
 
+Why progress's rule also narrows to them: late in a run one part's progress varies widely (the
+scorer's own by 0.2-0.36 from part to part, 8 peers), while a record is a running mean of many
+parts (honest records of progress lay within 0.3 of the scorer's mean). Judged on one part's
+spread, updates shrunk to about a third (records at 0.1-0.3 against the scorer's 1.0-1.3) sat
+2.5-3 spreads below it and, in the median view, ended a run of 2 of 8 near half weight.
+So progress's spread narrows to the records' distance too, down to :data:`PROGRESS_NARROWEST`
+of the scorer's own, never below :data:`MIN_SPREAD`. The records that narrow it are those that
+widen it (scored 3 times, at half weight or more), whose median one or two attackers cannot move.
+
 No verdict is final: a record recovers by the same rule as it falls. A newcomer starts at the
 scorer's own means (full weight): a lower start would tilt every part of a young swarm toward its
 owner. The cost is that a fresh identity keeps its weight for 2 to 4 scorings.
@@ -102,6 +111,8 @@ POPULATION_RECORDS = 64  # the most recently scored records widen the rule (:fun
 POPULATION_SCORINGS = 3  # ... those scored this often, at half weight or more
 POPULATION_MIN = 3  # ... with at least this many of them
 POPULATION_CAP = 3.0  # ... to at most this many times the scorer's own spread
+# progress's rule also narrows to the records, down to this share of the scorer's own spread
+PROGRESS_NARROWEST = 0.5
 _NORMAL_MAD = 1.4826  # a normal distribution's spread per unit of its median absolute deviation
 
 
@@ -256,8 +267,14 @@ class Reputation:
         reference = widened(self.reference, [s.alignment for s in population])
         ref = reference[0] if reference else self._own.mean()
         progress_of = [s.progress for s in population if s.progress is not None]
-        total = widened(self._own_total.reference(), [p.total for p in progress_of])
-        per_weight = widened(self._own_per_weight.reference(), [p.per_weight for p in progress_of])
+        total = widened(
+            self._own_total.reference(), [p.total for p in progress_of], PROGRESS_NARROWEST
+        )
+        per_weight = widened(
+            self._own_per_weight.reference(),
+            [p.per_weight for p in progress_of],
+            PROGRESS_NARROWEST,
+        )
         own_balance = self._own_balance.reference()
         balance_ref = widened(
             own_balance and (own_balance[0], BALANCE_SPREAD),
@@ -382,11 +399,13 @@ def _trust_in_echo(
 
 
 def widened(
-    reference: tuple[float, float] | None, records: Sequence[float]
+    reference: tuple[float, float] | None, records: Sequence[float], narrowest: float = 1.0
 ) -> tuple[float, float] | None:
     """The mean and spread a record is judged on: the scorer's own ``reference``, its spread
     widened to the median distance of the finite ``records`` of others from its mean, as a normal
-    spread, up to :data:`POPULATION_CAP` times; as it is with fewer than :data:`POPULATION_MIN`."""
+    spread, up to :data:`POPULATION_CAP` times (and with ``narrowest`` below 1, narrowed to it
+    down to that share of the spread, never below :data:`MIN_SPREAD`); as it is with fewer than
+    :data:`POPULATION_MIN`."""
     if reference is None:
         return None
     mean, spread = reference
@@ -394,7 +413,8 @@ def widened(
     if len(distances) < POPULATION_MIN:
         return reference
     population = _NORMAL_MAD * statistics.median(distances)
-    return mean, min(POPULATION_CAP * spread, max(spread, population))
+    least = max(MIN_SPREAD, narrowest * spread) if narrowest < 1 else spread
+    return mean, min(POPULATION_CAP * spread, max(least, population))
 
 
 def trust_of(alignment: float, reference: float, spread: float) -> float:
