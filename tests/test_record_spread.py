@@ -49,6 +49,7 @@ def test_the_progress_rule_narrows_to_close_records_down_to_a_share_of_the_own_s
     # records far apart (unlike data) widen it as they widen the others
     assert widened(wide, [0.2, 2.0, 0.3, 1.9], PROGRESS_NARROWEST) == (1.1, POPULATION_CAP * 0.3)
     assert widened(wide, [1.1] * 5) == wide  # the other measures never narrow
+    assert widened((0.0, 0.035), [0.0] * 5, PROGRESS_NARROWEST) == (0.0, 0.035)  # kept as it is
 
 
 def score_progress(rep: Reputation, delivered: dict[PeerID, float], rounds: int) -> dict:

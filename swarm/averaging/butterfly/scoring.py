@@ -403,9 +403,9 @@ def widened(
 ) -> tuple[float, float] | None:
     """The mean and spread a record is judged on: the scorer's own ``reference``, its spread
     widened to the median distance of the finite ``records`` of others from its mean, as a normal
-    spread, up to :data:`POPULATION_CAP` times (and with ``narrowest`` below 1, narrowed to it
-    down to that share of the spread, never below :data:`MIN_SPREAD`); as it is with fewer than
-    :data:`POPULATION_MIN`."""
+    spread, up to :data:`POPULATION_CAP` times, and narrowed to it down to the ``narrowest``
+    share of the spread (never below :data:`MIN_SPREAD`, nor a spread already below it); as it
+    is with fewer than :data:`POPULATION_MIN`."""
     if reference is None:
         return None
     mean, spread = reference
@@ -413,7 +413,7 @@ def widened(
     if len(distances) < POPULATION_MIN:
         return reference
     population = _NORMAL_MAD * statistics.median(distances)
-    least = max(MIN_SPREAD, narrowest * spread) if narrowest < 1 else spread
+    least = min(spread, max(MIN_SPREAD, narrowest * spread))
     return mean, min(POPULATION_CAP * spread, max(least, population))
 
 
